@@ -1,0 +1,38 @@
+"""The one error type a user can cause, and the exit codes the CLI maps it to.
+
+Everything that reaches a user because of their input (a bad file, a missing column,
+an impossible SLO) is raised as :class:`ServetuneError` (or a subclass) with a one-line
+message that names the file, field or row and what to do. The CLI prints that line to
+stderr and exits with ``exit_code``; nothing else escapes as a traceback.
+"""
+
+from __future__ import annotations
+
+EXIT_USER_ERROR = 2
+EXIT_INFEASIBLE = 3
+EXIT_KEPT_CURRENT = 10
+
+
+class ServetuneError(Exception):
+    """A user-caused error with a one-line message and the process exit code."""
+
+    exit_code: int = EXIT_USER_ERROR
+
+    def __init__(self, message: str, *, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class InfeasibleError(ServetuneError):
+    """No candidate meets the constraints; the message says which one binds."""
+
+    exit_code = EXIT_INFEASIBLE
+
+    def __init__(self, message: str, *, details: dict | None = None) -> None:
+        super().__init__(message)
+        self.details = details or {}

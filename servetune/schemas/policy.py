@@ -1,0 +1,137 @@
+"""Policy: the scheduling settings servetune chooses (the product).
+
+Defaults reproduce ``vllm serve`` on a GPU with >= 70 GiB that is not an A100
+(engines.md 1.2-1.4): FCFS, 1024 sequences, 8192 batched tokens, no per-request chunk
+cap, chunked prefill on, full prompt reserved at admission, watermark 0, no queue caps,
+no long-request lanes.
+
+Long-request lanes (``long_requests``) are servetune's extension. A request is *long*
+when its prompt plus expected output (its ``max_tokens`` when the request carries one,
+otherwise its class's mean output) reaches ``threshold_tokens``. Then:
+
+- ``reserved_seqs`` running seats and ``reserved_kv_fraction`` of the KV blocks may be
+  used only by long requests (short requests are admitted only while they leave them free);
+- long requests together never hold more than ``max_seqs`` seats or ``max_kv_fraction``
+  of the KV blocks;
+- a waiting long request that does not fit its lane does not block short requests behind it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from servetune.schemas.base import Document, Strict
+
+
+class Batching(Strict):
+    max_num_seqs: int = Field(1024, ge=1, description="max running requests (batch width)")
+    max_num_batched_tokens: int = Field(8192, ge=1, description="token budget per engine step")
+    long_prefill_token_threshold: int = Field(
+        0, ge=0, description="per-request per-step cap on new tokens; 0 = off"
+    )
+    enable_chunked_prefill: bool = Field(
+        True, description="split prompts by the remaining step budget; off: a prompt that "
+        "does not fit the remaining budget waits"
+    )
+
+
+class Admission(Strict):
+    kv_watermark: float = Field(
+        0.0, ge=0.0, lt=1.0, description="fraction of KV blocks kept free when admitting"
+    )
+    reserve_full_prompt: bool = Field(
+        True, description="admit only when the whole prompt fits in KV (scheduler_reserve_full_isl)"
+    )
+    max_queued_requests: int | None = Field(
+        None, ge=1, description="cap on waiting+running requests; arrivals beyond are shed (503)"
+    )
+    max_queued_prompt_tokens: int | None = Field(
+        None, ge=1, description="cap on prompt tokens of requests still in prefill; beyond: shed"
+    )
+
+
+class LongRequests(Strict):
+    threshold_tokens: int | None = Field(
+        None, ge=1, description="prompt + expected output that makes a request long; None = off"
+    )
+    reserved_seqs: int = Field(0, ge=0, description="running seats only long requests may use")
+    reserved_kv_fraction: float = Field(
+        0.0, ge=0.0, le=1.0, description="share of KV blocks only long requests may use"
+    )
+    max_seqs: int | None = Field(None, ge=1, description="cap on running long requests")
+    max_kv_fraction: float = Field(
+        1.0, ge=0.0, le=1.0, description="cap on the share of KV blocks long requests hold"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.threshold_tokens is not None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LongRequests:
+        if self.max_seqs is not None and self.reserved_seqs > self.max_seqs:
+            raise ValueError(
+                f"reserved_seqs ({self.reserved_seqs}) must be <= max_seqs ({self.max_seqs})"
+            )
+        if self.reserved_kv_fraction > self.max_kv_fraction:
+            raise ValueError(
+                f"reserved_kv_fraction ({self.reserved_kv_fraction}) must be <= "
+                f"max_kv_fraction ({self.max_kv_fraction})"
+            )
+        return self
+
+
+class ClassPolicy(Strict):
+    priority: int = Field(0, description="lower value is served first (vLLM convention)")
+
+
+class Policy(Document):
+    KIND: ClassVar[str] = "Policy"
+    kind: Literal["Policy"] = "Policy"
+    name: str = "policy"
+    scheduling: Literal["fcfs", "priority"] = "fcfs"
+    batching: Batching = Field(default_factory=Batching)
+    admission: Admission = Field(default_factory=Admission)
+    long_requests: LongRequests = Field(default_factory=LongRequests)
+    classes: dict[str, ClassPolicy] = Field(
+        default_factory=dict, description="per-class settings (priority), by class name"
+    )
+    metadata: dict[str, Any] = Field(
+        default_factory=dict,
+        description="provenance: inputs' hashes, method, solver statuses, objective, "
+        "simulated metrics, version, time",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Policy:
+        b = self.batching
+        if b.max_num_batched_tokens < b.max_num_seqs:
+            raise ValueError(
+                f"batching.max_num_batched_tokens ({b.max_num_batched_tokens}) must be >= "
+                f"batching.max_num_seqs ({b.max_num_seqs}), as vLLM requires"
+            )
+        lr = self.long_requests
+        if lr.reserved_seqs >= b.max_num_seqs and lr.enabled:
+            raise ValueError(
+                f"long_requests.reserved_seqs ({lr.reserved_seqs}) must be < "
+                f"batching.max_num_seqs ({b.max_num_seqs}) so short requests keep a seat"
+            )
+        if lr.reserved_kv_fraction + self.admission.kv_watermark >= 1.0 and lr.enabled:
+            raise ValueError(
+                "long_requests.reserved_kv_fraction + admission.kv_watermark must be < 1"
+            )
+        return self
+
+    def class_priority(self, class_name: str) -> int:
+        entry = self.classes.get(class_name)
+        return entry.priority if entry is not None else 0
+
+    def knobs(self) -> dict[str, Any]:
+        """The tunable settings as flat dotted paths (``batching.max_num_seqs`` ...)."""
+        out: dict[str, Any] = {"scheduling": self.scheduling}
+        for section in ("batching", "admission", "long_requests"):
+            for key, value in getattr(self, section).model_dump().items():
+                out[f"{section}.{key}"] = value
+        return out

@@ -1,0 +1,128 @@
+"""Step-time model: seconds for one engine step from its contents.
+
+A step (one forward pass of a continuous-batching engine) is summarised by five numbers:
+
+- ``T``  tokens computed in the step (prefill chunk tokens + one per decoding sequence),
+- ``S``  rows sampled by the LM head (decoding sequences + prefills that finish this step),
+- ``D``  decoding sequences,
+- ``C``  total context those decoding sequences attend to (KV tokens read),
+- ``W``  prefill attention work: the sum over prefill chunks of ``chunk * (prefix + chunk/2)``
+  (a causal chunk of ``chunk`` new tokens after ``prefix`` cached ones).
+
+The model (all coefficients in seconds)::
+
+    t(T, S, D, C, W) = fixed_s
+                     + max_k (gemm_intercept_s[k] + gemm_slope_s_per_token[k] * T)
+                     + allreduce_s_per_token * T
+                     + decode_attn_s_per_context_token * C + decode_attn_s_per_seq * D
+                     + prefill_attn_s_per_token_pair * W
+                     + lm_head_s_per_row * S
+
+The GEMM term is convex piecewise-linear in ``T``: its first piece is the floor of reading
+all weights from HBM once (flat at small batch), later pieces the compute-bound growth.
+A profile may instead fix ``constant_s`` (a constant step time for what-if replays).
+Evaluation is a few multiply-adds; :func:`step_seconds` is numba-compilable and the
+simulator's hot loop calls it with :meth:`StepTimeModel.as_arrays`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from servetune.schemas.base import Strict
+
+# Layout of the scalar coefficient vector handed to compiled code.
+COEF_FIXED = 0
+COEF_ALLREDUCE = 1
+COEF_DECODE_CTX = 2
+COEF_DECODE_SEQ = 3
+COEF_PREFILL_PAIR = 4
+COEF_LM_ROW = 5
+COEF_CONSTANT = 6  # < 0 means "not constant"
+N_COEF = 7
+
+
+class StepTimeModel(Strict):
+    constant_s: float | None = Field(
+        None, gt=0, description="if set, every step takes exactly this long"
+    )
+    fixed_s: float = Field(0.0, ge=0, description="per-step fixed cost (launch, sampling, CPU)")
+    gemm_pieces: list[tuple[float, float]] = Field(
+        default_factory=lambda: [(0.0, 0.0)],
+        min_length=1,
+        description="[[intercept_s, slope_s_per_token], ...]; GEMM time = max over pieces",
+    )
+    allreduce_s_per_token: float = Field(0.0, ge=0, description="TP all-reduce per token")
+    decode_attn_s_per_context_token: float = Field(0.0, ge=0)
+    decode_attn_s_per_seq: float = Field(0.0, ge=0)
+    prefill_attn_s_per_token_pair: float = Field(0.0, ge=0)
+    lm_head_s_per_row: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _nonnegative_pieces(self) -> StepTimeModel:
+        for i, (intercept, slope) in enumerate(self.gemm_pieces):
+            if intercept < 0 or slope < 0:
+                raise ValueError(f"gemm_pieces[{i}]: intercept and slope must be >= 0")
+        return self
+
+    def as_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(coefficients[N_COEF], pieces[k, 2]) for :func:`step_seconds`."""
+        coef = np.zeros(N_COEF, dtype=np.float64)
+        coef[COEF_FIXED] = self.fixed_s
+        coef[COEF_ALLREDUCE] = self.allreduce_s_per_token
+        coef[COEF_DECODE_CTX] = self.decode_attn_s_per_context_token
+        coef[COEF_DECODE_SEQ] = self.decode_attn_s_per_seq
+        coef[COEF_PREFILL_PAIR] = self.prefill_attn_s_per_token_pair
+        coef[COEF_LM_ROW] = self.lm_head_s_per_row
+        coef[COEF_CONSTANT] = self.constant_s if self.constant_s is not None else -1.0
+        pieces = np.asarray(self.gemm_pieces, dtype=np.float64).reshape(-1, 2)
+        return coef, pieces
+
+    def seconds(
+        self,
+        tokens: float,
+        sampled_rows: float,
+        decode_seqs: float,
+        decode_context_tokens: float,
+        prefill_attn_pairs: float,
+    ) -> float:
+        """Seconds for one step (pure Python; see the module docstring for the symbols)."""
+        coef, pieces = self.as_arrays()
+        return step_seconds(
+            coef, pieces, tokens, sampled_rows, decode_seqs, decode_context_tokens,
+            prefill_attn_pairs,
+        )
+
+
+def step_seconds(
+    coef: np.ndarray,
+    pieces: np.ndarray,
+    tokens: float,
+    sampled_rows: float,
+    decode_seqs: float,
+    decode_context_tokens: float,
+    prefill_attn_pairs: float,
+) -> float:
+    """t(T, S, D, C, W) from the coefficient arrays (plain Python, numba-compilable)."""
+    if coef[COEF_CONSTANT] > 0.0:
+        return coef[COEF_CONSTANT]
+    gemm = pieces[0, 0] + pieces[0, 1] * tokens
+    for k in range(1, pieces.shape[0]):
+        value = pieces[k, 0] + pieces[k, 1] * tokens
+        if value > gemm:
+            gemm = value
+    return (
+        coef[COEF_FIXED]
+        + gemm
+        + coef[COEF_ALLREDUCE] * tokens
+        + coef[COEF_DECODE_CTX] * decode_context_tokens
+        + coef[COEF_DECODE_SEQ] * decode_seqs
+        + coef[COEF_PREFILL_PAIR] * prefill_attn_pairs
+        + coef[COEF_LM_ROW] * sampled_rows
+    )
+
+
+def prefill_attn_pairs(chunk_tokens: float, prefix_tokens: float) -> float:
+    """W contribution of one prefill chunk: chunk * (prefix + chunk / 2)."""
+    return chunk_tokens * (prefix_tokens + chunk_tokens / 2.0)
