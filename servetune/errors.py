@@ -19,7 +19,8 @@ class ServetuneError(Exception):
     exit_code: int = EXIT_USER_ERROR
 
     def __init__(self, message: str, *, exit_code: int | None = None) -> None:
-        super().__init__(message)
+        # One line, always: library messages (YAML, OS) may carry newlines.
+        super().__init__(" ".join(str(message).split()))
         if exit_code is not None:
             self.exit_code = exit_code
 
