@@ -208,9 +208,10 @@ def test_apply_knobs_validates_the_whole_policy():
 # --- fuzzing: whatever the bytes, the only error that escapes is ServetuneError -------
 
 KINDS = [Policy, SLOSet, SearchSpace]
+FIXTURE_OK = [HealthCheck.function_scoped_fixture]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=FIXTURE_OK)
 @given(data=st.binary(max_size=300), kind=st.sampled_from(KINDS))
 def test_fuzz_random_bytes(tmp_path, data, kind):
     path = tmp_path / "fuzz.yaml"
@@ -253,7 +254,7 @@ def _mutate(value, draw):
     return value
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=FIXTURE_OK)
 @given(data=st.data(), rel=st.sampled_from(sorted(SHIPPED) + ["space"]))
 def test_fuzz_mutated_documents(tmp_path, data, rel):
     if rel == "space":
