@@ -1,9 +1,85 @@
-"""CLI: `servetune export` (not yet built)."""
+"""CLI: ``servetune export``: a policy as an engine's config file."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import typer
+
+from servetune.errors import ServetuneError
+from servetune.export import ENGINES, export_policy
+from servetune.schemas.base import load_document, write_text_atomic
+from servetune.schemas.policy import Policy
+
+
+def load_profile_arg(path: Path | None) -> Any:
+    """The ``--profile`` argument as a Profile document (or None)."""
+    if path is None:
+        return None
+    try:
+        from servetune.profiles import load_profile
+    except ImportError:  # pragma: no cover - the profiles module ships with servetune
+        raise ServetuneError(f"{path}: GPU profiles are not available in this build") from None
+    return load_profile(path)
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the top-level app."""
+
+    @app.command("export")
+    def export_cmd(
+        policy: Path = typer.Option(..., "--policy", help="Policy YAML (kind: Policy)."),
+        engine: str = typer.Option(..., "--engine", help=f"One of: {', '.join(ENGINES)}."),
+        profile: Path | None = typer.Option(
+            None, "--profile",
+            help="GPU profile YAML; overrides the policy's metadata.profile (memory settings).",
+        ),
+        output: Path | None = typer.Option(
+            None, "-o", "--output", help="Write the config here (atomically); default: stdout."
+        ),
+        as_json: bool = typer.Option(
+            False, "--json",
+            help="Print {engine, file, settings, unsupported, notes} as JSON instead.",
+        ),
+    ) -> None:
+        """Write POLICY as ENGINE's config file, and list what the engine cannot express.
+
+        vllm: `vllm serve --config` YAML; sglang: `--config` YAML; trtllm:
+        `--extra_llm_api_options` YAML; tgi: a shell file of launcher environment
+        variables and arguments. Every policy setting the engine has no knob for is
+        listed at the top of the file and on stderr, with what to do instead.
+
+        Example: servetune export --policy policy.yaml --engine vllm -o vllm.yaml
+        """
+        if engine not in ENGINES:
+            raise ServetuneError(
+                f"--engine {engine!r} is not supported; choose one of {', '.join(ENGINES)}"
+            )
+        pol = load_document(policy, Policy)
+        result = export_policy(pol, engine, profile=load_profile_arg(profile))
+        if output is not None:
+            write_text_atomic(output, result.text)
+        if as_json:
+            typer.echo(json.dumps({
+                "engine": result.engine,
+                "file": str(output) if output is not None else None,
+                "settings": result.settings,
+                "args": result.args,
+                "env": result.env,
+                "unsupported": result.unsupported,
+                "notes": result.notes,
+            }, indent=2))
+            return
+        if output is None:
+            typer.echo(result.text, nl=False)
+        else:
+            typer.echo(f"wrote {output} ({result.engine})")
+        if result.unsupported:
+            typer.echo(
+                f"not expressible in {engine} ({len(result.unsupported)}), do this instead:",
+                err=True,
+            )
+            for item in result.unsupported:
+                typer.echo(f"  - {item}", err=True)

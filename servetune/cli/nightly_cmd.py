@@ -1,9 +1,139 @@
-"""CLI: `servetune nightly` (not yet built)."""
+"""CLI: ``servetune nightly`` (the unattended tuning job) and ``servetune report``."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import typer
+
+from servetune.errors import ServetuneError
+
+NIGHTLY_HELP = """Re-optimize the policy on a trace and replace the current one only if better.
+
+Fits a workload to TRACE, optimizes a new policy, simulates the current and the new policy
+on the trace and at +20% and +50% rate, and compares their goodput. The new policy and its
+engine configs are written to --out-dir only when its goodput is higher by at least
+--min-gain and its SLO attainment is no lower on the stress runs. report.md (with PNG
+plots) and summary.json are always written. Every file is written atomically, so an
+interrupted run leaves the previous outputs intact; the same inputs give the same files.
+
+\b
+Exit codes:
+   0  new policy written (policy.yaml, <engine>.yaml, report.md, *.png, summary.json)
+  10  current policy kept (report.md, *.png, summary.json)
+   2  user error (bad file or option; nothing written)
+   3  infeasible: no policy in the search space meets the SLOs (report.md, summary.json)
+
+\b
+Example:
+  servetune nightly --trace configs/examples/azure-conv-synthetic.csv \\
+      --profile gpu_profiles/h200-llama-3.1-8b.yaml \\
+      --slo configs/slos/mlperf-llama-3.1-8b-server.yaml \\
+      --current configs/policies/vllm-serve-defaults.yaml --out-dir nightly/
+"""
+
+REPORT_HELP = """Compare two policies on a trace: report.md with PNG plots and summary.json.
+
+Simulates CURRENT and NEW on the trace at its own rate and at +20% and +50% rate, searches
+both policies' goodput, and writes the report (TTFT/TPOT CDFs, KV utilization and queue
+length over time, goodput versus rate, the knob changes) to --out-dir.
+
+\b
+Example:
+  servetune report --trace configs/examples/azure-conv-synthetic.csv \\
+      --profile gpu_profiles/h200-llama-3.1-8b.yaml \\
+      --slo configs/slos/mlperf-llama-3.1-8b-server.yaml \\
+      --current configs/policies/vllm-serve-defaults.yaml --new policy.yaml --out-dir report/
+"""
+
+
+def _progress(text: str) -> None:
+    typer.echo(f"servetune: {text}", err=True)
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the top-level app."""
+
+    @app.command("nightly", help=NIGHTLY_HELP)
+    def nightly_cmd(
+        trace: Path = typer.Option(..., "--trace", help="Request trace (Azure CSV, ...)."),
+        profile: Path = typer.Option(..., "--profile", help="GPU profile YAML."),
+        slo: Path = typer.Option(..., "--slo", help="SLO set YAML."),
+        current: Path = typer.Option(..., "--current", help="The policy in production."),
+        out_dir: Path = typer.Option(..., "--out-dir", help="Where the outputs go."),
+        engines: str = typer.Option(
+            "vllm,sglang", "--engines", help="Engine configs to write, comma-separated."
+        ),
+        min_gain: float = typer.Option(
+            0.02, "--min-gain", help="Required relative goodput gain (0.02 = 2%)."
+        ),
+        space: Path | None = typer.Option(
+            None, "--space", help="Search space YAML (default: the optimizer's)."
+        ),
+        time_limit: float | None = typer.Option(
+            None, "--time-limit", help="Solver time limit per solve, seconds."
+        ),
+        seed: int = typer.Option(0, "--seed", help="Seed for every random choice."),
+        as_json: bool = typer.Option(False, "--json", help="Print summary.json to stdout."),
+    ) -> None:
+        from servetune.nightly import run_nightly
+
+        outcome = run_nightly(
+            trace, profile, slo, current, out_dir, engines=engines, min_gain=min_gain,
+            space_path=space, time_limit_s=time_limit, seed=seed, progress=_progress,
+        )
+        if as_json:
+            typer.echo(json.dumps(outcome.summary, indent=2))
+        else:
+            typer.echo(outcome.summary.get("verdict", outcome.status))
+            for reason in outcome.summary.get("reasons", []):
+                typer.echo(f"  - {reason}")
+            for path in outcome.files:
+                typer.echo(f"wrote {path}")
+        raise typer.Exit(outcome.exit_code)
+
+    @app.command("report", help=REPORT_HELP)
+    def report_cmd(
+        trace: Path = typer.Option(..., "--trace", help="Request trace (Azure CSV, ...)."),
+        profile: Path = typer.Option(..., "--profile", help="GPU profile YAML."),
+        slo: Path = typer.Option(..., "--slo", help="SLO set YAML."),
+        current: Path = typer.Option(..., "--current", help="Policy in production."),
+        new: Path = typer.Option(..., "--new", help="Proposed policy."),
+        out_dir: Path = typer.Option(..., "--out-dir", help="Where the report goes."),
+        engine: str = typer.Option("vllm", "--engine", help="Engine model to simulate."),
+        as_json: bool = typer.Option(False, "--json", help="Print summary.json to stdout."),
+    ) -> None:
+        from servetune.nightly import file_digest, load_inputs
+        from servetune.report import Verdict, build_report, compare, write_report
+        from servetune.schemas.base import load_document
+        from servetune.schemas.policy import Policy
+
+        if out_dir.exists() and not out_dir.is_dir():
+            raise ServetuneError(f"--out-dir {out_dir}: exists and is not a directory")
+        tr, prof, slo_set = load_inputs(trace, profile, slo)
+        cur = load_document(current, Policy)
+        nxt = load_document(new, Policy)
+        _progress("simulating both policies (trace, +20%, +50%, goodput)")
+        comp = compare(tr, cur, nxt, prof, slo_set, engine=engine)
+        g_cur, g_new = comp.current.goodput.rate_per_s, comp.new.goodput.rate_per_s
+        headline = (f"Goodput {g_cur:.3f} req/s (current `{cur.name}`) vs {g_new:.3f} req/s "
+                    f"(new `{nxt.name}`).")
+        inputs = {name: f"{p.name} (sha256 {file_digest(p)[:16]})" for name, p in
+                  (("trace", trace), ("profile", profile), ("slo", slo),
+                   ("current policy", current), ("new policy", new))}
+        files = build_report(comp, Verdict(headline), inputs=inputs,
+                             reasons=_reasons_from_metadata(nxt))
+        written = write_report(files, out_dir)
+        if as_json:
+            typer.echo(json.dumps(files.summary, indent=2))
+        else:
+            typer.echo(headline)
+            for path in written:
+                typer.echo(f"wrote {path}")
+
+
+def _reasons_from_metadata(policy) -> dict[str, str]:
+    """Knob reasons the optimizer stored in a policy's metadata, if any."""
+    reasons = policy.metadata.get("reasons") if isinstance(policy.metadata, dict) else None
+    return {str(k): str(v) for k, v in reasons.items()} if isinstance(reasons, dict) else {}

@@ -1,9 +1,210 @@
-"""CLI: `servetune optimize` (not yet built)."""
+"""CLI: ``servetune optimize``: choose the policy with the MILP/CP-SAT loop (or a
+baseline), validated in the simulator, written as a policy YAML with provenance.
+
+Either name the inputs with flags, or give one OptimizeJob file whose relative paths
+resolve against its own folder. Exit 3 when no policy in the space meets the SLOs, with
+the binding condition, the best value reachable and what would help (also in --json).
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import typer
+from rich.console import Console
+
+from servetune.errors import InfeasibleError, ServetuneError
+from servetune.schemas.base import load_document, write_text_atomic
+
+EXAMPLE = (
+    "Example: servetune optimize --workload configs/workloads/azure-conv-2023.yaml "
+    "--profile gpu_profiles/h200-llama-3.1-8b.yaml --slo "
+    "configs/slos/mlperf-llama-3.1-8b-server.yaml -o policy.yaml   |   "
+    "servetune optimize configs/jobs/quickstart.yaml -o policy.yaml"
+)
+
+
+def _file(path: Path, what: str) -> Path:
+    if not path.exists():
+        raise ServetuneError(f"{path}: file not found (given as {what})")
+    if path.is_dir():
+        raise ServetuneError(f"{path}: is a directory (given as {what}); give a file")
+    return path
+
+
+def _sha(path: Path) -> str:
+    from servetune.solvers.optimize import sha256_file
+
+    return sha256_file(path)
+
+
+def run_optimize(
+    *,
+    trace: Path | None,
+    workload: Path | None,
+    profile: str,
+    slo: Path,
+    space: Path | None,
+    method: str,
+    time_limit_s: float,
+    seed: int,
+    requests: int,
+    engine: str = "vllm",
+    trace_format: str | None = None,
+    progress: Any = None,
+):
+    """Load the inputs, record their hashes, and run :func:`optimize`."""
+    from servetune.profiles import load_profile
+    from servetune.schemas.slo import SLOSet
+    from servetune.schemas.space import SearchSpace
+    from servetune.solvers.optimize import optimize
+
+    if (trace is None) == (workload is None):
+        raise ServetuneError("give exactly one of --trace FILE or --workload W.yaml")
+    if method not in ("milp", "grid", "random", "optuna"):
+        raise ServetuneError(f"--method {method!r}: choose milp, grid, random or optuna")
+    if not time_limit_s > 0:
+        raise ServetuneError(f"--time-limit must be > 0 seconds (got {time_limit_s})")
+    if requests < 50:
+        raise ServetuneError(f"--requests must be >= 50 (got {requests})")
+    inputs: dict[str, Any] = {}
+    if trace is not None:
+        from servetune.trace_formats import load_trace
+
+        source = load_trace(_file(trace, "--trace"), trace_format)
+        inputs["trace"] = {"file": trace.name, "sha256": _sha(trace)}
+    else:
+        from servetune.workload import load_workload
+
+        assert workload is not None
+        source = load_workload(_file(workload, "--workload"))
+        inputs["workload"] = {"file": workload.name, "sha256": _sha(workload)}
+    prof = load_profile(profile)
+    prof_path = Path(profile)
+    if prof_path.is_file():
+        inputs["profile"] = {"file": prof_path.name, "sha256": _sha(prof_path)}
+    else:
+        from servetune.profiles import SHIPPED_DIR
+
+        shipped = SHIPPED_DIR / f"{profile}.yaml"
+        inputs["profile"] = {"file": shipped.name, "sha256": _sha(shipped)}
+    slo_set = load_document(_file(slo, "--slo"), SLOSet)
+    inputs["slo"] = {"file": slo.name, "sha256": _sha(slo)}
+    space_doc = None
+    if space is not None:
+        space_doc = load_document(_file(space, "--space"), SearchSpace)
+        inputs["space"] = {"file": space.name, "sha256": _sha(space)}
+    else:
+        inputs["space"] = {"file": "(built-in default)"}
+    return optimize(
+        source, prof, slo_set, space_doc, method=method, time_limit_s=time_limit_s, seed=seed,
+        n_requests=requests, engine=engine, inputs=inputs, progress=progress,
+    )
+
+
+def _resolve(base: Path, value: str | None) -> Path | None:
+    if value is None:
+        return None
+    p = Path(value)
+    return p if p.is_absolute() else base / p
+
+
+def _profile_arg(base: Path, value: str) -> str:
+    """A profile path relative to the job file, or a shipped profile's bare name."""
+    p = _resolve(base, value)
+    assert p is not None
+    if p.exists() or Path(value).suffix:
+        return str(p)
+    return value
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to the top-level app."""
+    """Add ``optimize`` to the top-level app."""
+
+    @app.command("optimize", help="Choose the scheduling policy that maximises goodput at "
+                 "the SLOs (MILP + CP-SAT, validated in the simulator). " + EXAMPLE)
+    def optimize_command(
+        job: Path | None = typer.Argument(None, help="an OptimizeJob YAML naming all inputs"),
+        trace: Path | None = typer.Option(None, "--trace", help="request trace file"),
+        workload: Path | None = typer.Option(None, "--workload", help="Workload YAML"),
+        profile: str | None = typer.Option(None, "--profile", help="Profile YAML or name"),
+        slo: Path | None = typer.Option(None, "--slo", help="SLOSet YAML"),
+        space: Path | None = typer.Option(None, "--space", help="SearchSpace YAML"),
+        method: str | None = typer.Option(None, "--method", help="milp | grid | random | optuna"),
+        time_limit: float | None = typer.Option(None, "--time-limit", help="seconds"),
+        seed: int | None = typer.Option(None, "--seed", help="seed of the workload sample"),
+        requests: int | None = typer.Option(
+            None, "--requests", help="requests per simulation (default 3000)"
+        ),
+        output: Path | None = typer.Option(None, "-o", "--output", help="policy YAML to write"),
+        json_out: Path | None = typer.Option(None, "--json", help="summary JSON to write"),
+        quiet: bool = typer.Option(False, "--quiet", help="no progress lines"),
+    ) -> None:
+        console = Console(stderr=True)
+        trace_format = None
+        engine = "vllm"
+        if job is not None:
+            from servetune.schemas.job import OptimizeJob
+
+            if trace or workload or profile or slo or space:
+                raise ServetuneError(
+                    "give either a job file or --trace/--workload/--profile/--slo/--space, "
+                    "not both"
+                )
+            doc = load_document(_file(job, "JOB"), OptimizeJob)
+            base = job.resolve().parent
+            trace = _resolve(base, doc.trace)
+            workload = _resolve(base, doc.workload)
+            profile = _profile_arg(base, doc.profile)
+            slo = _resolve(base, doc.slo)
+            space = _resolve(base, doc.space)
+            method = method or doc.method
+            time_limit = time_limit if time_limit is not None else doc.time_limit_s
+            seed = seed if seed is not None else doc.seed
+            requests = requests if requests is not None else doc.requests
+            output = output or _resolve(base, doc.output)
+            json_out = json_out or _resolve(base, doc.summary_json)
+            trace_format = doc.trace_format
+            engine = doc.engine
+        if profile is None or slo is None:
+            raise ServetuneError("give --profile and --slo (or a job file); see --help")
+        if output is None:
+            raise ServetuneError("give -o POLICY.yaml (where to write the chosen policy)")
+
+        def say(msg: str) -> None:
+            if not quiet:
+                console.print(f"[dim]optimize:[/dim] {msg}", highlight=False)
+
+        try:
+            result = run_optimize(
+                trace=trace, workload=workload, profile=profile, slo=slo, space=space,
+                method=method or "milp", time_limit_s=60.0 if time_limit is None else time_limit,
+                seed=0 if seed is None else seed, requests=requests or 3000, engine=engine,
+                trace_format=trace_format, progress=say,
+            )
+        except InfeasibleError as err:
+            if json_out is not None:
+                summary = err.details.get("summary", {"status": "infeasible"})
+                write_text_atomic(json_out, json.dumps(summary, indent=2, default=str) + "\n")
+            raise
+        write_text_atomic(output, result.policy_yaml)
+        if json_out is not None:
+            write_text_atomic(json_out, json.dumps(result.summary, indent=2, default=str) + "\n")
+        s = result.summary
+        defaults = s.get("defaults_goodput_rate_per_s")
+        gain = (
+            f" ({s['goodput_rate_per_s'] / defaults:.2f}x vLLM defaults' {defaults:.2f})"
+            if defaults else ""
+        )
+        knobs = s["policy"]
+        typer.echo(
+            f"wrote {output}: max_num_seqs {knobs['batching.max_num_seqs']}, "
+            f"max_num_batched_tokens {knobs['batching.max_num_batched_tokens']}, "
+            f"long_prefill_token_threshold {knobs['batching.long_prefill_token_threshold']}, "
+            f"kv_watermark {knobs['admission.kv_watermark']}; goodput "
+            f"{s['goodput_rate_per_s']:.2f} req/s{gain}; {s['simulations']} simulations, "
+            f"solver {s['solver_s']:.1f} s, simulation {s['simulation_s']:.1f} s, "
+            f"wall {s['wall_s']:.1f} s"
+        )

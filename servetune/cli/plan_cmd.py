@@ -1,9 +1,300 @@
-"""CLI: `servetune plan` (not yet built)."""
+"""CLI: ``servetune plan`` (GPU fleet for a forecast at SLOs, lowest cost) and
+``servetune place`` (background jobs into the capacity a plan leaves free).
+
+Both are thin layers over :func:`servetune.solvers.capacity.run_plan` and
+:func:`servetune.solvers.placement.run_place`; the report plots use matplotlib's Agg
+backend (no display needed).
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import typer
+
+from servetune.errors import ServetuneError
+from servetune.schemas.base import dump_yaml, write_text_atomic
+
+PLAN_HELP = """Plan how many GPUs of which type serve a forecast at the SLOs, at the lowest cost.
+
+Example:
+
+  servetune plan --workload configs/workloads/azure-conv-2023.yaml \\
+    --forecast configs/forecasts/azure-conv-diurnal-100.yaml \\
+    --fleet configs/fleets/cloud-4types.yaml \\
+    --slo configs/slos/mlperf-llama-3.1-8b-server.yaml -o plan.yaml --growth 1,1.5,2,4
+
+Exits 3 when the forecast cannot be served within the fleet's count limits.
+"""
+
+PLACE_HELP = """Place background jobs into the capacity a plan leaves free, without breaking the
+interactive SLOs.
+
+Example:
+
+  servetune place --jobs configs/batch_jobs/nightly.yaml --plan plan.yaml \\
+    --forecast configs/forecasts/azure-conv-diurnal-100.yaml -o schedule.yaml
+
+Exits 3 when a job's deadline is not after its release.
+"""
+
+
+def _need(path: Path, option: str) -> Path:
+    if not path.exists():
+        raise ServetuneError(f"{path}: file not found (given to {option})")
+    if path.is_dir():
+        raise ServetuneError(f"{path}: is a directory (given to {option}); give a file")
+    return path
+
+
+def _floats(text: str, option: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ServetuneError(f"{option}: give comma-separated numbers (got {text!r})") from None
+    if not vals or any(not (v > 0 and v < float("inf")) for v in vals):
+        raise ServetuneError(f"{option}: give numbers > 0 (got {text!r})")
+    return vals
+
+
+def _ints(text: str, option: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ServetuneError(f"{option}: give comma-separated integers (got {text!r})") from None
+
+
+def _progress(quiet: bool):
+    if quiet:
+        return None
+
+    def say(msg: str) -> None:
+        typer.echo(msg, err=True)
+
+    return say
+
+
+# ------------------------------------------------------------------------- reports
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_plan_report(plan: dict[str, Any], folder: Path) -> list[Path]:
+    """cost_by_type.png, replicas_over_day.png and (with a sweep) cost_vs_growth.png."""
+    plt = _plt()
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    # cost by GPU type: the mixed plan's split, and each single-type plan beside it
+    fig, ax = plt.subplots(figsize=(7, 4))
+    by_type = plan["cost"]["by_type_usd"]
+    scale = 24.0 / (plan["n_slots"] * plan["slot_s"] / 3600.0)
+    bottom = 0.0
+    for t, c in by_type.items():
+        if c > 0:
+            ax.bar("mixed plan", c * scale, bottom=bottom, label=t)
+            bottom += c * scale
+    for t, v in plan.get("single_type", {}).items():
+        if isinstance(v, dict) and v.get("feasible"):
+            ax.bar(f"{t} only", v["daily_usd"], color="0.6")
+    ax.set_ylabel("cost per day ($)")
+    ax.set_title("Cost by GPU type")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(folder / "cost_by_type.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    # replicas over the day
+    fig, ax = plt.subplots(figsize=(7, 4))
+    # one extra point so that the last slot is drawn as wide as the others
+    hours = list(range(plan["n_slots"] + 1))
+    stack = [[*plan["gpus"][t], plan["gpus"][t][-1]] for t in plan["gpus"]]
+    ax.stackplot(hours, stack, labels=list(plan["gpus"]), step="post")
+    ax.set_xlabel("slot (hour of day)")
+    ax.set_ylabel("GPUs")
+    ax.set_title("GPUs over the day")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    written.append(folder / "replicas_over_day.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    sweep = plan.get("growth_sweep") or []
+    if sweep:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        g = [r["growth"] for r in sweep]
+        ax.plot(g, [r["daily_usd"] for r in sweep], "o-", label="mixed fleet")
+        ax.plot(g, [r["best_single_daily_usd"] for r in sweep], "s--",
+                label="best single type")
+        ax.set_xlabel("load growth (x forecast)")
+        ax.set_ylabel("cost per day ($)")
+        ax.set_title("Cost versus load growth")
+        ax.legend()
+        fig.tight_layout()
+        written.append(folder / "cost_vs_growth.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    write_text_atomic(folder / "plan.json", json.dumps(plan, indent=2, sort_keys=False))
+    return written
+
+
+def write_schedule_report(schedule: dict[str, Any], folder: Path) -> list[Path]:
+    """spare_and_work.png: spare tokens per slot and the scheduled background work."""
+    plt = _plt()
+    folder.mkdir(parents=True, exist_ok=True)
+    n = schedule["horizon_slots"]
+    slot_s = schedule["slot_s"]
+    spare = [sum(v[h] for v in schedule["spare_tok_s"].values()) * slot_s for h in range(n)]
+    used = [0.0] * n
+    for r in schedule["jobs"]:
+        for a in r.get("allocation", []):
+            used[a["slot"]] += a["tokens"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(range(n), [s / 1e6 for s in spare], color="0.8", label="spare")
+    ax.bar(range(n), [u / 1e6 for u in used], label="scheduled")
+    ax.set_xlabel("slot (hour from midnight)")
+    ax.set_ylabel("background tokens (millions)")
+    ax.set_title("Background work in the capacity left free")
+    ax.legend()
+    fig.tight_layout()
+    out = folder / "spare_and_work.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    write_text_atomic(folder / "schedule.json", json.dumps(schedule, indent=2))
+    return [out]
+
+
+def _plan_lines(plan: dict[str, Any]) -> list[str]:
+    cost = plan["cost"]
+    peak = {t: max(v) for t, v in plan["gpus"].items() if max(v) > 0}
+    lines = [
+        f"plan: ${cost['daily_usd']:,.2f}/day (peak ${cost['peak_hourly_usd']:,.2f}/h), "
+        f"peak GPUs " + ", ".join(f"{t} {n}" for t, n in peak.items()),
+    ]
+    single = plan.get("single_type", {})
+    if "best" in single:
+        b = single["best"]
+        lines.append(f"best single type: {b} ${single[b]['daily_usd']:,.2f}/day "
+                     f"(mixed saves {single['saving_pct']:.1f}%)")
+    v = plan["validation"]
+    lines.append(f"validated in simulation: {'yes' if v['validated'] else 'NO'} "
+                 f"after {v['rounds']} round(s)")
+    for r in plan.get("growth_sweep", []):
+        gpus = ", ".join(f"{t} {n}" for t, n in r["peak_gpus"].items() if n)
+        lines.append(f"growth x{r['growth']:g}: ${r['daily_usd']:,.2f}/day, peak GPUs {gpus}; "
+                     f"best single {r['best_single']} ${r['best_single_daily_usd'] or 0:,.2f}"
+                     f"/day")
+    return lines
+
+
+# ------------------------------------------------------------------------ commands
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to the top-level app."""
+    """Add ``plan`` and ``place`` to the top-level app."""
+
+    @app.command("plan", help=PLAN_HELP)
+    def plan_cmd(
+        workload: Path = typer.Option(..., "--workload", help="Workload YAML (request shapes)."),
+        forecast: Path = typer.Option(..., "--forecast", help="Forecast YAML (rates per hour)."),
+        fleet: Path = typer.Option(..., "--fleet", help="Fleet YAML (GPU types and prices)."),
+        slo: Path = typer.Option(..., "--slo", help="SLO set YAML."),
+        output: Path = typer.Option(..., "-o", "--output", help="Plan YAML to write."),
+        json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+        report: Path | None = typer.Option(None, "--report", help="Folder for plots."),
+        growth: str | None = typer.Option(
+            None, "--growth", help="What-if load multipliers, e.g. 1,1.5,2,4 (one line each)."
+        ),
+        cache_dir: Path | None = typer.Option(
+            None, "--cache-dir",
+            help="Capacity cache (default $SERVETUNE_CACHE_DIR or ~/.cache/servetune/capacity).",
+        ),
+        engine: str = typer.Option("vllm", "--engine", help="vllm | sglang | trtllm | tgi."),
+        method: str = typer.Option(
+            "auto", "--capacity-method",
+            help="auto | optimizer | candidates: how each replica's policy is chosen.",
+        ),
+        prompt_edges: str = typer.Option("1024,4096", "--prompt-edges",
+                                         help="Bucket edges on prompt tokens."),
+        output_edges: str = typer.Option("256", "--output-edges",
+                                         help="Bucket edges on output tokens."),
+        budget: float | None = typer.Option(
+            None, "--budget", help="$ over the forecast's slots: maximize served rate instead."
+        ),
+        seed: int = typer.Option(0, "--seed"),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
+    ) -> None:
+        from servetune.solvers.capacity import run_plan
+
+        for p, opt in ((workload, "--workload"), (forecast, "--forecast"), (fleet, "--fleet"),
+                       (slo, "--slo")):
+            _need(p, opt)
+        if method not in ("auto", "optimizer", "candidates"):
+            raise ServetuneError(
+                f"--capacity-method {method!r}: choose auto, optimizer or candidates"
+            )
+        if budget is not None and not budget > 0:
+            raise ServetuneError(f"--budget must be > 0 dollars (got {budget})")
+        sweep = _floats(growth, "--growth") if growth else None
+        run = run_plan(
+            workload, forecast, fleet, slo, out_path=output, sweep=sweep, cache_dir=cache_dir,
+            engine=engine, method=method, prompt_edges=_ints(prompt_edges, "--prompt-edges"),
+            output_edges=_ints(output_edges, "--output-edges"), budget=budget, seed=seed,
+            progress=_progress(quiet or json_out),
+        )
+        write_text_atomic(output, dump_yaml(run.plan))
+        if report is not None:
+            write_plan_report(run.plan, report)
+        if json_out:
+            typer.echo(json.dumps(run.plan, indent=2))
+        else:
+            for line in _plan_lines(run.plan):
+                typer.echo(line)
+            typer.echo(f"wrote {output} in {run.timings['total_s']:.1f} s")
+
+    @app.command("place", help=PLACE_HELP)
+    def place_cmd(
+        jobs: Path = typer.Option(..., "--jobs", help="Jobs YAML (background work)."),
+        plan: Path = typer.Option(..., "--plan", help="Plan YAML from `servetune plan`."),
+        forecast: Path = typer.Option(..., "--forecast", help="Forecast YAML."),
+        output: Path = typer.Option(..., "-o", "--output", help="Schedule YAML to write."),
+        json_out: bool = typer.Option(False, "--json", help="Print the schedule as JSON."),
+        report: Path | None = typer.Option(None, "--report", help="Folder for plots."),
+        cache_dir: Path | None = typer.Option(None, "--cache-dir", help="Spare-capacity cache."),
+        levels: int = typer.Option(5, "--levels", min=2, max=9,
+                                   help="Interactive load levels measured per GPU type."),
+        seed: int = typer.Option(0, "--seed"),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
+    ) -> None:
+        from servetune.solvers.placement import run_place
+
+        for p, opt in ((jobs, "--jobs"), (plan, "--plan"), (forecast, "--forecast")):
+            _need(p, opt)
+        run = run_place(jobs, plan, forecast, out_path=output, cache_dir=cache_dir,
+                        levels=levels, seed=seed, progress=_progress(quiet or json_out))
+        write_text_atomic(output, dump_yaml(run.schedule))
+        if report is not None:
+            write_schedule_report(run.schedule, report)
+        if json_out:
+            typer.echo(json.dumps(run.schedule, indent=2))
+            return
+        s = run.schedule["summary"]
+        typer.echo(f"scheduled {s['scheduled']} of {s['jobs']} jobs, value "
+                   f"{s['value_completed']:g} of {s['value_total']:g}")
+        for r in run.schedule["jobs"]:
+            if r["scheduled"]:
+                typer.echo(f"  {r['id']}: done by {r['finish_s'] / 3600:.0f}:00 "
+                           f"({-r['lateness_s'] / 3600:.0f} h before its deadline)")
+            else:
+                typer.echo(f"  {r['id']}: NOT scheduled: {r['reason']}")
+        for t, c in run.schedule["validation"].items():
+            typer.echo(f"  check {t} slot {c['slot']}: interactive SLOs "
+                       f"{'hold' if c['meets_slo'] else 'MISSED'} with background")
+        typer.echo(f"wrote {output}")

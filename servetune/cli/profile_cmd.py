@@ -1,9 +1,210 @@
-"""CLI: `servetune profile` (not yet built)."""
+"""CLI: ``servetune profile fit | check | measure | show | derive``.
+
+- ``fit``: a measured profile from a folder of timing CSVs (servetune.profile_fit).
+- ``check``: a profile's predicted step times against a whole-step CSV.
+- ``measure``: time the operations and whole steps on this machine's CUDA GPU.
+- ``show``: memory, KV pool and step times at a few shapes.
+- ``derive``: a profile for another GPU / TP degree from measured per-op curves.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import typer
+
+from servetune.errors import ServetuneError
+
+
+def _save(profile, output: Path) -> None:
+    from servetune.profile_build import profile_header
+    from servetune.schemas.base import save_document
+
+    save_document(profile, output, header=profile_header(profile))
+
+
+SHOW_SHAPES: tuple[tuple[str, int, int, int], ...] = (
+    # label, decode seqs, context per seq, prefill chunk tokens
+    ("decode 1 seq @ 1k ctx", 1, 1024, 0),
+    ("decode 32 seqs @ 2k ctx", 32, 2048, 0),
+    ("decode 128 seqs @ 2k ctx", 128, 2048, 0),
+    ("decode 256 seqs @ 1k ctx", 256, 1024, 0),
+    ("prefill 512", 0, 0, 512),
+    ("prefill 2048", 0, 0, 2048),
+    ("prefill 8192", 0, 0, 8192),
+    ("mixed 64 seqs @ 2k + 2048 chunk", 64, 2048, 2048),
+)
+
+
+def show_data(profile) -> dict:
+    """What ``profile show`` prints, as data."""
+    from servetune.steptime import prefill_attn_pairs
+
+    rows = []
+    for label, d, ctx, p in SHOW_SHAPES:
+        t = d + p
+        s = d + (1 if p else 0)
+        w = prefill_attn_pairs(p, 0) if p else 0.0
+        sec = profile.step_time.seconds(t, s, d, d * ctx, w)
+        rows.append({"shape": label, "tokens": t, "step_ms": round(sec * 1e3, 3),
+                     "tokens_per_s": round(t / sec, 1)})
+    return {
+        "name": profile.name,
+        "calibration": profile.calibration.kind,
+        "source": profile.calibration.source,
+        "tensor_parallel": profile.tensor_parallel,
+        "memory": profile.memory_summary(),
+        "step_time": profile.step_time.model_dump(mode="json"),
+        "steps": rows,
+    }
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to the top-level app."""
+    """Add ``servetune profile ...`` to the top-level app."""
+    from servetune.cli import new_group
+
+    group = new_group("GPU profiles: fit from measurements, check, measure, show, derive.")
+
+    @group.command("fit")
+    def fit_cmd(
+        measurements: Path = typer.Option(..., "--measurements", "-m",
+                                          help="Folder of timing CSVs (linear.csv, ...)."),
+        model: str = typer.Option(..., "--model",
+                                  help="Architecture: llama-3.1-8b, qwen2.5-32b, "
+                                       "llama-3.1-70b, or a YAML file of ModelArch fields."),
+        output: Path = typer.Option(..., "-o", "--output", help="Profile YAML to write."),
+        gpu: str | None = typer.Option(None, "--gpu",
+                                       help="GPU datasheet key (h200, h100-80gb, a100-80gb, "
+                                            "l40s); default: the device in env.txt."),
+        tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel degree."),
+        name: str | None = typer.Option(None, "--name", help="Profile name."),
+        utilization: float = typer.Option(0.92, "--gpu-memory-utilization", min=0.01, max=1.0),
+    ) -> None:
+        """Fit a measured profile from per-operation (and whole-step) timings."""
+        from servetune.profile_build import fit_profile
+
+        profile, report = fit_profile(
+            measurements, model, gpu=gpu, tensor_parallel=tp, name=name,
+            gpu_memory_utilization=utilization,
+            paths_relative_to=output.resolve().parent,
+        )
+        _save(profile, output)
+        msg = f"wrote {output}: {profile.name}, {profile.kv_blocks():,} KV blocks"
+        if report.check:
+            msg += (f"; whole steps: median {report.check['median_abs_pct_error']:.2f}%, "
+                    f"max {report.check['max_abs_pct_error']:.2f}% abs error "
+                    f"({report.check['rows']} rows)")
+        typer.echo(msg)
+
+    @group.command("derive")
+    def derive_cmd(
+        measurements: Path = typer.Option(..., "--measurements", "-m"),
+        model: str = typer.Option(..., "--model"),
+        gpu: str = typer.Option(..., "--gpu", help="Target GPU datasheet key."),
+        output: Path = typer.Option(..., "-o", "--output"),
+        tp: int = typer.Option(1, "--tp", min=1),
+        name: str | None = typer.Option(None, "--name"),
+        utilization: float = typer.Option(0.92, "--gpu-memory-utilization", min=0.01, max=1.0),
+    ) -> None:
+        """Derive a profile for another GPU / TP degree from measured per-op timings."""
+        from servetune.profile_build import derive_profile
+
+        profile = derive_profile(measurements, model, gpu, tensor_parallel=tp, name=name,
+                                 gpu_memory_utilization=utilization,
+                                 paths_relative_to=output.resolve().parent)
+        _save(profile, output)
+        typer.echo(f"wrote {output}: {profile.name}, {profile.kv_blocks():,} KV blocks")
+
+    @group.command("check")
+    def check_cmd(
+        profile_path: Path = typer.Option(..., "--profile", "-p", help="Profile YAML."),
+        measured: Path = typer.Option(..., "--measured",
+                                      help="Whole-step CSV (model, decode_seqs, context, "
+                                           "prefill_tokens, graph_ms)."),
+        model: str | None = typer.Option(None, "--model",
+                                         help="Only rows of this model (default: the "
+                                              "profile's model if present, else all)."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    ) -> None:
+        """Compare a profile's step times with measured whole steps."""
+        from servetune.measurements import STEP_COLUMNS, read_csv, step_rows
+        from servetune.profile_fit import check_rows
+        from servetune.profiles import load_profile
+
+        profile = load_profile(profile_path)
+        table = read_csv(measured, STEP_COLUMNS)
+        want = model
+        if want is None and profile.model is not None and profile.model.name in table.models():
+            want = profile.model.name
+        rows = step_rows(table, want)
+        if not rows:
+            raise ServetuneError(f"{measured}: no rows for model {want!r} in column 'model' "
+                                 f"(models present: {', '.join(table.models())})")
+        report = check_rows(profile.step_time, rows)
+        if as_json:
+            typer.echo(json.dumps(report, indent=2))
+            return
+        typer.echo(f"{'line':>5} {'decode':>6} {'context':>7} {'prefill':>7} "
+                   f"{'measured_ms':>11} {'predicted_ms':>12} {'error':>7}")
+        for r in report["per_row"]:
+            typer.echo(f"{r['line']:>5} {r['decode_seqs']:>6} {r['context']:>7} "
+                       f"{r['prefill_tokens']:>7} {r['measured_ms']:>11.3f} "
+                       f"{r['predicted_ms']:>12.3f} {r['error_pct']:>+6.1f}%")
+        typer.echo(f"{report['rows']} rows: median abs error "
+                   f"{report['median_abs_pct_error']:.2f}%, max {report['max_abs_pct_error']:.2f}%")
+
+    @group.command("show")
+    def show_cmd(
+        profile_path: Path = typer.Argument(..., help="Profile YAML or shipped profile name."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    ) -> None:
+        """Print a profile's memory, KV pool and step times at a few shapes."""
+        from servetune.profiles import load_profile
+
+        profile = load_profile(profile_path)
+        data = show_data(profile)
+        if as_json:
+            typer.echo(json.dumps(data, indent=2))
+            return
+        typer.echo(f"{data['name']} ({data['calibration']}; TP {data['tensor_parallel']})")
+        typer.echo(f"source: {data['source']}")
+        mem = data["memory"]
+        if "gpu_memory_bytes" in mem:
+            typer.echo(
+                f"GPU memory {mem['gpu_memory_bytes'] / 2**30:.2f} GiB x "
+                f"{mem['gpu_memory_utilization']} - weights "
+                f"{mem['weight_bytes_per_gpu'] / 2**30:.2f} GiB - reserve "
+                f"{mem['activation_reserve_bytes'] / 2**30:.2f} GiB = KV "
+                f"{mem['kv_pool_bytes'] / 2**30:.2f} GiB at "
+                f"{mem['kv_bytes_per_token']:,.0f} B/token"
+            )
+        typer.echo(f"KV pool: {mem['kv_blocks']:,} usable blocks of {mem['block_size']} tokens "
+                   f"({mem['kv_tokens']:,} tokens)")
+        if profile.step_time.constant_s is not None:
+            typer.echo(f"step time: constant {profile.step_time.constant_s * 1e3:.3f} ms")
+            return
+        typer.echo(f"{'step':<34} {'tokens':>7} {'ms':>9} {'tokens/s':>10}")
+        for r in data["steps"]:
+            typer.echo(f"{r['shape']:<34} {r['tokens']:>7} {r['step_ms']:>9.3f} "
+                       f"{r['tokens_per_s']:>10.0f}")
+
+    @group.command("measure")
+    def measure_cmd(
+        output: Path = typer.Option(..., "-o", "--output", help="Folder to write CSVs into."),
+        model: list[str] = typer.Option(["llama-3.1-8b"], "--model",
+                                        help="Architectures to time (repeatable)."),
+        steps: bool = typer.Option(True, "--steps/--no-steps",
+                                   help="Also time whole CUDA-graph steps."),
+        budget_s: float = typer.Option(600.0, "--budget-s", min=1.0,
+                                       help="Stop starting new timings after this long."),
+    ) -> None:
+        """Time per-operation kernels and whole steps on this machine's CUDA GPU (needs the
+        ``gpu`` extra: torch)."""
+        from servetune.profile_measure import measure
+
+        written = measure(output, models=model, whole_steps=steps, budget_s=budget_s,
+                          log=lambda m: typer.echo(m, err=True))
+        typer.echo(f"wrote {', '.join(str(p) for p in written)}")
+
+    app.add_typer(group, name="profile")

@@ -1,9 +1,304 @@
-"""CLI: `servetune simulate` (not yet built)."""
+"""CLI: ``servetune simulate`` (one run) and ``servetune goodput`` (highest rate meeting an SLO).
+
+Both read a trace (``--trace``, replayed) or a workload (``--workload``, sampled with
+``--seed``), a profile and a policy; they are thin layers over
+:func:`servetune.sim.simulate` and :func:`servetune.sim.goodput`.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from servetune.errors import InfeasibleError, ServetuneError
+from servetune.schemas.base import load_document, write_text_atomic
+from servetune.schemas.policy import Policy
+from servetune.schemas.slo import SLOSet
+
+ENGINE_CHOICES = ("vllm", "sglang", "trtllm", "tgi")
+# Runs with at least this many requests (or any reference-mode run over REFERENCE_PROGRESS)
+# show a progress bar: they take long enough for one to help.
+PROGRESS_MIN_REQUESTS = 100_000
+REFERENCE_PROGRESS_MIN_REQUESTS = 2_000
+
+
+def _need_file(path: Path, option: str) -> Path:
+    if not path.exists():
+        raise ServetuneError(f"{path}: file not found (given to {option})")
+    if path.is_dir():
+        raise ServetuneError(f"{path}: is a directory (given to {option}); give a file")
+    return path
+
+
+def load_source(trace: Path | None, workload: Path | None) -> Any:
+    """The Trace or Workload named by exactly one of --trace / --workload."""
+    if (trace is None) == (workload is None):
+        raise ServetuneError("give exactly one of --trace FILE or --workload W.yaml")
+    if trace is not None:
+        from servetune.trace_formats import load_trace
+
+        return load_trace(_need_file(trace, "--trace"))
+    from servetune.workload import load_workload
+
+    assert workload is not None
+    return load_workload(_need_file(workload, "--workload"))
+
+
+def load_inputs(
+    trace: Path | None, workload: Path | None, profile: str, policy: Path, slo: Path | None,
+    engine: str,
+) -> tuple[Any, Policy, Any, SLOSet | None]:
+    if engine not in ENGINE_CHOICES:
+        raise ServetuneError(
+            f"--engine {engine!r}: unknown engine; choose one of {', '.join(ENGINE_CHOICES)}"
+        )
+    source = load_source(trace, workload)
+    from servetune.profiles import load_profile
+
+    prof = load_profile(profile)
+    pol = load_document(_need_file(policy, "--policy"), Policy)
+    slo_set = load_document(_need_file(slo, "--slo"), SLOSet) if slo is not None else None
+    return source, pol, prof, slo_set
+
+
+def _expected_requests(source: Any, n_requests: int | None) -> int:
+    from servetune.trace import Trace
+
+    if isinstance(source, Trace):
+        return len(source) if n_requests is None else min(n_requests, len(source))
+    return n_requests or 0
+
+
+def _fmt(value: Any, scale: float = 1.0, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value * scale:.{digits}f}"
+
+
+def summary_table(summary: dict[str, Any], title: str) -> Table:
+    """A rich table of one run's summary (latencies in ms)."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("metric")
+    for col in ("mean", "p50", "p90", "p99"):
+        table.add_column(col, justify="right")
+    overall = summary["overall"]
+    for key, label in (("ttft_s", "TTFT (ms)"), ("tpot_s", "TPOT (ms)"), ("e2e_s", "E2E (ms)")):
+        dist = overall[key]
+        table.add_row(label, *(_fmt(dist[c], 1e3, 1) for c in ("mean", "p50", "p90", "p99")))
+    return table
+
+
+def counts_table(summary: dict[str, Any], meets: bool | None) -> Table:
+    table = Table(show_header=False, box=None)
+    table.add_column("key")
+    table.add_column("value", justify="right")
+    overall = summary["overall"]
+    rows = [
+        ("requests", f"{summary['requests']:,}"),
+        ("completed / shed / rejected",
+         f"{summary['completed']:,} / {summary['shed']:,} / {summary['rejected']:,}"),
+        ("engine steps", f"{summary['steps']:,}"),
+        ("preemptions", f"{summary['preemptions']:,}"),
+        ("throughput (output tok/s)", _fmt(overall["throughput_tok_s"], 1, 1)),
+        ("throughput (req/s)", _fmt(overall["throughput_req_s"], 1, 3)),
+        ("KV utilization mean / peak",
+         f"{_fmt(summary['kv']['mean_util'], 100, 1)}% / "
+         f"{_fmt(summary['kv']['peak_util'], 100, 1)}%"),
+        ("simulation wall time (s)", _fmt(summary["sim_wall_s"], 1, 3)),
+    ]
+    if overall["attainment"] is not None:
+        rows.append(("SLO attainment", _fmt(overall["attainment"], 100, 2) + "%"))
+    if meets is not None:
+        rows.append(("meets SLO", "yes" if meets else "NO"))
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+class _Progress:
+    """A rich progress bar fed by the engine's progress callback (done, total)."""
+
+    def __init__(self, console: Console, total: int, label: str) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(
+            TextColumn(label), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
+            TimeElapsedColumn(), console=console, transient=True,
+        )
+        self.task = self.progress.add_task(label, total=max(total, 1))
+
+    def __enter__(self) -> _Progress:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.__exit__(*exc)
+
+    def __call__(self, done: float, total: float | None = None) -> None:
+        if total is not None:
+            self.progress.update(self.task, total=max(int(total), 1))
+        self.progress.update(self.task, completed=int(done))
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to the top-level app."""
+    """Add ``simulate`` and ``goodput`` to the top-level app."""
+
+    @app.command("simulate")
+    def simulate_command(
+        profile: str = typer.Option(..., "--profile", help="GPU profile YAML (or shipped name)"),
+        policy: Path = typer.Option(..., "--policy", help="Policy YAML"),
+        trace: Path | None = typer.Option(None, "--trace", help="trace file to replay"),
+        workload: Path | None = typer.Option(None, "--workload", help="Workload YAML to sample"),
+        engine: str = typer.Option("vllm", "--engine", help="vllm | sglang | trtllm | tgi"),
+        rate_scale: float = typer.Option(1.0, "--rate-scale", help="arrival-rate multiplier"),
+        seed: int = typer.Option(0, "--seed", help="sampling seed (workloads)"),
+        requests: int | None = typer.Option(
+            None, "--requests", help="trace: replay the first N; workload: sample N"
+        ),
+        duration: float | None = typer.Option(
+            None, "--duration", help="only arrivals in the first S simulated seconds"
+        ),
+        reference: bool = typer.Option(
+            False, "--reference", help="step-by-step reference mode (slow; for checking)"
+        ),
+        slo: Path | None = typer.Option(None, "--slo", help="SLO set YAML: attainment, verdict"),
+        json_out: Path | None = typer.Option(None, "--json", help="write the summary JSON here"),
+        records: Path | None = typer.Option(
+            None, "--records", help="per-request records (.csv, or .parquet with pyarrow)"
+        ),
+        steps: Path | None = typer.Option(None, "--steps", help="step log as JSON lines"),
+        timeline: Path | None = typer.Option(
+            None, "--timeline", help="Chrome trace-event JSON (open in Perfetto)"
+        ),
+        timeline_window: str | None = typer.Option(
+            None, "--timeline-window", help="START:END seconds kept in the timeline"
+        ),
+    ) -> None:
+        """Simulate a policy serving a trace or a sampled workload.
+
+        Example: servetune simulate --trace ../shared/traces/AzureLLMInferenceTrace_conv.csv
+        --profile h200-llama-3.1-8b --policy policy.yaml --slo slo.yaml --json out.json
+        """
+        from servetune.sim import simulate
+        from servetune.sim.timeline import parse_window
+
+        window = parse_window(timeline_window) if timeline_window is not None else None
+        if window is not None and timeline is None:
+            raise ServetuneError("--timeline-window needs --timeline T.json")
+        source, pol, prof, slo_set = load_inputs(trace, workload, profile, policy, slo, engine)
+        console = Console(stderr=True)
+        expected = _expected_requests(source, requests)
+        show = expected >= PROGRESS_MIN_REQUESTS or (
+            reference and expected >= REFERENCE_PROGRESS_MIN_REQUESTS
+        )
+        kwargs = dict(
+            engine=engine, reference=reference, seed=seed, n_requests=requests,
+            duration_s=duration, rate_scale=rate_scale,
+            step_log=steps is not None or timeline is not None,
+        )
+        if show:
+            with _Progress(console, expected, "simulating") as bar:
+                result = simulate(source, pol, prof, progress=bar, **kwargs)
+        else:
+            result = simulate(source, pol, prof, **kwargs)
+        summary = result.summary(slo_set)
+        meets = result.meets_slo(slo_set) if slo_set is not None else None
+        if json_out is not None:
+            data = dict(summary)
+            if meets is not None:
+                data = {**summary, "meets_slo": meets}
+            _write_json(json_out, data)
+        if records is not None:
+            result.write_records(records)
+        if steps is not None:
+            result.write_steps(steps)
+        if timeline is not None:
+            result.write_timeline(timeline, window)
+        out = Console(file=sys.stdout, width=100)
+        title = f"{pol.name} on {prof.name} ({engine}{', reference' if reference else ''})"
+        out.print(summary_table(summary, title))
+        out.print(counts_table(summary, meets))
+
+    @app.command("goodput")
+    def goodput_command(
+        profile: str = typer.Option(..., "--profile", help="GPU profile YAML (or shipped name)"),
+        policy: Path = typer.Option(..., "--policy", help="Policy YAML"),
+        slo: Path = typer.Option(..., "--slo", help="SLO set YAML"),
+        trace: Path | None = typer.Option(None, "--trace", help="trace file to replay"),
+        workload: Path | None = typer.Option(None, "--workload", help="Workload YAML to sample"),
+        engine: str = typer.Option("vllm", "--engine", help="vllm | sglang | trtllm | tgi"),
+        seed: int = typer.Option(0, "--seed", help="first sampling seed (workloads)"),
+        seeds: int = typer.Option(3, "--seeds", help="number of seeds per point (workloads)"),
+        requests: int | None = typer.Option(
+            None, "--requests", help="trace: replay the first N; workload: sample N"
+        ),
+        duration: float | None = typer.Option(
+            None, "--duration", help="only arrivals in the first S simulated seconds"
+        ),
+        reference: bool = typer.Option(False, "--reference", help="step-by-step reference mode"),
+        rel_tol: float = typer.Option(0.02, "--tolerance", help="relative bisection tolerance"),
+        json_out: Path | None = typer.Option(None, "--json", help="write the result JSON here"),
+    ) -> None:
+        """Find the highest arrival-rate scale at which a policy meets an SLO set.
+
+        Example: servetune goodput --trace ../shared/traces/AzureLLMInferenceTrace_conv.csv
+        --profile h200-llama-3.1-8b --policy policy.yaml --slo slo.yaml --json goodput.json
+        """
+        from servetune.sim import goodput
+        from servetune.sim.goodput import seeds_for
+
+        seed_list = seeds_for(seeds, seed)
+        if not rel_tol > 0:
+            raise ServetuneError(f"--tolerance must be > 0 (got {rel_tol})")
+        source, pol, prof, slo_set = load_inputs(trace, workload, profile, policy, slo, engine)
+        assert slo_set is not None
+        console = Console(stderr=True)
+
+        def on_point(point: dict[str, Any]) -> None:
+            verdict = "meets" if point["meets_slo"] else "misses"
+            console.print(
+                f"rate scale {point['rate_scale']:.4g}: {verdict} SLO "
+                f"(attainment {_fmt(point['attainment'], 100, 2)}%)"
+            )
+
+        result = goodput(
+            source, pol, prof, slo_set, engine=engine, seeds=seed_list, n_requests=requests,
+            duration_s=duration, reference=reference, rel_tol=rel_tol, on_point=on_point,
+        )
+        data = {
+            "policy": pol.name, "profile": prof.name, "engine": engine,
+            "seeds": list(seed_list), **result.to_dict(),
+        }
+        if json_out is not None:
+            _write_json(json_out, data)
+        table = Table(title=f"goodput of {pol.name} on {prof.name} ({engine})",
+                      title_justify="left")
+        for col in ("rate scale", "rate (req/s)", "meets SLO", "attainment"):
+            table.add_column(col, justify="right")
+        for p in sorted(result.points, key=lambda p: p["rate_scale"]):
+            table.add_row(
+                f"{p['rate_scale']:.4g}", f"{p['rate_per_s']:.3f}",
+                "yes" if p["meets_slo"] else "no", _fmt(p["attainment"], 100, 2) + "%",
+            )
+        out = Console(file=sys.stdout, width=100)
+        out.print(table)
+        if result.rate_scale == 0.0:
+            raise InfeasibleError(
+                f"no rate scale down to 1/1024 meets {slo_set.name!r} with policy {pol.name!r}; "
+                "relax the SLO or change the policy"
+            )
+        out.print(
+            f"goodput: rate scale {result.rate_scale:.4g} = {result.rate_per_s:.3f} req/s"
+            + ("" if result.bracketed else " (search hit the scale limit)")
+        )

@@ -1,9 +1,170 @@
-"""CLI: `servetune workload` (not yet built)."""
+"""CLI: ``servetune workload fit`` (trace -> Workload YAML) and ``workload show``."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from servetune.cli.trace_cmd import (
+    ARRIVAL_UNIT_HELP,
+    COLUMNS_HELP,
+    ON_BAD_ROW_HELP,
+    TRACE_FORMAT_HELP,
+    load_trace_cli,
+    stats_table,
+)
+from servetune.errors import ServetuneError
+
+SPLITS = ("none", "class", "prompt-quantiles")
+
+
+def class_table(workload: Any, title: str) -> Table:
+    """Classes as columns, statistics as rows (fits a terminal for a few classes)."""
+    from servetune.workload import class_stats
+
+    stats = class_stats(workload)
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("", style="bold")
+    for s in stats:
+        table.add_column(s.name, justify="right")
+    rows: list[tuple[str, Any]] = [
+        ("priority", lambda s: str(s.priority)),
+        ("rate (req/s)", lambda s: f"{s.rate_per_s:.3f}"),
+        ("share", lambda s: f"{s.share:.1%}"),
+        ("arrivals", lambda s: _arrival_text(workload.classes[s.name].arrival)),
+    ]
+    for kind in ("prompt", "output"):
+        for q in ("mean", "p50", "p90", "p99", "max"):
+            rows.append((f"{kind} {q}", lambda s, a=f"{kind}_{q}": f"{getattr(s, a):,.1f}"))
+    for label, cell in rows:
+        table.add_row(label, *(cell(s) for s in stats))
+    return table
+
+
+def _arrival_text(arrival: Any) -> str:
+    text = arrival.process if arrival.process == "poisson" else (
+        f"gamma CV {arrival.interarrival_cv:.2f}"
+    )
+    if arrival.windows is not None:
+        text += f", {len(arrival.windows.rate_multipliers)} x {arrival.windows.window_s:g} s"
+    return text
+
+
+def class_stats_json(workload: Any) -> dict[str, Any]:
+    from servetune.workload import class_stats
+
+    classes = []
+    for s in class_stats(workload):
+        row = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)
+               if f.name not in ("prompt", "output")}
+        cls = workload.classes[s.name]
+        row["process"] = cls.arrival.process
+        row["rate_windows"] = len(cls.arrival.windows.rate_multipliers) if (
+            cls.arrival.windows is not None) else 0
+        classes.append(row)
+    return {
+        "name": workload.name,
+        "source": workload.source,
+        "duration_s": workload.duration_s,
+        "rate_per_s": workload.total_rate_per_s,
+        "classes": classes,
+    }
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the top-level app."""
+    from servetune.cli import new_group
+
+    group = new_group("Fit workloads (classes, arrivals, length distributions) and inspect them.")
+
+    @group.command(
+        "fit",
+        epilog="Example: servetune workload fit ../shared/traces/AzureLLMInferenceTrace_conv.csv "
+        "-o conv.yaml --rate-windows 300",
+    )
+    def fit(
+        trace_path: Path = typer.Argument(
+            ..., metavar="TRACE", help="Trace file (optionally .gz)."
+        ),
+        output: Path = typer.Option(..., "-o", "--output", help="Workload YAML to write."),
+        split_by: str = typer.Option(
+            "none", "--split-by", help="none (one class), class (the trace's class column) or "
+            "prompt-quantiles (bands of prompt length)."
+        ),
+        bands: int = typer.Option(3, "--bands", help="Number of prompt-length bands."),
+        rate_windows: float | None = typer.Option(
+            None, "--rate-windows", help="Fit a piecewise-constant rate over windows of S seconds."
+        ),
+        name: str | None = typer.Option(None, "--name", help="Workload name (default: file stem)."),
+        trace_format: str | None = typer.Option(None, "--trace-format", help=TRACE_FORMAT_HELP),
+        columns: str | None = typer.Option(None, "--columns", help=COLUMNS_HELP),
+        arrival_unit: str | None = typer.Option(None, "--arrival-unit", help=ARRIVAL_UNIT_HELP),
+        on_bad_row: str = typer.Option("error", "--on-bad-row", help=ON_BAD_ROW_HELP),
+    ) -> None:
+        """Fit a Workload to a trace: classes, arrival process, length distributions."""
+        from servetune.workload import fit_workload, save_workload
+
+        if split_by not in SPLITS:
+            raise ServetuneError(
+                f"--split-by must be one of {', '.join(SPLITS)} (got {split_by!r})"
+            )
+        if bands < 1:
+            raise ServetuneError(f"--bands must be >= 1 (got {bands})")
+        trace = load_trace_cli(trace_path, trace_format, columns, arrival_unit, on_bad_row)
+        workload = fit_workload(
+            trace,
+            split=None if split_by == "none" else split_by,
+            bands=bands,
+            rate_windows_s=rate_windows,
+            name=name or output.stem,
+            source=trace_path.name,
+        )
+        header = (
+            f"Fitted by servetune from {trace_path.name}: {len(trace)} requests over "
+            f"{trace.duration_s:.1f} s (split: {split_by})."
+        )
+        save_workload(workload, output, header=header)
+        Console(stderr=True).print(class_table(workload, f"wrote {output}"))
+
+    @group.command(
+        "show",
+        epilog="Example: servetune workload show configs/workloads/azure-conv-2023.yaml "
+        "--sample 200000 --seed 1 --json",
+    )
+    def show(
+        path: Path = typer.Argument(..., metavar="W.yaml", help="Workload YAML."),
+        sample: int | None = typer.Option(
+            None, "--sample", help="Sample N requests and print their statistics."
+        ),
+        seed: int = typer.Option(0, "--seed", help="Seed for --sample."),
+        rate_scale: float = typer.Option(1.0, "--rate-scale", help="Multiply every rate."),
+        as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    ) -> None:
+        """Show a workload's classes, or sample it and show the sample's statistics."""
+        from servetune.trace_stats import trace_stats
+        from servetune.workload import load_workload, sample_trace
+
+        workload = load_workload(path)
+        console = Console()
+        if sample is None:
+            if as_json:
+                typer.echo(json.dumps(class_stats_json(workload)))
+            else:
+                console.print(class_table(workload, f"{workload.name} ({path})"))
+            return
+        if sample < 1:
+            raise ServetuneError(f"--sample must be >= 1 (got {sample})")
+        trace = sample_trace(workload, n_requests=sample, seed=seed, rate_scale=rate_scale)
+        result = trace_stats(trace)
+        if as_json:
+            typer.echo(json.dumps(result))
+        else:
+            console.print(stats_table(result, f"{workload.name}: {sample:,} sampled, seed {seed}"))
+
+    app.add_typer(group, name="workload")

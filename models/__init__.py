@@ -1,0 +1,1 @@
+"""servetune.models: the optimization formulations (Pyomo MILP, CP-SAT)."""

@@ -1,0 +1,711 @@
+"""Fluid (steady-state) model of a scheduling policy under a workload on one GPU.
+
+The free variable is ``x``, the mean number of requests that arrive per engine step.
+Everything else follows from ``x``, the policy's knobs, the workload's per-class moments
+and quantiles, and the profile's step-time coefficients (``servetune.steptime``):
+
+- step contents per step: ``D = x (O - 1)`` decoding rows, ``Tp = x P`` prefill tokens,
+  ``T = D + Tp`` tokens, ``S = x O`` sampled rows, ``C = x E[(O-1)(P + O/2)]`` context
+  read, ``W = x E[P^2] / 2`` prefill attention pairs (a prompt's chunks always add up to
+  ``P^2/2`` pairs, however it is chunked);
+- mean step time ``t(x) = max_k (c0_k + c1_k x)`` (the step-time model is affine in ``x``
+  except for the convex piecewise-linear GEMM term), steps per second ``1/t`` and arrival
+  rate ``lambda = x / t(x)``, which increases with ``x``; so the sustainable rate of a
+  policy is ``x* / t(x*)`` with ``x*`` the largest ``x`` that meets every condition below;
+- running set ``N = x (O - 1 + prefill steps)`` (Little's law in steps), its Poisson
+  quantile (concurrent requests of an M/G/inf system are Poisson), and KV occupancy: a
+  request holds about ``P + O/2`` tokens over its decode life, so the mean is
+  ``x (C + P * prefill steps)`` and the high quantile is the Poisson quantile of ``N``
+  times the mean holding per request, plus half a block of rounding each;
+- TTFT: the prefill queue is a single server of ``M - D`` tokens per step (what the token
+  budget leaves after decodes). Utilisation ``rho = Tp / (M - D)``; the mean wait in steps
+  is Kingman's ``(ca^2 + cs^2)/2 * rho/(1-rho) * E[S]`` and its q-quantile uses the
+  exponential tail ``W_q = W / rho * ln(rho / (1 - q))``. The q-quantile prompt then needs
+  ``ceil(P_q / min(L, M - D))`` steps (``L`` = ``long_prefill_token_threshold``);
+- TPOT: a request's TPOT is the mean of its decode steps; its high quantile is the time of a
+  step that carries ``D`` decodes and a high quantile of the per-step prefill tokens,
+  ``Tp + z_q sqrt(x E[P^2])`` (compound Poisson), capped by the budget (as Sarathi-Serve
+  bounds a step's chunk by the TPOT target);
+- stability: ``T < M`` (demand per step below what one step serves), seats and KV.
+
+Every condition is non-decreasing in ``x``, so each gives a largest ``x``
+(:meth:`FluidModel.limits`); the smallest of them binds. Predictions can be scaled by
+:class:`Calibration` factors that the search loop fits to what the simulator measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from statistics import NormalDist
+from typing import Any
+
+import numpy as np
+
+from servetune.steptime import (
+    COEF_ALLREDUCE,
+    COEF_CONSTANT,
+    COEF_DECODE_CTX,
+    COEF_DECODE_SEQ,
+    COEF_FIXED,
+    COEF_LM_ROW,
+    COEF_PREFILL_PAIR,
+    StepTimeModel,
+)
+
+# Quantile grid used to integrate moments from quantile functions (midpoint rule).
+_N_MOMENT_BINS = 400
+# Quantile table kept per class (0, 0.005, ..., 1).
+_Q_TABLE = np.linspace(0.0, 1.0, 201)
+# Budget utilisation above this counts as unstable (queues grow without bound).
+BUDGET_UTIL_MAX = 0.995
+# Quantile used for the seat and KV chance constraints.
+DEFAULT_CAPACITY_QUANTILE = 0.99
+
+
+def normal_quantile(q: float) -> float:
+    return NormalDist().inv_cdf(min(max(q, 1e-12), 1 - 1e-12))
+
+
+def poisson_quantile_cf(mean: np.ndarray | float, q: float) -> np.ndarray | float:
+    """Continuous Cornish-Fisher approximation of the Poisson q-quantile:
+    ``m + z sqrt(m) + (z^2 - 1) / 6`` (monotone in ``m``; exact enough for m >= 5)."""
+    z = normal_quantile(q)
+    m = np.maximum(np.asarray(mean, dtype=np.float64), 0.0)
+    out = m + z * np.sqrt(m) + (z * z - 1.0) / 6.0
+    out = np.where(m > 0, np.maximum(out, 0.0), 0.0)
+    return float(out) if np.ndim(out) == 0 else out
+
+
+def poisson_quantile(mean: float, q: float) -> int:
+    """Exact q-quantile of a Poisson(mean) variable (smallest k with CDF(k) >= q);
+    Cornish-Fisher rounded up beyond mean 600 where the sum would underflow."""
+    if mean <= 0:
+        return 0
+    if mean > 600:
+        return int(math.ceil(poisson_quantile_cf(mean, q)))
+    pmf = math.exp(-mean)
+    cdf = pmf
+    k = 0
+    while cdf < q and k < 100_000:
+        k += 1
+        pmf *= mean / k
+        cdf += pmf
+    return k
+
+
+@dataclass(frozen=True)
+class ClassLoad:
+    """What the models need to know about one request class."""
+
+    name: str
+    share: float  # of the total arrival rate
+    priority: int
+    interarrival_cv: float
+    prompt_mean: float
+    prompt_sq_mean: float  # E[P^2]
+    output_mean: float
+    output_sq_mean: float  # E[O^2]
+    prompt_table: tuple[float, ...]  # prompt quantiles at _Q_TABLE
+    output_table: tuple[float, ...]
+
+    def prompt_quantile(self, q: float) -> float:
+        return float(np.interp(q, _Q_TABLE, self.prompt_table))
+
+    def output_quantile(self, q: float) -> float:
+        return float(np.interp(q, _Q_TABLE, self.output_table))
+
+    @property
+    def decode_context_per_request(self) -> float:
+        """E[(O - 1)(P + O/2)]: context tokens read over a request's decode steps
+        (prompt and output lengths taken as independent)."""
+        return (self.output_mean - 1.0) * self.prompt_mean + 0.5 * (
+            self.output_sq_mean - self.output_mean
+        )
+
+    @staticmethod
+    def from_quantile_functions(
+        name: str,
+        share: float,
+        prompt_q: Callable[[float], float],
+        output_q: Callable[[float], float],
+        *,
+        priority: int = 0,
+        interarrival_cv: float = 1.0,
+        prompt_mean: float | None = None,
+        output_mean: float | None = None,
+    ) -> ClassLoad:
+        """Moments by integrating the quantile functions; the means are matched to the
+        given ones when present (the quantile knots may round them)."""
+        mids = (np.arange(_N_MOMENT_BINS) + 0.5) / _N_MOMENT_BINS
+
+        def moments(fn: Callable[[float], float], mean: float | None) -> tuple[float, float]:
+            v = np.array([max(1.0, float(fn(float(q)))) for q in mids])
+            m1, m2 = float(v.mean()), float((v * v).mean())
+            if mean is not None and m1 > 0:
+                scale = mean / m1
+                m1, m2 = mean, m2 * scale * scale
+            return m1, max(m2, m1 * m1)
+
+        pm, p2 = moments(prompt_q, prompt_mean)
+        om, o2 = moments(output_q, output_mean)
+        return ClassLoad(
+            name=name,
+            share=share,
+            priority=priority,
+            interarrival_cv=interarrival_cv,
+            prompt_mean=pm,
+            prompt_sq_mean=p2,
+            output_mean=om,
+            output_sq_mean=o2,
+            prompt_table=tuple(max(1.0, float(prompt_q(float(q)))) for q in _Q_TABLE),
+            output_table=tuple(max(1.0, float(output_q(float(q)))) for q in _Q_TABLE),
+        )
+
+    @staticmethod
+    def from_samples(
+        name: str, share: float, prompt: np.ndarray, output: np.ndarray, *,
+        priority: int = 0, interarrival_cv: float = 1.0,
+    ) -> ClassLoad:
+        p = np.asarray(prompt, dtype=np.float64)
+        o = np.asarray(output, dtype=np.float64)
+        return ClassLoad(
+            name=name,
+            share=share,
+            priority=priority,
+            interarrival_cv=interarrival_cv,
+            prompt_mean=float(p.mean()),
+            prompt_sq_mean=float((p * p).mean()),
+            output_mean=float(o.mean()),
+            output_sq_mean=float((o * o).mean()),
+            prompt_table=tuple(float(v) for v in np.quantile(p, _Q_TABLE)),
+            output_table=tuple(float(v) for v in np.quantile(o, _Q_TABLE)),
+        )
+
+
+@dataclass(frozen=True)
+class LoadModel:
+    """The workload as the models see it: classes and the base (1x) arrival rate."""
+
+    classes: tuple[ClassLoad, ...]
+    rate_per_s: float
+
+    @staticmethod
+    def from_class_stats(stats: Sequence[Any]) -> LoadModel:
+        """From ``servetune.workload.class_stats(workload)`` (anything with the same
+        attributes: name, share, rate_per_s, priority, interarrival_cv, prompt_mean,
+        output_mean, prompt_quantile(q), output_quantile(q))."""
+        classes = tuple(
+            ClassLoad.from_quantile_functions(
+                s.name,
+                float(s.share),
+                s.prompt_quantile,
+                s.output_quantile,
+                priority=int(getattr(s, "priority", 0)),
+                interarrival_cv=float(getattr(s, "interarrival_cv", 1.0) or 1.0),
+                prompt_mean=float(s.prompt_mean),
+                output_mean=float(s.output_mean),
+            )
+            for s in stats
+        )
+        return LoadModel(classes, float(sum(float(s.rate_per_s) for s in stats)))
+
+    @staticmethod
+    def from_trace(trace: Any) -> LoadModel:
+        """Empirical moments of a Trace, per class."""
+        n = len(trace)
+        duration = max(float(trace.duration_s), 1e-9)
+        ids = trace.class_ids()
+        gaps = np.diff(trace.arrival_s)
+        cv = float(gaps.std() / gaps.mean()) if len(gaps) > 1 and gaps.mean() > 0 else 1.0
+        prio = trace.priorities()
+        classes = []
+        for k, name in enumerate(trace.class_names):
+            sel = ids == k
+            if not sel.any():
+                continue
+            classes.append(
+                ClassLoad.from_samples(
+                    name, float(sel.sum()) / n, trace.prompt_tokens[sel],
+                    trace.output_tokens[sel], priority=int(np.min(prio[sel])),
+                    interarrival_cv=cv,
+                )
+            )
+        return LoadModel(tuple(classes), n / duration if n > 1 else 1.0)
+
+    # Share-weighted per-request aggregates -------------------------------------------
+    def mean(self, fn: Callable[[ClassLoad], float]) -> float:
+        return float(sum(c.share * fn(c) for c in self.classes))
+
+
+@dataclass(frozen=True, order=True)
+class Knobs:
+    """The policy settings the fluid model and the MILP choose among."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    long_prefill_token_threshold: int = 0
+    kv_watermark: float = 0.0
+    max_queued_requests: int | None = None
+    max_queued_prompt_tokens: int | None = None
+
+    FIELDS = {
+        "batching.max_num_seqs": "max_num_seqs",
+        "batching.max_num_batched_tokens": "max_num_batched_tokens",
+        "batching.long_prefill_token_threshold": "long_prefill_token_threshold",
+        "admission.kv_watermark": "kv_watermark",
+        "admission.max_queued_requests": "max_queued_requests",
+        "admission.max_queued_prompt_tokens": "max_queued_prompt_tokens",
+    }
+
+    @staticmethod
+    def from_policy(policy: Any) -> Knobs:
+        return Knobs(
+            max_num_seqs=policy.batching.max_num_seqs,
+            max_num_batched_tokens=policy.batching.max_num_batched_tokens,
+            long_prefill_token_threshold=policy.batching.long_prefill_token_threshold,
+            kv_watermark=policy.admission.kv_watermark,
+            max_queued_requests=policy.admission.max_queued_requests,
+            max_queued_prompt_tokens=policy.admission.max_queued_prompt_tokens,
+        )
+
+    def as_dotted(self) -> dict[str, Any]:
+        return {path: getattr(self, name) for path, name in self.FIELDS.items()}
+
+
+@dataclass(frozen=True)
+class Platform:
+    """The GPU x model the policy runs on: step-time model and KV pool."""
+
+    step_time: StepTimeModel
+    kv_blocks: int
+    block_size: int = 16
+
+    @staticmethod
+    def from_profile(profile: Any) -> Platform:
+        return Platform(profile.step_time, int(profile.kv_blocks()), int(profile.block_size))
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class Target:
+    """One class's SLO as the fluid model checks it: limits at quantile ``q``."""
+
+    ttft_s: float | None
+    tpot_s: float | None
+    q: float
+
+    @staticmethod
+    def from_class_slo(slo: Any) -> Target:
+        q = slo.percentile / 100.0 if slo.percentile is not None else float(slo.attainment)
+        tpot = slo.tpot_s
+        ttft = slo.ttft_s
+        return Target(ttft_s=ttft, tpot_s=tpot, q=q)
+
+
+def targets_for(load: LoadModel, slo: Any) -> dict[str, Target]:
+    """Per-class targets from an SLOSet (its ``default`` entry covers unnamed classes)."""
+    return {c.name: Target.from_class_slo(slo.for_class(c.name)) for c in load.classes}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Multipliers on the model's predictions, fitted to simulator measurements."""
+
+    ttft: float = 1.0
+    tpot: float = 1.0
+    kv: float = 1.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"ttft": self.ttft, "tpot": self.tpot, "kv": self.kv}
+
+
+@dataclass
+class FluidState:
+    """The model's prediction for one policy at one load (vectorised over ``x``)."""
+
+    x: np.ndarray  # arrivals per step
+    step_s: np.ndarray
+    rate_per_s: np.ndarray
+    decode_seqs: np.ndarray
+    prefill_tokens: np.ndarray
+    tokens: np.ndarray
+    budget_util: np.ndarray
+    prefill_util: np.ndarray
+    running: np.ndarray
+    running_q: np.ndarray
+    kv_mean_tokens: np.ndarray
+    kv_q_tokens: np.ndarray
+    ttft_q_s: dict[str, np.ndarray]
+    tpot_q_s: dict[str, np.ndarray]
+    queued_q: np.ndarray
+    queued_prompt_tokens_q: np.ndarray
+
+    def at(self, i: int = 0) -> dict[str, Any]:
+        """The prediction at index ``i`` as plain floats (for logs and reports)."""
+        def f(a: np.ndarray) -> float:
+            return float(np.asarray(a).reshape(-1)[i])
+        return {
+            "arrivals_per_step": f(self.x),
+            "step_s": f(self.step_s),
+            "steps_per_s": 1.0 / f(self.step_s),
+            "rate_per_s": f(self.rate_per_s),
+            "decode_seqs": f(self.decode_seqs),
+            "prefill_tokens_per_step": f(self.prefill_tokens),
+            "tokens_per_step": f(self.tokens),
+            "budget_util": f(self.budget_util),
+            "prefill_util": f(self.prefill_util),
+            "running": f(self.running),
+            "running_q": f(self.running_q),
+            "kv_mean_tokens": f(self.kv_mean_tokens),
+            "kv_q_tokens": f(self.kv_q_tokens),
+            "ttft_q_s": {k: f(v) for k, v in self.ttft_q_s.items()},
+            "tpot_q_s": {k: f(v) for k, v in self.tpot_q_s.items()},
+            "stable": bool(f(self.budget_util) < BUDGET_UTIL_MAX and f(self.prefill_util) < 1),
+        }
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The largest arrivals-per-step one condition allows, and the value at x -> 0."""
+
+    name: str
+    x_max: float
+    floor_value: float | None = None  # the metric's value at vanishing load
+    target: float | None = None
+
+
+@dataclass
+class FluidModel:
+    load: LoadModel
+    platform: Platform
+    targets: dict[str, Target]
+    calibration: Calibration = field(default_factory=Calibration)
+    capacity_quantile: float = DEFAULT_CAPACITY_QUANTILE
+
+    def __post_init__(self) -> None:
+        ld = self.load
+        self.prompt_mean = ld.mean(lambda c: c.prompt_mean)
+        self.prompt_sq = ld.mean(lambda c: c.prompt_sq_mean)
+        self.output_mean = ld.mean(lambda c: c.output_mean)
+        self.decode_rows = ld.mean(lambda c: c.output_mean - 1.0)
+        self.context = ld.mean(lambda c: c.decode_context_per_request)
+        self.pairs = 0.5 * self.prompt_sq
+        self.tokens = self.prompt_mean + self.decode_rows
+        self.ca2 = ld.mean(lambda c: c.interarrival_cv**2)
+        self.cs2 = max(self.prompt_sq / self.prompt_mean**2 - 1.0, 0.0)
+        self.coef, self.pieces = self.platform.step_time.as_arrays()
+
+    def with_calibration(self, calibration: Calibration) -> FluidModel:
+        return replace(self, calibration=calibration)
+
+    # Step time ------------------------------------------------------------------------
+    def step_seconds(self, tokens, sampled, decode, context, pairs) -> np.ndarray:
+        """The profile's step-time form, vectorised."""
+        c, p = self.coef, self.pieces
+        if c[COEF_CONSTANT] > 0:
+            return np.full(np.shape(np.asarray(tokens, dtype=float)), c[COEF_CONSTANT])
+        tokens = np.asarray(tokens, dtype=np.float64)
+        gemm = np.max(p[:, 0][:, None] + p[:, 1][:, None] * tokens.reshape(1, -1), axis=0)
+        gemm = gemm.reshape(tokens.shape)
+        return (
+            c[COEF_FIXED] + gemm + c[COEF_ALLREDUCE] * tokens + c[COEF_DECODE_CTX] * context
+            + c[COEF_DECODE_SEQ] * decode + c[COEF_PREFILL_PAIR] * pairs
+            + c[COEF_LM_ROW] * sampled
+        )
+
+    def step_pieces(self) -> list[tuple[float, float]]:
+        """Mean step time as ``max_k (c0_k + c1_k x)``: one (c0, c1) per GEMM piece."""
+        c = self.coef
+        if c[COEF_CONSTANT] > 0:
+            return [(float(c[COEF_CONSTANT]), 0.0)]
+        linear = (
+            c[COEF_ALLREDUCE] * self.tokens + c[COEF_DECODE_CTX] * self.context
+            + c[COEF_DECODE_SEQ] * self.decode_rows + c[COEF_PREFILL_PAIR] * self.pairs
+            + c[COEF_LM_ROW] * self.output_mean
+        )
+        return [
+            (float(c[COEF_FIXED] + a), float(b * self.tokens + linear)) for a, b in self.pieces
+        ]
+
+    def mean_step_s(self, x) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float64)
+        return np.max([c0 + c1 * x for c0, c1 in self.step_pieces()], axis=0)
+
+    def x_at_rate(self, rate_per_s: float) -> float:
+        """Arrivals per step at a given rate: t = max_k c0_k / (1 - c1_k rate); inf when
+        the step-time fixed point does not exist (the GPU cannot keep up)."""
+        t = 0.0
+        for c0, c1 in self.step_pieces():
+            if c1 * rate_per_s >= 1.0:
+                return math.inf
+            t = max(t, c0 / (1.0 - c1 * rate_per_s))
+        return rate_per_s * t
+
+    # The state ------------------------------------------------------------------------
+    def state(self, knobs: Knobs, x) -> FluidState:
+        x = np.atleast_1d(np.asarray(x, dtype=np.float64))
+        cal = self.calibration
+        budget = float(knobs.max_num_batched_tokens)
+        step = self.mean_step_s(x)
+        decode = x * self.decode_rows
+        prefill = x * self.prompt_mean
+        tokens = decode + prefill
+        room = np.maximum(budget - decode, 1e-9)  # prefill tokens a step can take
+        rho = np.where(budget - decode > 0, prefill / room, np.inf)
+        chunk_cap = float(knobs.long_prefill_token_threshold) or math.inf
+        chunk = np.minimum(room, chunk_cap)
+        prefill_steps = self.prompt_mean / chunk + 0.5
+        running = x * (self.decode_rows + prefill_steps)
+        running_q = poisson_quantile_cf(running, self.capacity_quantile)
+        kv_mean = cal.kv * x * (self.context + self.prompt_mean * prefill_steps)
+        per_request = np.where(running > 0, kv_mean / np.maximum(running, 1e-12), 0.0)
+        kv_q = running_q * (per_request + 0.5 * self.platform.block_size)
+
+        # Prefill queue (Kingman), in steps.
+        with np.errstate(divide="ignore", invalid="ignore"):
+            service = self.prompt_mean / room
+            stable = rho < 1.0
+            wait_mean = np.where(
+                stable, 0.5 * (self.ca2 + self.cs2) * rho / (1.0 - rho) * service, np.inf
+            )
+        ttft: dict[str, np.ndarray] = {}
+        tpot: dict[str, np.ndarray] = {}
+        sd_prefill = np.sqrt(np.maximum(x * self.prompt_sq, 0.0))
+        pairs_per_token = self.pairs / self.prompt_mean
+        context_per_row = self.context / max(self.decode_rows, 1e-9)
+        for cls in self.load.classes:
+            tgt = self.targets[cls.name]
+            q = tgt.q
+            with np.errstate(divide="ignore", invalid="ignore"):
+                tail = np.where(rho > 1.0 - q, np.log(np.maximum(rho, 1e-300) / (1.0 - q)), 0.0)
+                wait_q = np.where(stable, wait_mean / np.maximum(rho, 1e-300) * tail, np.inf)
+            prompt_q = cls.prompt_quantile(q)
+            own_chunk = np.minimum(chunk, prompt_q)
+            steps_q = np.ceil(prompt_q / chunk - 1e-9)
+            pf_tokens = np.minimum(budget, decode + np.maximum(prefill, own_chunk))
+            pf_step = self.step_seconds(
+                pf_tokens, x * self.output_mean, decode, decode * context_per_row,
+                (pf_tokens - decode) * pairs_per_token,
+            )
+            ttft[cls.name] = cal.ttft * (wait_q * step + steps_q * pf_step + 0.5 * step)
+            z = normal_quantile(q)
+            hi_prefill = np.minimum(room, prefill + z * sd_prefill)
+            hi_tokens = decode + hi_prefill
+            tpot[cls.name] = cal.tpot * self.step_seconds(
+                hi_tokens, decode + x, decode, decode * context_per_row,
+                hi_prefill * pairs_per_token,
+            )
+        in_system = running + x * np.where(np.isfinite(wait_mean), wait_mean, 1e12)
+        queued_q = poisson_quantile_cf(in_system, self.capacity_quantile)
+        in_prefill = x * (prefill_steps + np.where(np.isfinite(wait_mean), wait_mean, 1e12))
+        queued_tokens_q = poisson_quantile_cf(in_prefill, self.capacity_quantile) * (
+            self.prompt_mean
+        )
+        return FluidState(
+            x=x, step_s=step, rate_per_s=x / step, decode_seqs=decode, prefill_tokens=prefill,
+            tokens=tokens, budget_util=tokens / budget, prefill_util=rho, running=running,
+            running_q=running_q, kv_mean_tokens=kv_mean, kv_q_tokens=kv_q, ttft_q_s=ttft,
+            tpot_q_s=tpot, queued_q=queued_q, queued_prompt_tokens_q=queued_tokens_q,
+        )
+
+    def evaluate(self, knobs: Knobs, rate_per_s: float) -> dict[str, Any]:
+        """The prediction at an arrival rate (``stable: False`` when it cannot keep up)."""
+        x = self.x_at_rate(rate_per_s)
+        if not math.isfinite(x):
+            return {"rate_per_s": rate_per_s, "stable": False}
+        out = self.state(knobs, x).at(0)
+        out["stable"] = bool(out["stable"] and self.violations(knobs, x, only_stability=True)
+                             == [])
+        return out
+
+    # Conditions -----------------------------------------------------------------------
+    def conditions(self, knobs: Knobs, st: FluidState) -> dict[str, tuple[np.ndarray, float]]:
+        """Each condition as (value, limit): it holds where value <= limit."""
+        cap_tokens = self.platform.kv_tokens * (1.0 - knobs.kv_watermark)
+        out: dict[str, tuple[np.ndarray, float]] = {
+            "budget": (st.budget_util, BUDGET_UTIL_MAX),
+            "seats": (st.running_q, float(knobs.max_num_seqs)),
+            "kv_memory": (st.kv_q_tokens, cap_tokens),
+        }
+        for name, tgt in self.targets.items():
+            if tgt.ttft_s is not None:
+                out[f"ttft[{name}]"] = (st.ttft_q_s[name], tgt.ttft_s)
+            if tgt.tpot_s is not None:
+                out[f"tpot[{name}]"] = (st.tpot_q_s[name], tgt.tpot_s)
+        if knobs.max_queued_requests is not None:
+            out["queue_requests"] = (st.queued_q, float(knobs.max_queued_requests))
+        if knobs.max_queued_prompt_tokens is not None:
+            out["queue_prompt_tokens"] = (
+                st.queued_prompt_tokens_q, float(knobs.max_queued_prompt_tokens)
+            )
+        return out
+
+    def violations(self, knobs: Knobs, x: float, *, only_stability: bool = False) -> list[str]:
+        st = self.state(knobs, x)
+        names = []
+        for name, (value, limit) in self.conditions(knobs, st).items():
+            if only_stability and name not in ("budget", "seats", "kv_memory"):
+                continue
+            if not float(value[0]) <= limit:
+                names.append(name)
+        return names
+
+    def x_upper(self, knobs: Knobs) -> float:
+        """No load beyond this keeps the budget stable."""
+        return BUDGET_UTIL_MAX * knobs.max_num_batched_tokens / self.tokens
+
+    def limits(self, knobs: Knobs, *, grid: int = 96, refine: int = 30) -> dict[str, Limit]:
+        """For each condition, the largest x that meets it (vectorised scan + bisection)."""
+        hi = self.x_upper(knobs)
+        xs = hi * np.concatenate([[1e-9], np.geomspace(1e-6, 1.0, grid)])
+        st = self.state(knobs, xs)
+        conds = self.conditions(knobs, st)
+        out: dict[str, Limit] = {}
+        names = list(conds)
+        lo = np.zeros(len(names))
+        up = np.zeros(len(names))
+        todo = np.zeros(len(names), dtype=bool)
+        for i, name in enumerate(names):
+            value, limit = conds[name]
+            ok = np.asarray(value <= limit)
+            floor_value = float(value[0])
+            bad = np.flatnonzero(~ok)
+            if not ok[0]:
+                out[name] = Limit(name, 0.0, floor_value, limit)
+            elif len(bad) == 0:
+                out[name] = Limit(name, float(xs[-1]), floor_value, limit)
+            else:
+                j = int(bad[0])
+                lo[i], up[i], todo[i] = xs[j - 1], xs[j], True
+                out[name] = Limit(name, float(lo[i]), floor_value, limit)
+        if todo.any():
+            # Bisect every open condition at once: one vectorised state per round.
+            for _ in range(refine):
+                mid = 0.5 * (lo + up)
+                mid_conds = self.conditions(knobs, self.state(knobs, mid))
+                for i, name in enumerate(names):
+                    if todo[i]:
+                        value, limit = mid_conds[name]
+                        if float(value[i]) <= limit:
+                            lo[i] = mid[i]
+                        else:
+                            up[i] = mid[i]
+            for i, name in enumerate(names):
+                if todo[i]:
+                    prev = out[name]
+                    out[name] = Limit(name, float(lo[i]), prev.floor_value, prev.target)
+        return out
+
+    def limits_many(
+        self, points: Sequence[Knobs], *, grid: int = 96, refine: int = 30
+    ) -> list[dict[str, Limit]]:
+        """:meth:`limits` for many points at once. The state depends only on the token
+        budget and the chunk cap (seats, watermark and queue caps only move the limits),
+        so points sharing those two share every state evaluation."""
+        out: list[dict[str, Limit] | None] = [None] * len(points)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, k in enumerate(points):
+            key = (k.max_num_batched_tokens, k.long_prefill_token_threshold)
+            groups.setdefault(key, []).append(i)
+        for members in groups.values():
+            # Values do not depend on the caps' levels; set them so every condition exists.
+            rep = replace(points[members[0]], max_queued_requests=1, max_queued_prompt_tokens=1)
+            hi = self.x_upper(rep)
+            xs = hi * np.concatenate([[1e-9], np.geomspace(1e-6, 1.0, grid)])
+            st = self.state(rep, xs)
+            pairs: list[tuple[int, str, float]] = []  # (point, condition, its limit)
+            lo_l: list[float] = []
+            up_l: list[float] = []
+            for i in members:
+                res: dict[str, Limit] = {}
+                for name, (value, limit) in self.conditions(points[i], st).items():
+                    ok = np.asarray(value <= limit)
+                    floor_value = float(value[0])
+                    bad = np.flatnonzero(~ok)
+                    if not ok[0]:
+                        res[name] = Limit(name, 0.0, floor_value, limit)
+                    elif len(bad) == 0:
+                        res[name] = Limit(name, float(xs[-1]), floor_value, limit)
+                    else:
+                        j = int(bad[0])
+                        res[name] = Limit(name, float(xs[j - 1]), floor_value, limit)
+                        pairs.append((i, name, limit))
+                        lo_l.append(float(xs[j - 1]))
+                        up_l.append(float(xs[j]))
+                out[i] = res
+            if not pairs:
+                continue
+            lo = np.array(lo_l)
+            up = np.array(up_l)
+            for _ in range(refine):
+                mid = 0.5 * (lo + up)
+                mid_conds = self.conditions(rep, self.state(rep, mid))
+                values = np.array(
+                    [float(mid_conds[name][0][j]) for j, (_, name, _) in enumerate(pairs)]
+                )
+                limits = np.array([lim for _, _, lim in pairs])
+                good = values <= limits
+                lo = np.where(good, mid, lo)
+                up = np.where(good, up, mid)
+            for j, (i, name, _) in enumerate(pairs):
+                prev = out[i][name]
+                out[i][name] = Limit(name, float(lo[j]), prev.floor_value, prev.target)
+        return [o or {} for o in out]
+
+    def goodput(self, knobs: Knobs) -> tuple[float, str, dict[str, Limit]]:
+        """(largest sustainable rate at the SLOs, the binding condition, all limits)."""
+        lims = self.limits(knobs)
+        binding = min(lims.values(), key=lambda lim: (lim.x_max, lim.name))
+        x = binding.x_max
+        rate = float(x / self.mean_step_s(x)) if x > 0 else 0.0
+        return rate, binding.name, lims
+
+
+def knobs_grid(space_knobs: dict[str, list[Any]], base: Knobs | None = None) -> list[Knobs]:
+    """Every valid Knobs combination of a search space (``max_num_batched_tokens >=
+    max_num_seqs``, as vLLM requires); knobs the fluid model does not know are ignored
+    here and handled by the caller."""
+    base = base or Knobs(1024, 8192)
+    names = [p for p in space_knobs if p in Knobs.FIELDS]
+    out: list[Knobs] = []
+
+    def rec(i: int, cur: dict[str, Any]) -> None:
+        if i == len(names):
+            k = replace(base, **{Knobs.FIELDS[p]: v for p, v in cur.items()})
+            if k.max_num_batched_tokens >= k.max_num_seqs:
+                out.append(k)
+            return
+        for v in space_knobs[names[i]]:
+            cur[names[i]] = v
+            rec(i + 1, cur)
+        cur.pop(names[i], None)
+
+    rec(0, {})
+    return out
+
+
+def describe_binding(name: str, limit: Limit, quantile_label: Iterable[str] = ()) -> str:
+    """A sentence for a condition that cannot hold even at vanishing load."""
+    if name.startswith("tpot["):
+        return (
+            f"TPOT cannot go below {limit.floor_value * 1e3:.0f} ms on this GPU and model; "
+            f"target {limit.target * 1e3:.0f} ms"
+        )
+    if name.startswith("ttft["):
+        return (
+            f"TTFT cannot go below {limit.floor_value:.3g} s on this GPU and model; "
+            f"target {limit.target:.3g} s"
+        )
+    if name == "kv_memory":
+        return (
+            f"the KV cache ({limit.target:.0f} tokens after the watermark) cannot hold even "
+            f"a few requests ({limit.floor_value:.0f} tokens needed)"
+        )
+    if name == "seats":
+        return "max_num_seqs is too small for even the lightest load"
+    return f"{name} cannot be met even at vanishing load"

@@ -1,0 +1,222 @@
+"""Background-job placement (CP-SAT): put the work of batch jobs into the spare capacity
+that interactive traffic leaves on each GPU type in each time slot.
+
+Sets
+    J  jobs;  T  GPU types;  S  time slots 0..H-1 (the horizon)
+Parameters
+    cap[t,s]   spare work units of type t in slot s (all its replicas together)
+    W[j]       work units of job j
+    r[j]       first slot job j may use (its release, rounded up to a slot start)
+    d[j]       last slot job j may use (its deadline, rounded down to a slot end)
+    v[j]       value of completing job j by its deadline (integer, scaled)
+    pre[j]     job j may pause between slots and move between types
+Variables
+    x[j,t,s]   in Z>=0   work of job j done on type t in slot s (only for r[j] <= s <= d[j])
+    done[j]    in {0,1}  job j completes by its deadline
+    act[j,s]   in {0,1}  job j does work in slot s
+    fin[j]     in Z      last slot in which job j works
+    on[j,t]    in {0,1}  (non-preemptible only) the one type job j runs on
+    start[j,s] in {0,1}  (non-preemptible only) job j starts in slot s
+Constraints
+    complete[j]:    sum_{t,s} x[j,t,s] = W[j] done[j]      (no partial work is scheduled)
+    cumulative[t,s]: sum_j x[j,t,s] <= cap[t,s]
+    active[j,s]:    sum_t x[j,t,s] <= W[j] act[j,s];  fin[j] >= s act[j,s]
+    non-preemptible j: sum_t on[j,t] = done[j];  x[j,t,s] <= W[j] on[j,t];
+                    sum_s start[j,s] <= 1;  act[j,s] <= act[j,s-1] + start[j,s];
+                    sum_t x[j,t,s] >= act[j,s]  (a started job keeps working until done)
+Objective (lexicographic, two solves)
+    1. maximize  sum_j v[j] done[j]                      (completed value)
+    2. with that value fixed, minimize  sum_j fin[j]   (total lateness fin - d of the
+       completed jobs, since d is fixed: finish as early as the value allows)
+
+Jobs left out are explained by :func:`explain_unplaced` (window shorter than a slot,
+more work than the spare capacity in the window, no contiguous run long enough, or
+crowded out by more valuable jobs).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ortools.sat.python import cp_model
+
+
+@dataclass(frozen=True)
+class PlacementJob:
+    id: str
+    work: int  # units
+    release_slot: int
+    deadline_slot: int  # last usable slot (inclusive); < release_slot = empty window
+    value: int
+    preemptible: bool = True
+
+
+@dataclass(frozen=True)
+class PlacementInstance:
+    types: tuple[str, ...]
+    n_slots: int
+    cap: dict[tuple[str, int], int]  # (type, slot) -> spare units
+    jobs: tuple[PlacementJob, ...]
+
+
+@dataclass
+class JobPlacement:
+    id: str
+    done: bool
+    finish_slot: int | None
+    work: dict[tuple[str, int], int] = field(default_factory=dict)  # (type, slot) -> units
+
+
+@dataclass
+class PlacementSolution:
+    status: str  # optimal | feasible
+    value: int
+    total_finish: int
+    jobs: dict[str, JobPlacement]
+    solver_s: float
+
+
+def _window(job: PlacementJob, n_slots: int) -> range:
+    return range(max(0, job.release_slot), min(n_slots - 1, job.deadline_slot) + 1)
+
+
+def build_model(inst: PlacementInstance) -> tuple[cp_model.CpModel, dict]:
+    """The CP-SAT model of the module docstring; returns the model and its variables."""
+    m = cp_model.CpModel()
+    x: dict[tuple[str, str, int], cp_model.IntVar] = {}
+    done: dict[str, cp_model.IntVar] = {}
+    act: dict[tuple[str, int], cp_model.IntVar] = {}
+    fin: dict[str, cp_model.IntVar] = {}
+    fin_lo: dict[str, int] = {}
+    for j in inst.jobs:
+        window = _window(j, inst.n_slots)
+        done[j.id] = m.NewBoolVar(f"done[{j.id}]")
+        lo = window.start if len(window) else 0
+        hi = window[-1] if len(window) else 0
+        fin[j.id] = m.NewIntVar(lo, hi, f"fin[{j.id}]")
+        fin_lo[j.id] = lo
+        if not len(window):
+            m.Add(done[j.id] == 0)
+            continue
+        for s in window:
+            act[j.id, s] = m.NewBoolVar(f"act[{j.id},{s}]")
+            for t in inst.types:
+                ub = min(j.work, inst.cap.get((t, s), 0))
+                x[j.id, t, s] = m.NewIntVar(0, max(0, ub), f"x[{j.id},{t},{s}]")
+            m.Add(sum(x[j.id, t, s] for t in inst.types) <= j.work * act[j.id, s])
+            m.Add(fin[j.id] >= s * act[j.id, s])
+        # complete[j]
+        m.Add(sum(x[j.id, t, s] for t in inst.types for s in window) == j.work * done[j.id])
+        if not j.preemptible:
+            on = {t: m.NewBoolVar(f"on[{j.id},{t}]") for t in inst.types}
+            m.Add(sum(on.values()) == done[j.id])
+            for t in inst.types:
+                for s in window:
+                    m.Add(x[j.id, t, s] <= j.work * on[t])
+            start = {s: m.NewBoolVar(f"start[{j.id},{s}]") for s in window}
+            m.Add(sum(start.values()) <= 1)
+            for s in window:
+                prev = act[j.id, s - 1] if s - 1 in window else 0
+                m.Add(act[j.id, s] <= prev + start[s])
+                m.Add(sum(x[j.id, t, s] for t in inst.types) >= act[j.id, s])
+    # cumulative[t,s]
+    for t in inst.types:
+        for s in range(inst.n_slots):
+            terms = [x[j.id, t, s] for j in inst.jobs if (j.id, t, s) in x]
+            if terms:
+                m.Add(sum(terms) <= inst.cap.get((t, s), 0))
+    value = sum(j.value * done[j.id] for j in inst.jobs)
+    return m, {"x": x, "done": done, "act": act, "fin": fin, "fin_lo": fin_lo, "value": value}
+
+
+def _solver(time_limit_s: float) -> cp_model.CpSolver:
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = 1  # deterministic
+    solver.parameters.random_seed = 0
+    return solver
+
+
+def solve_placement(inst: PlacementInstance, *, time_limit_s: float = 20.0) -> PlacementSolution:
+    """Maximize completed value, then minimize total finish slot (lateness)."""
+    t0 = time.perf_counter()
+    m, v = build_model(inst)
+    m.Maximize(v["value"])
+    solver = _solver(time_limit_s / 2)
+    st = solver.Solve(m)
+    if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        # Every job may be left out, so the model is always feasible; no incumbent
+        # means the time limit was too short.
+        raise RuntimeError(f"placement: CP-SAT status {solver.StatusName(st)}")
+    best_value = int(round(solver.ObjectiveValue()))
+    status = "optimal" if st == cp_model.OPTIMAL else "feasible"
+    # Stage 2: keep the value, finish early. Hint with stage 1's answer.
+    m.ClearObjective()
+    m.Add(v["value"] >= best_value)
+    for var in list(v["x"].values()) + list(v["done"].values()) + list(v["act"].values()):
+        m.AddHint(var, solver.Value(var))
+    for j in inst.jobs:
+        fin = v["fin"][j.id]
+        # Not done: fin is free; pin it to its lower bound so it does not count.
+        m.Add(fin == v["fin_lo"][j.id]).OnlyEnforceIf(v["done"][j.id].Not())
+    m.Minimize(sum(v["fin"].values()))
+    solver2 = _solver(time_limit_s / 2)
+    st2 = solver2.Solve(m)
+    if st2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        solver = solver2
+        if st2 != cp_model.OPTIMAL:
+            status = "feasible"
+    jobs: dict[str, JobPlacement] = {}
+    total_finish = 0
+    for j in inst.jobs:
+        d = bool(solver.Value(v["done"][j.id]))
+        work = {
+            (t, s): int(solver.Value(var))
+            for (jid, t, s), var in v["x"].items()
+            if jid == j.id and solver.Value(var) > 0
+        }
+        fin = max((s for (_t, s) in work), default=None) if d else None
+        if fin is not None:
+            total_finish += fin
+        ordered = dict(sorted(work.items(), key=lambda kv: (kv[0][1], kv[0][0])))
+        jobs[j.id] = JobPlacement(j.id, d, fin, ordered)
+    value = sum(j.value for j in inst.jobs if jobs[j.id].done)
+    return PlacementSolution(status, value, total_finish, jobs, time.perf_counter() - t0)
+
+
+def explain_unplaced(inst: PlacementInstance, sol: PlacementSolution, job_id: str) -> str:
+    """Why job ``job_id`` is not in the schedule, in one line."""
+    job = next(j for j in inst.jobs if j.id == job_id)
+    window = _window(job, inst.n_slots)
+    if not len(window):
+        return "no whole slot lies between its release and its deadline"
+    alone = sum(inst.cap.get((t, s), 0) for t in inst.types for s in window)
+    if alone < job.work:
+        return (
+            f"needs {job.work} work units but only {alone} are spare in its window "
+            f"(slots {window.start}-{window[-1]}) even with the GPUs to itself"
+        )
+    if not job.preemptible:
+        best = 0
+        for t in inst.types:
+            for a in window:
+                run = 0
+                for s in range(a, window[-1] + 1):
+                    if inst.cap.get((t, s), 0) < 1:
+                        break
+                    run += inst.cap.get((t, s), 0)
+                best = max(best, run)
+        if best < job.work:
+            return (
+                f"not preemptible: needs {job.work} units in one unbroken run on one GPU type; "
+                f"the longest such run in its window offers {best}"
+            )
+    used = sum(
+        u for p in sol.jobs.values() if p.id != job_id for (_t, s), u in p.work.items()
+        if s in window
+    )
+    return (
+        f"crowded out: its window has {alone} spare units, {used} go to more valuable or "
+        f"earlier jobs, and it needs {job.work}"
+    )

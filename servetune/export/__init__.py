@@ -1,0 +1,257 @@
+"""Engine config export: a servetune Policy as the config file each engine reads.
+
+``export_policy(policy, engine, profile=None)`` returns an :class:`ExportResult` with
+the file's text, the policy settings the engine cannot express (``unsupported``: each
+says what the user needs instead, a router rule or a gateway limit), approximations
+(``notes``) and the conventional file name. Both lists are also written as comments at
+the top of the file, so nothing is dropped silently.
+
+Engines and their formats (``reference/engines.md`` sections 1.2-1.5, 2.1, 3, 4, 6):
+
+- ``vllm``: ``vllm serve MODEL --config vllm.yaml`` (long option names, kebab-case);
+- ``sglang``: ``python -m sglang.launch_server --config sglang.yaml`` (CLI names);
+- ``trtllm``: ``trtllm-serve MODEL --extra_llm_api_options trtllm.yaml`` (LLM-API fields);
+- ``tgi``: ``text-generation-launcher`` flags and their environment variables (TGI has no
+  config file), as a shell file to source.
+
+Memory settings come from the GPU profile the policy was tuned with: the optimizer
+writes it into ``metadata.profile`` (``gpu_memory_bytes``, ``weight_bytes``,
+``gpu_memory_utilization``, ``activation_bytes``, ``block_size``, ``kv_blocks``); an
+explicit ``profile`` argument (a Profile document or such a mapping) takes precedence.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from servetune import __version__
+from servetune.errors import ServetuneError
+from servetune.schemas.policy import Policy
+
+ENGINES: tuple[str, ...] = ("vllm", "sglang", "trtllm", "tgi")
+
+FILENAMES: dict[str, str] = {
+    "vllm": "vllm.yaml",
+    "sglang": "sglang.yaml",
+    "trtllm": "trtllm.yaml",
+    "tgi": "tgi.sh",
+}
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """One engine's config: its text, what it cannot express, and its file name."""
+
+    engine: str
+    text: str
+    unsupported: list[str]
+    filename: str
+    notes: list[str] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)  # the emitted keys and values
+    args: list[str] = field(default_factory=list)  # launcher arguments (TGI)
+    env: dict[str, str] = field(default_factory=dict)  # environment variables (TGI)
+
+
+@dataclass(frozen=True)
+class MemoryFacts:
+    """What the exporters need to know about the GPU and model the policy was tuned for.
+
+    ``gpu_memory_utilization`` is vLLM's share of *total* GPU memory for weights,
+    activations and KV; ``activation_bytes`` the activation/CUDA-graph reserve inside it.
+    """
+
+    gpu_memory_bytes: int | None = None
+    weight_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    activation_bytes: int | None = None
+    block_size: int | None = None
+    kv_blocks: int | None = None
+    source: str = ""
+
+    @property
+    def kv_tokens(self) -> int | None:
+        if self.kv_blocks is None or self.block_size is None:
+            return None
+        return self.kv_blocks * self.block_size
+
+    def missing(self, *names: str) -> list[str]:
+        return [n for n in names if getattr(self, n) is None]
+
+
+_FACT_NAMES = (
+    "gpu_memory_bytes",
+    "weight_bytes",
+    "gpu_memory_utilization",
+    "activation_bytes",
+    "block_size",
+    "kv_blocks",
+)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return None
+    return out if math.isfinite(out) else None
+
+
+# Other spellings of the same facts (Profile.memory_summary() uses the long ones).
+_ALIASES = {
+    "weight_bytes_per_gpu": "weight_bytes",
+    "activation_reserve_bytes": "activation_bytes",
+}
+
+
+def _facts_from_mapping(data: Mapping[str, Any], source: str) -> MemoryFacts:
+    data = {_ALIASES.get(str(k), str(k)): v for k, v in data.items()}
+    values: dict[str, Any] = {}
+    for name in _FACT_NAMES:
+        raw = data.get(name)
+        num = _number(raw)
+        if raw is not None and num is None:
+            raise ServetuneError(f"{source}: {name}: expected a number (got {raw!r})")
+        if num is None:
+            continue
+        if name == "gpu_memory_utilization":
+            if not 0.0 < num <= 1.0:
+                raise ServetuneError(f"{source}: {name}: must be in (0, 1] (got {raw!r})")
+            values[name] = num
+        else:
+            if num < 0 or (name in ("block_size", "gpu_memory_bytes") and num <= 0):
+                raise ServetuneError(f"{source}: {name}: must be positive (got {raw!r})")
+            values[name] = int(num)
+    return MemoryFacts(source=source, **values)
+
+
+def profile_memory_facts(profile: Any) -> dict[str, Any]:
+    """The facts of a Profile document as a plain mapping (what the optimizer stores in a
+    policy's ``metadata.profile``): its ``memory_summary()`` in this module's names."""
+    summary = profile.memory_summary() if hasattr(profile, "memory_summary") else {}
+    data = {_ALIASES.get(k, k): v for k, v in summary.items()}
+    out = {name: data[name] for name in _FACT_NAMES if data.get(name) is not None}
+    if "name" not in out and getattr(profile, "name", None):
+        out = {"name": profile.name, **out}
+    return out
+
+
+def _facts_from_profile(profile: Any) -> MemoryFacts:
+    source = f"profile {getattr(profile, 'name', '')!r}"
+    return _facts_from_mapping(profile_memory_facts(profile), source)
+
+
+def memory_facts(policy: Policy, profile: Any = None) -> MemoryFacts:
+    """The memory facts from ``profile`` when given, else the policy's
+    ``metadata.profile``, else an empty set (exporters then say what they could not pin)."""
+    if profile is not None:
+        if isinstance(profile, MemoryFacts):
+            return profile
+        if isinstance(profile, Mapping):
+            return _facts_from_mapping(profile, "--profile")
+        return _facts_from_profile(profile)
+    meta = policy.metadata.get("profile") if isinstance(policy.metadata, dict) else None
+    if isinstance(meta, Mapping):
+        return _facts_from_mapping(meta, f"policy {policy.name!r}: metadata.profile")
+    return MemoryFacts()
+
+
+def header(engine_title: str, usage: str, policy: Policy, unsupported: list[str],
+           notes: list[str]) -> str:
+    """The comment block at the top of every exported file."""
+    lines = [
+        f"{engine_title} config exported by servetune {__version__} from policy "
+        f"{policy.name!r}.",
+        f"Use: {usage}",
+    ]
+    if unsupported:
+        lines.append("")
+        lines.append(f"NOT EXPRESSIBLE in {engine_title} ({len(unsupported)}): the policy "
+                     "sets these, the engine has no such knob; do this instead:")
+        lines += [f"  - {item}" for item in unsupported]
+    else:
+        lines.append("Every policy setting is expressed below; nothing was left out.")
+    if notes:
+        lines.append("")
+        lines.append("Notes:")
+        lines += [f"  - {item}" for item in notes]
+    out = []
+    for line in lines:
+        if not line:
+            out.append("#")
+            continue
+        indent = "    " if line.startswith("  - ") else "  "
+        out += textwrap.wrap(line, width=98, initial_indent="# ",
+                             subsequent_indent="# " + indent, break_on_hyphens=False)
+    return "\n".join(out) + "\n"
+
+
+def lane_summary(policy: Policy) -> str:
+    lr = policy.long_requests
+    parts = [f"threshold {lr.threshold_tokens} tokens (prompt + expected output)"]
+    if lr.reserved_seqs:
+        parts.append(f"{lr.reserved_seqs} reserved seats")
+    if lr.reserved_kv_fraction:
+        parts.append(f"{lr.reserved_kv_fraction:g} of KV reserved")
+    if lr.max_seqs is not None:
+        parts.append(f"at most {lr.max_seqs} running")
+    if lr.max_kv_fraction < 1.0:
+        parts.append(f"at most {lr.max_kv_fraction:g} of KV")
+    return ", ".join(parts)
+
+
+def lanes_instead(policy: Policy) -> str:
+    """What a user needs in place of long-request lanes on an engine without them."""
+    lr = policy.long_requests
+    cap = (
+        f"; cap concurrent long requests at {lr.max_seqs} with a gateway concurrency limit"
+        if lr.max_seqs is not None
+        else ""
+    )
+    return (
+        f"long_requests ({lane_summary(policy)}): the engine has no long-request lanes; "
+        f"instead add a router rule sending requests whose prompt + max_tokens >= "
+        f"{lr.threshold_tokens} to a separate replica pool (or a gateway queue of their own)"
+        f"{cap}"
+    )
+
+
+def class_priority_instead(policy: Policy, engine_title: str, *, flip: bool = False) -> str:
+    """Per-class priorities travel with each request; say which value each class sends."""
+    pairs = ", ".join(
+        f"{name}={(-cp.priority if flip else cp.priority)}"
+        for name, cp in sorted(policy.classes.items())
+    )
+    return (
+        f"classes.*.priority ({pairs}): {engine_title} takes priority per request, not per "
+        f"class; set the request's `priority` field to these values at the gateway or client"
+    )
+
+
+def export_policy(policy: Policy, engine: str, *, profile: Any = None) -> ExportResult:
+    """Translate ``policy`` into ``engine``'s config file (see the module docstring)."""
+    from servetune.export import sglang, tgi, trtllm, vllm
+
+    modules = {"vllm": vllm, "sglang": sglang, "trtllm": trtllm, "tgi": tgi}
+    if engine not in modules:
+        raise ServetuneError(
+            f"engine {engine!r} is not supported; choose one of {', '.join(ENGINES)}"
+        )
+    facts = memory_facts(policy, profile)
+    return modules[engine].export(policy, facts)
+
+
+__all__ = [
+    "ENGINES",
+    "FILENAMES",
+    "ExportResult",
+    "MemoryFacts",
+    "export_policy",
+    "memory_facts",
+    "profile_memory_facts",
+]

@@ -1,0 +1,142 @@
+"""SGLang: a ``launch_server --config`` YAML with the CLI names (engines.md 2.1-2.3).
+
+Mapping:
+
+- ``batching.max_num_seqs`` -> ``max-running-requests``;
+- ``batching.max_num_batched_tokens`` -> ``chunked-prefill-size`` (``-1`` when chunked
+  prefill is off) and ``max-prefill-tokens``; SGLang budgets prefill only, decode rows
+  are not counted (a note says so);
+- ``scheduling: priority`` -> ``enable-priority-scheduling`` with
+  ``schedule-low-priority-values-first`` (SGLang serves *higher* values first by default;
+  servetune, like vLLM, serves *lower* values first, so the sign convention is flipped by
+  the flag and request values stay the same on every engine), ``retraction-policy:
+  priority`` (lowest priority retracted first, as vLLM preempts) and
+  ``disable-priority-preemption`` (the simulated policy never preempts on arrival);
+- ``admission.max_queued_requests`` caps waiting + running; SGLang's
+  ``max-queued-requests`` caps the waiting queue only, so it gets the cap minus the
+  running-set cap;
+- the profile -> ``mem-fraction-static`` (weights + KV share of total memory, i.e. vLLM's
+  utilization minus the activation reserve) and ``max-total-tokens`` (the KV pool in
+  tokens the policy was tuned for);
+- ``schedule-conservativeness`` stays 1.0: SGLang reserves future output instead of a
+  watermark, and no scale of it is equivalent to one.
+
+Not expressible: ``long_prefill_token_threshold`` (no per-request chunk cap; PR #34554 was
+closed unmerged), ``kv_watermark``, ``reserve_full_prompt: false``,
+``max_queued_prompt_tokens``, long-request lanes, per-class priorities.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from servetune.export import (
+    FILENAMES,
+    ExportResult,
+    MemoryFacts,
+    class_priority_instead,
+    header,
+    lanes_instead,
+)
+from servetune.schemas.base import dump_yaml
+from servetune.schemas.policy import Policy
+
+TITLE = "SGLang"
+USAGE = (
+    "python -m sglang.launch_server --model-path MODEL --config sglang.yaml   "
+    "(command-line flags override this file)"
+)
+
+
+def mem_fraction_static(facts: MemoryFacts) -> float | None:
+    """SGLang's share of total memory for weights + KV pool: vLLM's utilization (weights,
+    activations, KV) less the activation reserve, which SGLang keeps outside the fraction."""
+    if facts.gpu_memory_utilization is None:
+        return None
+    if facts.activation_bytes is None or facts.gpu_memory_bytes is None:
+        return facts.gpu_memory_utilization
+    return (
+        facts.gpu_memory_utilization * facts.gpu_memory_bytes - facts.activation_bytes
+    ) / facts.gpu_memory_bytes
+
+
+def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
+    b, a = policy.batching, policy.admission
+    settings: dict[str, Any] = {
+        "max-running-requests": b.max_num_seqs,
+        "chunked-prefill-size": b.max_num_batched_tokens if b.enable_chunked_prefill else -1,
+        "max-prefill-tokens": b.max_num_batched_tokens,
+        "schedule-policy": "fcfs",
+        "schedule-conservativeness": 1.0,
+    }
+    notes = [
+        "SGLang's chunked-prefill-size and max-prefill-tokens budget prefill tokens only; "
+        "decode rows are not counted against them as they are in vLLM's budget",
+        "SGLang admits against prompt + a decaying estimate of future output (engines.md "
+        "2.2) rather than the prompt alone; schedule-conservativeness 1.0 is its default",
+    ]
+    unsupported: list[str] = []
+
+    if policy.scheduling == "priority":
+        settings["enable-priority-scheduling"] = True
+        settings["schedule-low-priority-values-first"] = True
+        settings["retraction-policy"] = "priority"
+        settings["disable-priority-preemption"] = True
+        if policy.classes:
+            unsupported.append(class_priority_instead(policy, TITLE))
+
+    if a.max_queued_requests is not None:
+        waiting_cap = max(1, a.max_queued_requests - b.max_num_seqs)
+        settings["max-queued-requests"] = waiting_cap
+        notes.append(
+            f"max-queued-requests caps the waiting queue only: set to admission."
+            f"max_queued_requests ({a.max_queued_requests}) - max-running-requests "
+            f"({b.max_num_seqs}), floored at 1, so waiting + running stays within the cap"
+        )
+
+    fraction = mem_fraction_static(facts)
+    if fraction is not None:
+        settings["mem-fraction-static"] = round(fraction, 4)
+    else:
+        notes.append(
+            "mem-fraction-static not set (no profile): SGLang sizes its KV pool itself; pass "
+            "--profile to pin the pool the policy was tuned for"
+        )
+    if facts.kv_tokens is not None:
+        settings["max-total-tokens"] = facts.kv_tokens
+
+    if b.long_prefill_token_threshold > 0:
+        unsupported.append(
+            f"batching.long_prefill_token_threshold ({b.long_prefill_token_threshold}): "
+            "SGLang has no per-request chunk cap, so one long prompt takes a whole prefill "
+            "pass; route very long prompts to a separate replica with a router rule"
+        )
+    if a.kv_watermark > 0:
+        unsupported.append(
+            f"admission.kv_watermark ({a.kv_watermark:g}): SGLang keeps no free-KV "
+            "watermark; raise schedule-conservativeness (> 1) for more headroom, or lower "
+            "mem-fraction-static"
+        )
+    if not a.reserve_full_prompt:
+        unsupported.append(
+            "admission.reserve_full_prompt (false): SGLang always reserves the whole prompt "
+            "at admission; nothing to do unless you relied on over-admission"
+        )
+    if a.max_queued_prompt_tokens is not None:
+        unsupported.append(
+            f"admission.max_queued_prompt_tokens ({a.max_queued_prompt_tokens}): SGLang has "
+            "no cap on queued prompt tokens; enforce it with a gateway limit that returns "
+            "HTTP 503 when prompts still in prefill exceed it"
+        )
+    if policy.long_requests.enabled:
+        unsupported.append(lanes_instead(policy))
+
+    text = header(TITLE, USAGE, policy, unsupported, notes) + dump_yaml(settings)
+    return ExportResult(
+        engine="sglang",
+        text=text,
+        unsupported=unsupported,
+        filename=FILENAMES["sglang"],
+        notes=notes,
+        settings=settings,
+    )

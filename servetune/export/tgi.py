@@ -1,0 +1,123 @@
+"""TGI: ``text-generation-launcher`` flags and environment variables (engines.md 3).
+
+TGI reads no config file, so the export is a POSIX shell file: ``export NAME=value``
+lines (each launcher flag's environment variable is its long name in UPPER_SNAKE case;
+without ``export`` the lines also suit ``docker run --env-file``) and the same settings as
+one shell-ready argument string ``TGI_ARGS``.
+
+Mapping: ``batching.max_num_batched_tokens`` -> ``--max-batch-prefill-tokens`` (prefill
+only); ``batching.enable_chunked_prefill`` -> ``PREFILL_CHUNKING`` (an environment
+variable only); ``admission.max_queued_requests`` -> ``--max-concurrent-requests``
+(in-flight requests beyond it get HTTP 429, servetune's shedding); the profile's
+``gpu_memory_utilization`` -> ``--cuda-memory-fraction``. ``--max-batch-total-tokens`` is
+not emitted: flash-attention models ignore it and size the KV pool themselves.
+
+Not expressible: the running-batch cap ``max_num_seqs`` (``--max-batch-size`` applies
+only to padded hardware), priorities (TGI is strictly FIFO), the per-request chunk cap,
+the watermark (TGI reserves prompt + max_new_tokens up front and never over-commits),
+``max_queued_prompt_tokens``, long-request lanes.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from servetune.export import FILENAMES, ExportResult, MemoryFacts, header, lanes_instead
+from servetune.schemas.policy import Policy
+
+TITLE = "TGI"
+USAGE = (
+    "set -a; . ./tgi.sh; set +a; text-generation-launcher --model-id MODEL   "
+    "(or: text-generation-launcher --model-id MODEL $TGI_ARGS)"
+)
+
+
+def env_name(flag: str) -> str:
+    """``--max-batch-prefill-tokens`` -> ``MAX_BATCH_PREFILL_TOKENS`` (clap's env names)."""
+    return flag.lstrip("-").replace("-", "_").upper()
+
+
+def _value(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
+    b, a = policy.batching, policy.admission
+    flags: dict[str, object] = {"--max-batch-prefill-tokens": b.max_num_batched_tokens}
+    notes: list[str] = [
+        "--max-batch-prefill-tokens budgets prefill tokens only; TGI's decode rows are not "
+        "counted against it as they are in vLLM's budget",
+    ]
+    if a.max_queued_requests is not None:
+        flags["--max-concurrent-requests"] = a.max_queued_requests
+    else:
+        notes.append(
+            "--max-concurrent-requests not set: TGI's default (128) rejects in-flight "
+            "requests beyond 128 with HTTP 429, while the policy sets no cap; raise it above "
+            "your peak concurrency"
+        )
+    if facts.gpu_memory_utilization is not None:
+        flags["--cuda-memory-fraction"] = round(facts.gpu_memory_utilization, 4)
+    else:
+        notes.append(
+            "--cuda-memory-fraction not set (no profile): TGI's default 1.0 applies; pass "
+            "--profile to pin the memory share the policy was tuned for"
+        )
+    args: list[str] = []
+    for flag, value in flags.items():
+        args += [flag, _value(value)]
+    env = {env_name(flag): _value(value) for flag, value in flags.items()}
+    env["PREFILL_CHUNKING"] = "1" if b.enable_chunked_prefill else "0"
+
+    unsupported: list[str] = [
+        f"batching.max_num_seqs ({b.max_num_seqs}): TGI has no running-batch cap on "
+        "flash-attention models (the KV reservation bounds the batch); to bound in-flight "
+        "requests use --max-concurrent-requests (HTTP 429 beyond it) or a gateway limit",
+    ]
+    if policy.scheduling == "priority":
+        unsupported.append(
+            "scheduling (priority): TGI's queue is strictly first in, first out; serve "
+            "high-priority classes from their own replicas or queue them first at the gateway"
+        )
+    if b.long_prefill_token_threshold > 0:
+        unsupported.append(
+            f"batching.long_prefill_token_threshold ({b.long_prefill_token_threshold}): TGI "
+            "has no per-request chunk cap; route very long prompts to a separate replica "
+            "with a router rule"
+        )
+    if a.kv_watermark > 0:
+        unsupported.append(
+            f"admission.kv_watermark ({a.kv_watermark:g}): no watermark knob; TGI reserves "
+            "prompt + max_new_tokens at admission and never over-commits, so it needs none"
+        )
+    if not a.reserve_full_prompt:
+        unsupported.append(
+            "admission.reserve_full_prompt (false): TGI always reserves prompt + "
+            "max_new_tokens at admission; no over-admitting mode exists"
+        )
+    if a.max_queued_prompt_tokens is not None:
+        unsupported.append(
+            f"admission.max_queued_prompt_tokens ({a.max_queued_prompt_tokens}): no such "
+            "cap; enforce it at the gateway (HTTP 503 when queued prompt tokens exceed it)"
+        )
+    if policy.long_requests.enabled:
+        unsupported.append(lanes_instead(policy))
+
+    body = ["# Environment variables (without `export`, the lines suit docker --env-file):"]
+    body += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
+    body.append("# The same settings as launcher arguments (PREFILL_CHUNKING has no flag):")
+    body.append(f"TGI_ARGS={shlex.quote(shlex.join(args))}")
+    text = header(TITLE, USAGE, policy, unsupported, notes) + "\n".join(body) + "\n"
+    settings = {flag.lstrip("-"): value for flag, value in flags.items()}
+    return ExportResult(
+        engine="tgi",
+        text=text,
+        unsupported=unsupported,
+        filename=FILENAMES["tgi"],
+        notes=notes,
+        settings=settings,
+        args=args,
+        env=env,
+    )

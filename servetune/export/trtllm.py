@@ -1,0 +1,142 @@
+"""TensorRT-LLM: an ``--extra_llm_api_options`` YAML with LLM-API field names (engines.md 4).
+
+The file's keys are ``TorchLlmArgs`` fields (strict: unknown keys fail) and the file
+overrides the command line. Mapping: ``batching.max_num_seqs`` -> ``max_batch_size``;
+``batching.max_num_batched_tokens`` -> ``max_num_tokens``; ``enable_chunked_prefill``;
+``scheduler_config.capacity_scheduler_policy: GUARANTEED_NO_EVICT`` (prompt + maximum
+output reserved at admission, never evicts: the model servetune's ``trtllm`` engine
+simulates) and ``context_chunking_policy: FIRST_COME_FIRST_SERVED``.
+
+KV memory: vLLM's ``gpu_memory_utilization`` u is a share of *total* memory M for
+weights W, activations A and KV; TensorRT-LLM's ``kv_cache_config.free_gpu_memory_fraction``
+f is a share of the memory *free after* weights and buffers. Equal KV pools need
+
+    f = (u * M - W - A) / (M - W - A)
+
+(A = 0 when the profile gives no activation reserve). ``kv_cache_config.max_tokens`` pins
+the pool in tokens as well (the smaller of the two wins) and ``tokens_per_block`` the
+block size. Without M, W and u (from the policy's ``metadata.profile`` or ``--profile``)
+the export fails with a message naming what is missing.
+
+Not expressible: priorities (TensorRT-LLM schedules FCFS), per-request chunk cap, queue
+caps, watermark, long-request lanes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from servetune.errors import ServetuneError
+from servetune.export import (
+    FILENAMES,
+    ExportResult,
+    MemoryFacts,
+    header,
+    lanes_instead,
+)
+from servetune.schemas.base import dump_yaml
+from servetune.schemas.policy import Policy
+
+TITLE = "TensorRT-LLM"
+USAGE = (
+    "trtllm-serve MODEL --extra_llm_api_options trtllm.yaml   "
+    "(this file overrides command-line flags)"
+)
+
+
+def free_gpu_memory_fraction(facts: MemoryFacts) -> float:
+    """TensorRT-LLM's share of free memory (after weights and buffers) that gives the
+    same KV bytes as vLLM's share ``gpu_memory_utilization`` of total memory."""
+    missing = facts.missing("gpu_memory_bytes", "weight_bytes", "gpu_memory_utilization")
+    if missing:
+        where = facts.source or "the policy has no metadata.profile and no --profile was given"
+        raise ServetuneError(
+            f"{where}: TensorRT-LLM's kv_cache_config.free_gpu_memory_fraction needs "
+            f"{', '.join(missing)}; pass --profile P.yaml (the GPU profile the policy was "
+            "tuned with)"
+        )
+    total = float(facts.gpu_memory_bytes)  # type: ignore[arg-type]
+    reserved = float(facts.weight_bytes) + float(facts.activation_bytes or 0)  # type: ignore[arg-type]
+    kv_bytes = facts.gpu_memory_utilization * total - reserved  # type: ignore[operator]
+    free_after_weights = total - reserved
+    if kv_bytes <= 0 or free_after_weights <= 0:
+        raise ServetuneError(
+            f"{facts.source}: weights and activations ({reserved:.0f} B) leave no KV memory "
+            f"at gpu_memory_utilization {facts.gpu_memory_utilization} of {total:.0f} B; "
+            "check the profile"
+        )
+    return kv_bytes / free_after_weights
+
+
+def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
+    b, a = policy.batching, policy.admission
+    kv_cache_config: dict[str, Any] = {
+        "free_gpu_memory_fraction": round(free_gpu_memory_fraction(facts), 4),
+    }
+    if facts.kv_tokens is not None:
+        kv_cache_config["max_tokens"] = facts.kv_tokens
+    if facts.block_size is not None:
+        kv_cache_config["tokens_per_block"] = facts.block_size
+    settings: dict[str, Any] = {
+        "max_batch_size": b.max_num_seqs,
+        "max_num_tokens": b.max_num_batched_tokens,
+        "enable_chunked_prefill": b.enable_chunked_prefill,
+        "kv_cache_config": kv_cache_config,
+        "scheduler_config": {
+            "capacity_scheduler_policy": "GUARANTEED_NO_EVICT",
+            "context_chunking_policy": "FIRST_COME_FIRST_SERVED",
+        },
+    }
+    notes = [
+        "GUARANTEED_NO_EVICT reserves prompt + maximum output at admission and never evicts "
+        "(engines.md 4); MAX_UTILIZATION would admit like vLLM and pause requests instead",
+        "free_gpu_memory_fraction = (u*M - W - A) / (M - W - A) with u, M, W, A from "
+        f"{facts.source}: the same KV bytes as gpu_memory_utilization "
+        f"{facts.gpu_memory_utilization:g} of total memory gives vLLM",
+    ]
+    unsupported: list[str] = []
+    if policy.scheduling == "priority":
+        unsupported.append(
+            "scheduling (priority): TensorRT-LLM schedules first come, first served; serve "
+            "high-priority classes from their own replicas or queue them first at the gateway"
+        )
+    if b.long_prefill_token_threshold > 0:
+        unsupported.append(
+            f"batching.long_prefill_token_threshold ({b.long_prefill_token_threshold}): "
+            "TensorRT-LLM has no per-request chunk cap (only the chunking policy); route very "
+            "long prompts to a separate replica with a router rule"
+        )
+    if a.kv_watermark > 0:
+        unsupported.append(
+            f"admission.kv_watermark ({a.kv_watermark:g}): no watermark knob; "
+            "GUARANTEED_NO_EVICT never over-commits KV, so it needs none"
+        )
+    if not a.reserve_full_prompt:
+        unsupported.append(
+            "admission.reserve_full_prompt (false): GUARANTEED_NO_EVICT always reserves the "
+            "whole prompt and its maximum output; MAX_UTILIZATION is the closest over-admitting "
+            "mode"
+        )
+    if a.max_queued_requests is not None:
+        unsupported.append(
+            f"admission.max_queued_requests ({a.max_queued_requests}): trtllm-serve has no "
+            "queue cap; set a gateway concurrency limit of that many in-flight requests "
+            "(reject beyond with HTTP 503)"
+        )
+    if a.max_queued_prompt_tokens is not None:
+        unsupported.append(
+            f"admission.max_queued_prompt_tokens ({a.max_queued_prompt_tokens}): no such "
+            "cap; enforce it at the gateway (HTTP 503 when queued prompt tokens exceed it)"
+        )
+    if policy.long_requests.enabled:
+        unsupported.append(lanes_instead(policy))
+
+    text = header(TITLE, USAGE, policy, unsupported, notes) + dump_yaml(settings)
+    return ExportResult(
+        engine="trtllm",
+        text=text,
+        unsupported=unsupported,
+        filename=FILENAMES["trtllm"],
+        notes=notes,
+        settings=settings,
+    )

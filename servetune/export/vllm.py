@@ -1,0 +1,80 @@
+"""vLLM: a ``vllm serve --config`` YAML with the long option names (engines.md 1.2-1.5).
+
+Keys are kebab-case long option names, as vLLM's docs show for config files; the
+command line overrides the file. The V0-only ``max-num-partial-prefills`` family is never
+emitted: current vLLM rejects unknown scheduler keys (engines.md 1.2).
+
+Mapping: ``batching.*`` -> ``max-num-seqs``, ``max-num-batched-tokens``,
+``long-prefill-token-threshold``, ``enable-chunked-prefill``; ``scheduling`` ->
+``scheduling-policy``; ``admission.*`` -> ``watermark``, ``scheduler-reserve-full-isl``,
+``max-num-queued-reqs``, ``max-num-queued-tokens`` (queue caps only when set); the
+profile -> ``gpu-memory-utilization``, ``block-size``. Not expressible: long-request
+lanes (router rule) and per-class priorities (per-request field).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from servetune.export import (
+    FILENAMES,
+    ExportResult,
+    MemoryFacts,
+    class_priority_instead,
+    header,
+    lanes_instead,
+)
+from servetune.schemas.base import dump_yaml
+from servetune.schemas.policy import Policy
+
+TITLE = "vLLM"
+USAGE = "vllm serve MODEL --config vllm.yaml   (command-line flags override this file)"
+
+
+def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
+    b, a = policy.batching, policy.admission
+    settings: dict[str, Any] = {
+        "max-num-seqs": b.max_num_seqs,
+        "max-num-batched-tokens": b.max_num_batched_tokens,
+        "long-prefill-token-threshold": b.long_prefill_token_threshold,
+        "enable-chunked-prefill": b.enable_chunked_prefill,
+        "scheduling-policy": policy.scheduling,
+        "watermark": a.kv_watermark,
+        "scheduler-reserve-full-isl": a.reserve_full_prompt,
+    }
+    if a.max_queued_requests is not None:
+        settings["max-num-queued-reqs"] = a.max_queued_requests
+    if a.max_queued_prompt_tokens is not None:
+        settings["max-num-queued-tokens"] = a.max_queued_prompt_tokens
+
+    notes: list[str] = []
+    if facts.gpu_memory_utilization is not None:
+        settings["gpu-memory-utilization"] = round(facts.gpu_memory_utilization, 4)
+    else:
+        notes.append(
+            "gpu-memory-utilization not set (no profile): vLLM's default applies; pass "
+            "--profile to pin the KV pool size the policy was tuned for"
+        )
+    if facts.block_size is not None:
+        settings["block-size"] = facts.block_size
+
+    unsupported: list[str] = []
+    if policy.long_requests.enabled:
+        unsupported.append(lanes_instead(policy))
+    if policy.scheduling == "priority" and policy.classes:
+        unsupported.append(class_priority_instead(policy, TITLE))
+    if not b.enable_chunked_prefill:
+        notes.append(
+            "enable-chunked-prefill is false: vLLM then requires max-num-batched-tokens >= "
+            "max-model-len; raise it or cap --max-model-len"
+        )
+
+    text = header(TITLE, USAGE, policy, unsupported, notes) + dump_yaml(settings)
+    return ExportResult(
+        engine="vllm",
+        text=text,
+        unsupported=unsupported,
+        filename=FILENAMES["vllm"],
+        notes=notes,
+        settings=settings,
+    )

@@ -1,0 +1,370 @@
+"""The nightly tuning job: re-optimize on yesterday's trace, keep the better policy.
+
+``run_nightly(...)``:
+
+1. loads the trace, the GPU profile, the SLO set and the policy in production
+   (``--current``), and fits a workload to the trace;
+2. optimizes a new policy (:func:`servetune.solvers.optimize.optimize`);
+3. simulates the current and the new policy on the trace at its own rate and at +20 % and
+   +50 % rate stress, and searches both policies' goodput (:mod:`servetune.report`);
+4. decides: the new policy replaces the current one only when its goodput is higher by at
+   least ``min_gain`` (relative, 0.02 = 2 %) **and** its SLO attainment is not lower on any
+   stress run **and** it differs from the current one;
+5. writes, in ``out_dir``: ``policy.yaml`` and one config per engine (``vllm.yaml``,
+   ``sglang.yaml`` ...) only when the new policy wins; ``report.md`` with its plots and
+   ``summary.json`` always.
+
+Exit codes (:data:`EXIT_CODES`): 0 new policy written, 10 current policy kept, 2 user error,
+3 infeasible (no policy in the search space meets the SLOs; the report says what binds).
+
+Every file is built in memory first and written with a temporary file and a rename, so an
+interrupted run leaves the previous outputs intact; nothing here reads a clock, so the same
+inputs give the same files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from servetune.errors import EXIT_INFEASIBLE, EXIT_KEPT_CURRENT, InfeasibleError, ServetuneError
+from servetune.export import ENGINES, ExportResult, export_policy, profile_memory_facts
+from servetune.report import (
+    DEFAULT_STRESS,
+    Comparison,
+    ReportFiles,
+    Verdict,
+    build_report,
+    compare,
+    summary_json_text,
+    write_report,
+)
+from servetune.schemas.base import document_to_yaml, load_document, write_text_atomic
+from servetune.schemas.policy import Policy
+from servetune.schemas.slo import SLOSet
+
+EXIT_NEW_POLICY = 0
+EXIT_CODES = {
+    EXIT_NEW_POLICY: "new policy written",
+    EXIT_KEPT_CURRENT: "current policy kept",
+    2: "user error (bad input file or option)",
+    EXIT_INFEASIBLE: "infeasible: no policy in the search space meets the SLOs",
+}
+# Attainments are shares of requests; this absorbs float noise only, never one request.
+ATTAINMENT_TOLERANCE = 1e-9
+
+Progress = Callable[[str], Any]
+
+
+@dataclass
+class Decision:
+    write_new: bool
+    gain: float | None  # relative goodput gain; None when the current goodput is 0
+    reasons: list[str] = field(default_factory=list)
+
+
+@dataclass
+class NightlyOutcome:
+    exit_code: int
+    status: str
+    files: list[Path]
+    summary: dict[str, Any]
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def same_knobs(a: Policy, b: Policy) -> bool:
+    """Same scheduling settings (names and provenance aside)."""
+    return a.knobs() == b.knobs() and {k: v.priority for k, v in a.classes.items()} == {
+        k: v.priority for k, v in b.classes.items()
+    }
+
+
+def decide(comp: Comparison, min_gain: float) -> Decision:
+    """Replace the current policy only when the new one is better by the margin and no
+    worse under stress (module docstring, step 4)."""
+    cur, new = comp.current, comp.new
+    g_cur, g_new = float(cur.goodput.rate_per_s), float(new.goodput.rate_per_s)
+    gain: float | None
+    if g_cur > 0:
+        gain = (g_new - g_cur) / g_cur
+    else:
+        gain = None if g_new > 0 else 0.0
+    reasons: list[str] = []
+    ok = True
+    if same_knobs(cur.policy, new.policy):
+        ok = False
+        reasons.append("the optimizer proposes the policy already in production")
+    gain_text = "from zero" if gain is None else f"{100 * gain:+.1f}%"
+    if gain is not None and gain < min_gain:
+        ok = False
+        reasons.append(
+            f"goodput {g_cur:.3f} -> {g_new:.3f} req/s ({gain_text}) is below the required "
+            f"gain of {100 * min_gain:.1f}%"
+        )
+    else:
+        reasons.append(
+            f"goodput {g_cur:.3f} -> {g_new:.3f} req/s ({gain_text}; required "
+            f"{100 * min_gain:.1f}%)"
+        )
+    for scale in comp.scales[1:]:
+        a_cur = cur.attainment(scale, comp.slo)
+        a_new = new.attainment(scale, comp.slo)
+        if a_new + ATTAINMENT_TOLERANCE < a_cur:
+            ok = False
+            reasons.append(
+                f"SLO attainment at +{round(100 * (scale - 1))}% rate would drop "
+                f"from {a_cur:.4f} to {a_new:.4f}"
+            )
+        else:
+            reasons.append(
+                f"SLO attainment at +{round(100 * (scale - 1))}% rate {a_cur:.4f} -> {a_new:.4f}"
+            )
+    return Decision(write_new=ok, gain=gain, reasons=reasons)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def parse_engines(text: str | Sequence[str]) -> list[str]:
+    items = text.split(",") if isinstance(text, str) else list(text)
+    engines = [e.strip() for e in items if e.strip()]
+    if not engines:
+        raise ServetuneError("--engines: name at least one engine (e.g. vllm,sglang)")
+    for e in engines:
+        if e not in ENGINES:
+            raise ServetuneError(
+                f"--engines: {e!r} is not supported; choose from {', '.join(ENGINES)}"
+            )
+    return list(dict.fromkeys(engines))
+
+
+def load_inputs(trace_path: Path, profile_path: Path, slo_path: Path) -> tuple[Any, Any, SLOSet]:
+    from servetune.profiles import load_profile
+    from servetune.trace_formats import load_trace
+
+    trace = load_trace(trace_path)
+    profile = load_profile(profile_path)
+    slo = load_document(slo_path, SLOSet)
+    return trace, profile, slo
+
+
+def with_profile_facts(policy: Policy, profile: Any) -> Policy:
+    """The policy with ``metadata.profile`` filled from the profile when the optimizer left
+    it out, so its engine configs can be re-exported without ``--profile``."""
+    if isinstance(policy.metadata.get("profile"), dict):
+        return policy
+    facts = profile_memory_facts(profile)
+    return policy.model_copy(update={"metadata": {**policy.metadata, "profile": facts}})
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+@dataclass
+class Optimized:
+    policy: Policy
+    reasons: dict[str, str]  # knob path (or section) -> why, from the models
+    info: dict[str, Any]  # method, statuses, simulations (no wall times)
+
+
+def optimize_policy(
+    trace: Any,
+    workload: Any,
+    profile: Any,
+    slo: SLOSet,
+    *,
+    space: Any = None,
+    base: Policy | None = None,
+    time_limit_s: float | None = None,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> Optimized:
+    """Run the optimizer; raises InfeasibleError (exit 3) when nothing meets the SLOs."""
+    from servetune.solvers.optimize import optimize
+
+    kwargs: dict[str, Any] = {"seed": seed}
+    if space is not None:
+        kwargs["space"] = space
+    if time_limit_s is not None:
+        kwargs["time_limit_s"] = time_limit_s
+    result = optimize(workload, profile, slo, **kwargs)
+    policy = result.policy
+    reasons = dict(getattr(result, "reasons", None) or {})
+    info = {}
+    for key in ("method", "statuses", "simulations", "iterations_count", "goodput_rate_per_s",
+                "defaults_goodput_rate_per_s", "binding"):
+        value = getattr(result, key, None)
+        if value is not None:
+            info[key] = value
+    return Optimized(policy=policy, reasons=reasons, info=info)
+
+
+# --------------------------------------------------------------------------- the job
+
+
+def _say(progress: Progress | None, text: str) -> None:
+    if progress is not None:
+        progress(text)
+
+
+def run_nightly(
+    trace_path: str | os.PathLike[str],
+    profile_path: str | os.PathLike[str],
+    slo_path: str | os.PathLike[str],
+    current_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    engines: Sequence[str] = ("vllm", "sglang"),
+    min_gain: float = 0.02,
+    space_path: str | os.PathLike[str] | None = None,
+    time_limit_s: float | None = None,
+    seed: int = 0,
+    sim_engine: str = "vllm",
+    stress: Sequence[float] = DEFAULT_STRESS,
+    progress: Progress | None = None,
+) -> NightlyOutcome:
+    """The whole job (module docstring). Returns the exit code and what was written."""
+    if not (isinstance(min_gain, int | float) and math.isfinite(min_gain) and min_gain >= 0):
+        raise ServetuneError(f"--min-gain must be a number >= 0 (got {min_gain})")
+    engines = parse_engines(engines)
+    trace_path, profile_path, slo_path, current_path = (
+        Path(trace_path), Path(profile_path), Path(slo_path), Path(current_path))
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ServetuneError(f"--out-dir {out}: exists and is not a directory")
+
+    _say(progress, f"loading {trace_path.name}, {profile_path.name}, {slo_path.name}")
+    trace, profile, slo = load_inputs(trace_path, profile_path, slo_path)
+    current = load_document(current_path, Policy)
+    space = None
+    if space_path is not None:
+        from servetune.schemas.space import SearchSpace
+
+        space = load_document(space_path, SearchSpace)
+    inputs = {
+        "trace": f"{trace_path.name} (sha256 {file_digest(trace_path)[:16]})",
+        "profile": f"{profile_path.name} (sha256 {file_digest(profile_path)[:16]})",
+        "slo": f"{slo_path.name} (sha256 {file_digest(slo_path)[:16]})",
+        "current policy": f"{current_path.name} (sha256 {file_digest(current_path)[:16]})",
+    }
+    if space_path is not None:
+        inputs["search space"] = (
+            f"{Path(space_path).name} (sha256 {file_digest(space_path)[:16]})")
+    base_summary: dict[str, Any] = {
+        "min_gain": min_gain,
+        "engines": engines,
+        "inputs": inputs,
+        "exit_codes": {str(k): v for k, v in EXIT_CODES.items()},
+    }
+
+    from servetune.workload import fit_workload
+
+    _say(progress, f"fitting a workload to {len(trace)} requests")
+    workload = fit_workload(trace, name=trace_path.stem, source=trace_path.name)
+
+    _say(progress, "optimizing a new policy")
+    try:
+        opt = optimize_policy(trace, workload, profile, slo, space=space, base=current,
+                              time_limit_s=time_limit_s, seed=seed, progress=progress)
+    except InfeasibleError as err:
+        return _write_infeasible(out, err, current, base_summary)
+    new = with_profile_facts(opt.policy, profile)
+
+    _say(progress, "simulating current and new policies (trace, +20%, +50%, goodput)")
+    comp = compare(trace, current, new, profile, slo, engine=sim_engine, stress=stress)
+    decision = decide(comp, min_gain)
+
+    exports: list[ExportResult] = []
+    policy_text = ""
+    if decision.write_new:
+        exports = [export_policy(new, e) for e in engines]
+        policy_text = document_to_yaml(
+            new, header="servetune nightly: the new scheduling policy (kind: Policy)")
+        status, code = "new_policy_written", EXIT_NEW_POLICY
+        headline = (f"New policy written: `{new.name}` replaces `{current.name}` "
+                    "(exit 0).")
+    else:
+        status, code = "current_kept", EXIT_KEPT_CURRENT
+        headline = f"Current policy kept: `{current.name}` stays in production (exit 10)."
+
+    files_written = (["policy.yaml"] + [e.filename for e in exports]) if exports else []
+    summary_extra = {
+        **base_summary,
+        "status": status,
+        "exit_code": code,
+        "gain": decision.gain,
+        "files_written": files_written + ["report.md", "summary.json"],
+        "optimizer": opt.info,
+        "new_policy": new.knobs(),
+    }
+    report = build_report(
+        comp, Verdict(headline, decision.reasons), reasons=opt.reasons, exports=exports,
+        inputs=inputs, title="servetune nightly tuning report", summary_extra=summary_extra,
+    )
+    _say(progress, f"writing outputs to {out}")
+    written = _write_outputs(out, policy_text, exports, report)
+    return NightlyOutcome(exit_code=code, status=status, files=written, summary=report.summary)
+
+
+def _write_outputs(out: Path, policy_text: str, exports: Sequence[ExportResult],
+                   report: ReportFiles) -> list[Path]:
+    """Policy and configs first, the report after, ``summary.json`` last (each atomic)."""
+    written: list[Path] = []
+    if policy_text:
+        write_text_atomic(out / "policy.yaml", policy_text)
+        written.append(out / "policy.yaml")
+        for ex in exports:
+            write_text_atomic(out / ex.filename, ex.text)
+            written.append(out / ex.filename)
+    written += write_report(report, out)
+    return written
+
+
+def _write_infeasible(out: Path, err: InfeasibleError, current: Policy,
+                      base_summary: dict[str, Any]) -> NightlyOutcome:
+    summary = {
+        **base_summary,
+        "status": "infeasible",
+        "exit_code": EXIT_INFEASIBLE,
+        "verdict": f"No policy in the search space meets the SLOs; `{current.name}` stays.",
+        "reasons": [err.message],
+        "details": err.details,
+        "files_written": ["report.md", "summary.json"],
+    }
+    from servetune.report import json_safe
+
+    summary = json_safe(summary)
+    lines = [
+        "# servetune nightly tuning report",
+        "",
+        f"**{summary['verdict']}** (exit 3)",
+        "",
+        f"- {err.message}",
+        "",
+        "No comparison was simulated and no policy or engine config was written: the "
+        "optimizer found no policy in the search space that meets the SLO set even at "
+        "low load. The message above names the constraint that binds and the best value "
+        "reachable. A larger search space, a lower rate or another GPU can make it feasible.",
+        "",
+        "## Inputs",
+        "",
+        "| input | file |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | `{v}` |" for k, v in base_summary["inputs"].items()]
+    write_text_atomic(out / "report.md", "\n".join(lines) + "\n")
+    write_text_atomic(out / "summary.json", summary_json_text(summary))
+    return NightlyOutcome(exit_code=EXIT_INFEASIBLE, status="infeasible",
+                          files=[out / "report.md", out / "summary.json"], summary=summary)

@@ -1,0 +1,613 @@
+"""Comparison report of two policies: Markdown, PNG plots and a JSON summary.
+
+``compare(...)`` simulates a *current* and a *new* policy on the same trace, at its own
+rate and at stress rates (+20 %, +50 % by default: the trace's arrivals compressed in
+time), and searches each policy's goodput (the highest arrival rate at which it meets the
+SLO set). ``build_report(...)`` turns that into the files ``write_report`` stores:
+
+- ``ttft_cdf.png`` and ``tpot_cdf.png``: distribution of time to first token and time per
+  output token of completed requests, current vs new, at the trace's rate and at the
+  highest stress rate;
+- ``kv_queue.png``: KV-cache utilization and waiting-queue length over simulated time;
+- ``goodput.png``: SLO attainment versus offered rate for both policies, from the goodput
+  search, with each policy's goodput marked;
+- ``report.md``: the verdict, a results table, the knob changes with the reasons the
+  optimizer's models gave, the engine configs written, the plots, and a glossary;
+- ``summary.json``: the same numbers for machines.
+
+Files are deterministic: no clock readings or wall times, PNGs without a software tag, so
+the same inputs give the same bytes. Plots use matplotlib's Agg backend (no display).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from servetune.schemas.base import write_bytes_atomic, write_text_atomic
+from servetune.schemas.policy import Policy
+from servetune.schemas.slo import SLOSet
+from servetune.trace import Trace
+
+DEFAULT_STRESS = (1.2, 1.5)
+COLORS = {"current": "#4c72b0", "new": "#dd8452"}
+
+GLOSSARY = """\
+- **TTFT** (time to first token): seconds from a request's arrival to its first output
+  token; what a chat user feels as "waiting for the answer to start".
+- **TPOT** (time per output token): seconds between output tokens after the first, i.e.
+  (end-to-end time - TTFT) / (output tokens - 1); what a user feels as reading speed.
+- **SLO attainment**: the share of requests that meet every latency limit of their class;
+  requests shed by a queue cap count as misses.
+- **Goodput**: the highest arrival rate (requests per second) at which the policy still meets
+  the SLO set, found by replaying the trace faster and slower (DistServe; MLPerf's server
+  scenario for percentile limits).
+- **Stress runs**: the same trace replayed 20 % and 50 % faster (more requests per second),
+  to check that the new policy does not break first when traffic grows.
+- **KV utilization**: the share of the GPU's key-value cache blocks in use; near 100 % the
+  engine must preempt (recompute) requests or stop admitting.
+- **Queue length**: requests that arrived but are not yet running.
+"""
+
+
+@dataclass
+class PolicyEvaluation:
+    """One policy's simulated runs (by rate scale) and its goodput search."""
+
+    label: str  # "current" or "new"
+    policy: Policy
+    runs: dict[float, Any]  # rate scale -> servetune.sim.SimResult
+    goodput: Any  # servetune.sim.GoodputResult
+
+    def attainment(self, scale: float, slo: SLOSet) -> float:
+        return float(self.runs[scale].attainment(slo))
+
+    def meets_slo(self, scale: float, slo: SLOSet) -> bool:
+        return bool(self.runs[scale].meets_slo(slo))
+
+
+@dataclass
+class Comparison:
+    trace: Trace
+    slo: SLOSet
+    profile_name: str
+    engine: str
+    scales: tuple[float, ...]  # 1.0 first, then the stress scales
+    current: PolicyEvaluation
+    new: PolicyEvaluation
+
+    @property
+    def evaluations(self) -> tuple[PolicyEvaluation, PolicyEvaluation]:
+        return self.current, self.new
+
+
+def evaluate_policy(
+    label: str,
+    trace: Trace,
+    policy: Policy,
+    profile: Any,
+    slo: SLOSet,
+    *,
+    engine: str = "vllm",
+    scales: Sequence[float] = (1.0, *DEFAULT_STRESS),
+    goodput_rel_tol: float = 0.02,
+) -> PolicyEvaluation:
+    """Simulate ``policy`` on ``trace`` at each rate scale and search its goodput."""
+    from servetune.sim import goodput, simulate
+
+    runs = {
+        float(s): simulate(trace, policy, profile, engine=engine, rate_scale=float(s))
+        for s in scales
+    }
+    gp = goodput(trace, policy, profile, slo, engine=engine, rel_tol=goodput_rel_tol)
+    return PolicyEvaluation(label=label, policy=policy, runs=runs, goodput=gp)
+
+
+def compare(
+    trace: Trace,
+    current: Policy,
+    new: Policy,
+    profile: Any,
+    slo: SLOSet,
+    *,
+    engine: str = "vllm",
+    stress: Sequence[float] = DEFAULT_STRESS,
+    goodput_rel_tol: float = 0.02,
+) -> Comparison:
+    """Evaluate both policies on the same trace, rates and SLO set."""
+    scales = (1.0, *(float(s) for s in stress))
+    kw = dict(engine=engine, scales=scales, goodput_rel_tol=goodput_rel_tol)
+    return Comparison(
+        trace=trace,
+        slo=slo,
+        profile_name=str(getattr(profile, "name", "")),
+        engine=engine,
+        scales=scales,
+        current=evaluate_policy("current", trace, current, profile, slo, **kw),
+        new=evaluate_policy("new", trace, new, profile, slo, **kw),
+    )
+
+
+# --------------------------------------------------------------------------- knob changes
+
+
+def knob_changes(current: Policy, new: Policy, reasons: dict[str, str] | None = None
+                 ) -> list[dict[str, Any]]:
+    """Every knob whose value differs, with the reason the optimizer gave (if any).
+
+    ``reasons`` maps a dotted knob path (or a section such as ``long_requests``) to text."""
+    reasons = reasons or {}
+    cur, nxt = current.knobs(), new.knobs()
+    out = []
+    for path in cur:
+        if cur[path] == nxt[path]:
+            continue
+        reason = reasons.get(path) or reasons.get(path.split(".")[0]) or ""
+        out.append({"knob": path, "current": cur[path], "new": nxt[path], "reason": reason})
+    for name in sorted(set(current.classes) | set(new.classes)):
+        a, b = current.class_priority(name), new.class_priority(name)
+        if a != b:
+            path = f"classes.{name}.priority"
+            out.append({"knob": path, "current": a, "new": b,
+                        "reason": reasons.get(path, "")})
+    return out
+
+
+# --------------------------------------------------------------------------- numbers
+
+
+def _run_numbers(result: Any, slo: SLOSet) -> dict[str, Any]:
+    summary = result.summary(slo)
+    summary.pop("sim_wall_s", None)
+    summary["meets_slo"] = bool(result.meets_slo(slo))
+    return summary
+
+
+def comparison_numbers(comp: Comparison) -> dict[str, Any]:
+    """Per policy: goodput and each run's summary (deterministic: no wall times)."""
+    out: dict[str, Any] = {}
+    for ev in comp.evaluations:
+        gp = ev.goodput
+        out[ev.label] = {
+            "policy": ev.policy.name,
+            "goodput_rate_per_s": float(gp.rate_per_s),
+            "goodput_rate_scale": float(gp.rate_scale),
+            "goodput_bracketed": bool(getattr(gp, "bracketed", True)),
+            "goodput_points": [
+                {"rate_scale": float(p["rate_scale"]), "rate_per_s": float(p["rate_per_s"]),
+                 "meets_slo": bool(p["meets_slo"]),
+                 "attainment": _finite(p.get("attainment"))}
+                for p in gp.points
+            ],
+            "runs": {_scale_key(s): _run_numbers(r, comp.slo) for s, r in ev.runs.items()},
+        }
+    return out
+
+
+def _scale_key(scale: float) -> str:
+    return f"{scale:g}x"
+
+
+def _finite(x: Any) -> float | None:
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _figure_bytes(fig: Any) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"svg.hashsalt": "servetune", "font.size": 9})
+    return plt
+
+
+def _plain_log_axis(ax: Any) -> None:
+    """Log-scale x axis labelled 0.5, 1, 2 rather than 5x10^-1."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=10.0, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+
+
+def _single_limit(slo: SLOSet, metric: str) -> float | None:
+    values = {getattr(c, metric) for c in slo.classes.values()}
+    values.discard(None)
+    return values.pop() if len(values) == 1 else None
+
+
+def _cdf_plot(comp: Comparison, metric: str, title: str, xlabel: str) -> bytes:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    top = comp.scales[-1]
+    shown = ((1.0, "-"),) if top == 1.0 else ((1.0, "-"), (top, ":"))
+    drew = False
+    for ev in comp.evaluations:
+        for scale, style in shown:
+            if scale not in ev.runs:
+                continue
+            res = ev.runs[scale]
+            m = res.metrics
+            values = np.asarray(getattr(m, metric), dtype=float)
+            values = np.sort(values[np.isfinite(values) & (values > 0)])
+            if values.size == 0:
+                continue
+            y = np.arange(1, values.size + 1) / values.size
+            ax.step(values, y, where="post", linestyle=style, color=COLORS[ev.label],
+                    label=f"{ev.label} ({ev.policy.name}) at {scale:g}x rate")
+            drew = True
+    limit = _single_limit(comp.slo, metric)
+    if limit is not None:
+        ax.axvline(limit, color="black", linestyle="--", linewidth=1,
+                   label=f"SLO limit {limit:g} s")
+    if drew:
+        _plain_log_axis(ax)
+    ax.set_ylim(0, 1.01)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("share of completed requests")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    return _figure_bytes(fig)
+
+
+def _series(res: Any) -> dict[str, np.ndarray]:
+    series = getattr(res.output, "series", None) or {}
+    return {k: np.asarray(v, dtype=float) for k, v in series.items()}
+
+
+def _kv_queue_plot(comp: Comparison) -> bytes:
+    plt = _pyplot()
+    fig, (ax_kv, ax_q) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+    for ev in comp.evaluations:
+        s = _series(ev.runs[1.0])
+        if "t_s" not in s or s["t_s"].size == 0:
+            continue
+        label = f"{ev.label} ({ev.policy.name})"
+        if "kv_util" in s:
+            ax_kv.plot(s["t_s"], 100.0 * s["kv_util"], color=COLORS[ev.label], label=label,
+                       linewidth=1)
+        if "waiting" in s:
+            ax_q.plot(s["t_s"], s["waiting"], color=COLORS[ev.label], label=label, linewidth=1)
+    ax_kv.set_ylabel("KV cache in use (%)")
+    ax_kv.set_ylim(0, 105)
+    ax_kv.set_title("KV-cache utilization and queue length over time (trace at its own rate)")
+    ax_q.set_ylabel("requests waiting")
+    ax_q.set_xlabel("simulated time (s)")
+    for ax in (ax_kv, ax_q):
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    return _figure_bytes(fig)
+
+
+def _target_attainment(slo: SLOSet) -> float | None:
+    """The attainment line to draw: the target share (or percentile / 100) when every class
+    uses the same one."""
+    values = set()
+    for c in slo.classes.values():
+        values.add(c.attainment if c.attainment is not None else c.percentile / 100.0)
+    return values.pop() if len(values) == 1 else None
+
+
+def _goodput_plot(comp: Comparison) -> bytes:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for ev in comp.evaluations:
+        pts = sorted(ev.goodput.points, key=lambda p: p["rate_per_s"])
+        pts = [p for p in pts if _finite(p.get("attainment")) is not None]
+        if pts:
+            x = [p["rate_per_s"] for p in pts]
+            y = [p["attainment"] for p in pts]
+            ax.plot(x, y, color=COLORS[ev.label], linewidth=1,
+                    label=f"{ev.label} ({ev.policy.name})")
+            for p in pts:
+                ax.plot(p["rate_per_s"], p["attainment"], "o", color=COLORS[ev.label],
+                        markerfacecolor=COLORS[ev.label] if p["meets_slo"] else "white",
+                        markersize=5)
+        if ev.goodput.rate_per_s > 0:
+            ax.axvline(ev.goodput.rate_per_s, color=COLORS[ev.label], linestyle="--",
+                       linewidth=1,
+                       label=f"{ev.label} goodput {ev.goodput.rate_per_s:.2f} req/s")
+    target = _target_attainment(comp.slo)
+    if target is not None:
+        ax.axhline(target, color="black", linestyle=":", linewidth=1,
+                   label=f"target {target:g}")
+    base = comp.current.goodput.base_rate_per_s
+    if base:
+        ax.axvline(base, color="gray", linewidth=1, label=f"trace rate {base:.2f} req/s")
+    _plain_log_axis(ax)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("offered rate (requests/s, trace replayed faster or slower)")
+    ax.set_ylabel("SLO attainment")
+    ax.set_title("Goodput search: attainment vs rate (filled = meets the SLO set)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    return _figure_bytes(fig)
+
+
+def figures(comp: Comparison) -> dict[str, bytes]:
+    """The report's PNG files by name."""
+    return {
+        "ttft_cdf.png": _cdf_plot(comp, "ttft_s", "Time to first token, current vs new",
+                                  "TTFT (s, log scale)"),
+        "tpot_cdf.png": _cdf_plot(comp, "tpot_s", "Time per output token, current vs new",
+                                  "TPOT (s, log scale)"),
+        "kv_queue.png": _kv_queue_plot(comp),
+        "goodput.png": _goodput_plot(comp),
+    }
+
+
+# --------------------------------------------------------------------------- markdown
+
+
+def _fmt(x: Any, unit: str = "", digits: int = 3) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return f"{x}{unit}"
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return "n/a"
+        return f"{x:.{digits}g}{unit}"
+    return f"{x}{unit}"
+
+
+def _ms(x: Any) -> str:
+    return "n/a" if x is None else f"{1000.0 * float(x):.0f} ms"
+
+
+def _value(v: Any) -> str:
+    if v is None:
+        return "off"
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    return f"{v}"
+
+
+@dataclass
+class Verdict:
+    """What the caller decided, in words (nightly: written or kept)."""
+
+    headline: str
+    reasons: list[str] = field(default_factory=list)
+
+
+def results_table(comp: Comparison, numbers: dict[str, Any]) -> str:
+    cur, new = numbers["current"], numbers["new"]
+    rows = [
+        ("Goodput (highest rate meeting the SLOs)",
+         f"{cur['goodput_rate_per_s']:.2f} req/s", f"{new['goodput_rate_per_s']:.2f} req/s"),
+    ]
+    for scale in comp.scales:
+        key = _scale_key(scale)
+        c, n = cur["runs"][key], new["runs"][key]
+        where = "trace rate" if scale == 1.0 else f"+{round(100 * (scale - 1)):d}% rate"
+        rows += [
+            (f"SLO attainment at {where} ({scale:g}x)",
+             f"{_fmt(c['overall']['attainment'])} ({'meets' if c['meets_slo'] else 'misses'})",
+             f"{_fmt(n['overall']['attainment'])} ({'meets' if n['meets_slo'] else 'misses'})"),
+        ]
+    c, n = cur["runs"]["1x"], new["runs"]["1x"]
+    rows += [
+        ("TTFT p50 / p99 at trace rate",
+         f"{_ms(c['overall']['ttft_s']['p50'])} / {_ms(c['overall']['ttft_s']['p99'])}",
+         f"{_ms(n['overall']['ttft_s']['p50'])} / {_ms(n['overall']['ttft_s']['p99'])}"),
+        ("TPOT p50 / p99 at trace rate",
+         f"{_ms(c['overall']['tpot_s']['p50'])} / {_ms(c['overall']['tpot_s']['p99'])}",
+         f"{_ms(n['overall']['tpot_s']['p50'])} / {_ms(n['overall']['tpot_s']['p99'])}"),
+        ("Output throughput at trace rate",
+         f"{_fmt(c['overall']['throughput_tok_s'], ' tok/s', 4)}",
+         f"{_fmt(n['overall']['throughput_tok_s'], ' tok/s', 4)}"),
+        ("Preemptions / shed requests at trace rate",
+         f"{c['preemptions']} / {c['shed']}", f"{n['preemptions']} / {n['shed']}"),
+        ("Mean / peak KV utilization at trace rate",
+         f"{_fmt(c['kv']['mean_util'])} / {_fmt(c['kv']['peak_util'])}",
+         f"{_fmt(n['kv']['mean_util'])} / {_fmt(n['kv']['peak_util'])}"),
+    ]
+    lines = [f"| | current: `{comp.current.policy.name}` | new: `{comp.new.policy.name}` |",
+             "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines)
+
+
+def changes_table(changes: list[dict[str, Any]]) -> str:
+    if not changes:
+        return "The new policy sets every knob as the current one does.\n"
+    lines = ["| knob | current | new | why (from the optimizer's models) |",
+             "|---|---|---|---|"]
+    for ch in changes:
+        reason = ch["reason"] or "no binding constraint reported"
+        lines.append(f"| `{ch['knob']}` | {_value(ch['current'])} | {_value(ch['new'])} | "
+                     f"{reason.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _slo_text(slo: SLOSet) -> str:
+    parts = []
+    for name, c in slo.classes.items():
+        limits = ", ".join(f"{k.removesuffix('_s').upper()} <= {v:g} s"
+                           for k, v in c.limits().items())
+        judge = (f"p{c.percentile:g}" if c.percentile is not None
+                 else f"{c.attainment:g} of requests")
+        parts.append(f"class `{name}`: {limits} ({judge})")
+    return "; ".join(parts)
+
+
+def markdown(
+    comp: Comparison,
+    numbers: dict[str, Any],
+    verdict: Verdict,
+    changes: list[dict[str, Any]],
+    *,
+    exports: Sequence[Any] = (),
+    inputs: dict[str, str] | None = None,
+    title: str = "servetune policy report",
+    extra_sections: Sequence[tuple[str, str]] = (),
+) -> str:
+    """The report's Markdown text (deterministic)."""
+    tr = comp.trace
+    rate = (len(tr) - 1) / tr.duration_s if tr.duration_s > 0 else 0.0
+    out = [f"# {title}", "", f"**{verdict.headline}**", ""]
+    out += [f"- {r}" for r in verdict.reasons]
+    out += [
+        "",
+        "## What was compared",
+        "",
+        f"Two scheduling policies for the `{comp.engine}` engine model were simulated on the "
+        f"same request trace ({len(tr)} requests over {tr.duration_s:.0f} s, "
+        f"{rate:.2f} requests/s on average) with the GPU profile `{comp.profile_name}`, "
+        f"against the SLO set `{comp.slo.name}` ({_slo_text(comp.slo)}). "
+        "The *current* policy is the one in production; the *new* one is the optimizer's "
+        "proposal. Each was replayed at the trace's own rate and at "
+        + ", ".join(f"+{round(100 * (s - 1))}%" for s in comp.scales[1:])
+        + " rate, and its goodput was searched by replaying the trace faster and slower.",
+        "",
+        "## Results",
+        "",
+        results_table(comp, numbers),
+        "",
+        "## What changed and why",
+        "",
+        changes_table(changes),
+    ]
+    if exports:
+        out += ["## Engine configs", ""]
+        for ex in exports:
+            out.append(f"- `{ex.filename}` ({ex.engine}): "
+                       + (f"{len(ex.unsupported)} setting(s) the engine cannot express, "
+                          "listed at the top of the file:" if ex.unsupported
+                          else "every policy setting expressed."))
+            out += [f"  - {item}" for item in ex.unsupported]
+        out.append("")
+    for heading, text in extra_sections:
+        out += [f"## {heading}", "", text.rstrip(), ""]
+    out += [
+        "## Plots",
+        "",
+        "Time to first token of completed requests (further left is faster; solid: trace "
+        "rate, dotted: highest stress rate; dashed black: the SLO limit):",
+        "",
+        "![TTFT CDF](ttft_cdf.png)",
+        "",
+        "Time per output token (reading speed) of completed requests:",
+        "",
+        "![TPOT CDF](tpot_cdf.png)",
+        "",
+        "KV-cache utilization and waiting requests over the trace at its own rate:",
+        "",
+        "![KV utilization and queue length](kv_queue.png)",
+        "",
+        "SLO attainment at each rate the goodput search tried; a policy's goodput is the "
+        "highest rate with a filled marker:",
+        "",
+        "![Goodput versus rate](goodput.png)",
+        "",
+        "## How to read this",
+        "",
+        GLOSSARY,
+    ]
+    if inputs:
+        out += ["## Inputs", "", "| input | file |", "|---|---|"]
+        out += [f"| {k} | `{v}` |" for k, v in inputs.items()]
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+@dataclass
+class ReportFiles:
+    markdown: str
+    figures: dict[str, bytes]
+    summary: dict[str, Any]
+
+
+def summary_json_text(summary: dict[str, Any]) -> str:
+    return json.dumps(summary, indent=2, sort_keys=False, allow_nan=False) + "\n"
+
+
+def build_report(
+    comp: Comparison,
+    verdict: Verdict,
+    *,
+    reasons: dict[str, str] | None = None,
+    exports: Sequence[Any] = (),
+    inputs: dict[str, str] | None = None,
+    title: str = "servetune policy report",
+    summary_extra: dict[str, Any] | None = None,
+    extra_sections: Sequence[tuple[str, str]] = (),
+) -> ReportFiles:
+    """Everything ``write_report`` stores, built in memory first."""
+    numbers = comparison_numbers(comp)
+    changes = knob_changes(comp.current.policy, comp.new.policy, reasons)
+    md = markdown(comp, numbers, verdict, changes, exports=exports, inputs=inputs, title=title,
+                  extra_sections=extra_sections)
+    summary: dict[str, Any] = dict(summary_extra or {})
+    summary.update(
+        {
+            "verdict": verdict.headline,
+            "reasons": list(verdict.reasons),
+            "engine_model": comp.engine,
+            "profile": comp.profile_name,
+            "slo": comp.slo.name,
+            "trace_requests": len(comp.trace),
+            "rate_scales": list(comp.scales),
+            "changes": changes,
+            **numbers,
+        }
+    )
+    return ReportFiles(markdown=md, figures=figures(comp), summary=json_safe(summary))
+
+
+def json_safe(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if isinstance(value, np.generic):
+        return json_safe(value.item())
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def write_report(files: ReportFiles, out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Write the plots, then ``report.md``, then ``summary.json``, each atomically."""
+    out = Path(out_dir)
+    written = []
+    for name, data in files.figures.items():
+        write_bytes_atomic(out / name, data)
+        written.append(out / name)
+    write_text_atomic(out / "report.md", files.markdown)
+    written.append(out / "report.md")
+    write_text_atomic(out / "summary.json", summary_json_text(files.summary))
+    written.append(out / "summary.json")
+    return written

@@ -1,0 +1,319 @@
+"""Inputs of capacity planning and background-job placement: Fleet, Forecast, Jobs.
+
+- ``Fleet``: the GPU types one may buy or rent. Each names a profile (or one profile per
+  model), its hourly price per GPU (with the source of the price), the GPUs one replica
+  uses (its tensor-parallel degree), and optional limits on how many GPUs may be used.
+  Fleet-wide: the utilization headroom (plan each type to at most this share of its
+  simulated capacity) and whether every type in use carries one spare replica (N+1).
+- ``Forecast``: per request class, the arrival rate over the day (24 hourly slots) or
+  one peak rate, plus optional growth factors for what-if studies.
+- ``Jobs``: background work (evaluations, synthetic data): per job its volume (a request
+  count, or a token volume with its length distribution), release time, deadline, value,
+  priority, and whether it may be paused and resumed.
+
+Times are seconds from midnight of the forecast day; a deadline after 86,400 s falls on
+the next day (the forecast repeats).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from servetune.schemas.base import Document, Strict
+
+SLOTS_PER_DAY = 24
+SECONDS_PER_SLOT = 3600.0
+MAX_HORIZON_S = 7 * 86400.0
+
+
+class GPUType(Strict):
+    name: str = Field(min_length=1, description="short name used in plans (e.g. h100)")
+    profile: str | None = Field(
+        None, description="path of the Profile YAML (relative to the fleet file or cwd)"
+    )
+    profiles: dict[str, str] | None = Field(
+        None, description="one Profile path per model name; the fleet's `model` picks one"
+    )
+    price_per_gpu_hour: float = Field(gt=0, description="on-demand price of one GPU, $/hour")
+    price_source: str = Field("", description="where the price comes from (citation)")
+    gpus_per_replica: int = Field(1, ge=1, le=64, description="tensor-parallel degree")
+    max_gpus: int | None = Field(None, ge=0, description="at most this many GPUs of this type")
+    min_gpus: int = Field(0, ge=0, description="at least this many GPUs in every slot")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_simple(cls, v: str) -> str:
+        if not all(c.isalnum() or c in "-_." for c in v):
+            raise ValueError("use letters, digits, '-', '_' or '.' only")
+        return v
+
+    @model_validator(mode="after")
+    def _one_profile_source(self) -> GPUType:
+        if (self.profile is None) == (self.profiles is None):
+            raise ValueError("set exactly one of profile (a path) or profiles (model -> path)")
+        if self.profiles is not None and not self.profiles:
+            raise ValueError("profiles: name at least one model")
+        if self.max_gpus is not None and self.min_gpus > self.max_gpus:
+            raise ValueError(f"min_gpus ({self.min_gpus}) must be <= max_gpus ({self.max_gpus})")
+        return self
+
+    def price_per_replica_hour(self) -> float:
+        return self.price_per_gpu_hour * self.gpus_per_replica
+
+    def max_replicas(self) -> int | None:
+        return None if self.max_gpus is None else self.max_gpus // self.gpus_per_replica
+
+    def min_replicas(self) -> int:
+        return -(-self.min_gpus // self.gpus_per_replica)
+
+    def profile_path(self, model: str | None, base_dir: Path | None = None) -> Path:
+        """The profile file for ``model`` (ignored when the type names one profile)."""
+        if self.profile is not None:
+            raw = self.profile
+        else:
+            assert self.profiles is not None
+            if model is None:
+                if len(self.profiles) != 1:
+                    raise ValueError(
+                        f"gpu_types[{self.name}].profiles names {sorted(self.profiles)}; "
+                        "set the fleet's `model` (or --model) to pick one"
+                    )
+                raw = next(iter(self.profiles.values()))
+            elif model not in self.profiles:
+                raise ValueError(
+                    f"gpu_types[{self.name}].profiles has no model {model!r} "
+                    f"(has {sorted(self.profiles)})"
+                )
+            else:
+                raw = self.profiles[model]
+        p = Path(raw)
+        if not p.is_absolute() and base_dir is not None and (base_dir / p).exists():
+            return base_dir / p
+        return p
+
+
+class Fleet(Document):
+    KIND: ClassVar[str] = "Fleet"
+    kind: Literal["Fleet"] = "Fleet"
+    name: str = "fleet"
+    model: str | None = Field(None, description="which model's profile to use per GPU type")
+    gpu_types: list[GPUType] = Field(min_length=1)
+    utilization_headroom: float = Field(
+        0.85, gt=0, le=1, description="plan each replica to at most this share of its capacity"
+    )
+    redundancy: Literal["none", "n+1"] = Field(
+        "none", description="n+1: every GPU type in use in a slot carries one spare replica"
+    )
+    scaling: Literal["hourly", "static"] = Field(
+        "hourly", description="hourly: replicas follow the load each slot (on-demand); "
+        "static: the same replicas all day (reserved GPUs, sized for the peak)"
+    )
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Fleet:
+        seen: set[str] = set()
+        for i, g in enumerate(self.gpu_types):
+            if g.name in seen:
+                raise ValueError(f"gpu_types.{i}.name: duplicate GPU type name {g.name!r}")
+            seen.add(g.name)
+        return self
+
+    def type_named(self, name: str) -> GPUType:
+        for g in self.gpu_types:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+
+class ClassForecast(Strict):
+    rate_per_s: list[float] | None = Field(
+        None, description="arrival rate in each hourly slot of the day (24 values), req/s"
+    )
+    peak_rate_per_s: float | None = Field(None, gt=0, description="one peak rate, req/s")
+
+    @field_validator("rate_per_s")
+    @classmethod
+    def _day_of_rates(cls, v: list[float] | None) -> list[float] | None:
+        if v is None:
+            return v
+        if len(v) != SLOTS_PER_DAY:
+            raise ValueError(f"give {SLOTS_PER_DAY} hourly rates (got {len(v)})")
+        for i, r in enumerate(v):
+            if not (r >= 0 and r < float("inf")):
+                raise ValueError(f"slot {i}: rate must be a finite number >= 0 (got {r})")
+        return v
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> ClassForecast:
+        if (self.rate_per_s is None) == (self.peak_rate_per_s is None):
+            raise ValueError("set exactly one of rate_per_s (24 hourly values) or peak_rate_per_s")
+        return self
+
+    def rates(self) -> list[float]:
+        return list(self.rate_per_s) if self.rate_per_s is not None else [
+            float(self.peak_rate_per_s or 0.0)
+        ]
+
+
+class Forecast(Document):
+    KIND: ClassVar[str] = "Forecast"
+    kind: Literal["Forecast"] = "Forecast"
+    name: str = "forecast"
+    source: str = ""
+    classes: dict[str, ClassForecast] = Field(
+        min_length=1, description="per workload class (or `default` for a one-class workload)"
+    )
+    growth: list[float] = Field(
+        default_factory=lambda: [1.0], description="load multipliers for what-if scenarios"
+    )
+
+    @field_validator("growth")
+    @classmethod
+    def _positive_growth(cls, v: list[float]) -> list[float]:
+        if not v:
+            raise ValueError("give at least one growth factor (e.g. [1.0])")
+        for g in v:
+            if not (g > 0 and g < float("inf")):
+                raise ValueError(f"growth factors must be finite and > 0 (got {g})")
+        return v
+
+    @model_validator(mode="after")
+    def _same_shape(self) -> Forecast:
+        shapes = {name: c.rate_per_s is not None for name, c in self.classes.items()}
+        if len(set(shapes.values())) > 1:
+            raise ValueError(
+                "classes: use rate_per_s (24 hourly values) for every class or "
+                "peak_rate_per_s for every class, not a mix"
+            )
+        if sum(max(c.rates()) for c in self.classes.values()) <= 0:
+            raise ValueError("classes: every rate is 0; nothing to plan for")
+        return self
+
+    @property
+    def n_slots(self) -> int:
+        return len(next(iter(self.classes.values())).rates())
+
+    @property
+    def slot_s(self) -> float:
+        """Length of one slot: an hour for a daily forecast; a peak forecast is one hour
+        at the peak rate (its cost is quoted per hour)."""
+        return SECONDS_PER_SLOT
+
+    def class_rates(self, growth: float = 1.0) -> dict[str, list[float]]:
+        return {name: [r * growth for r in c.rates()] for name, c in self.classes.items()}
+
+
+class LengthDistribution(Strict):
+    """Token lengths of a job's requests: a lognormal with this mean and coefficient of
+    variation, clipped to [min, max] (cv 0 gives every request the mean)."""
+
+    mean: float = Field(gt=0, description="mean tokens per request")
+    cv: float = Field(0.5, ge=0, le=10, description="standard deviation / mean")
+    min: int = Field(1, ge=1)
+    max: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LengthDistribution:
+        if self.max is not None and self.max < self.min:
+            raise ValueError(f"max ({self.max}) must be >= min ({self.min})")
+        if self.max is not None and self.mean > self.max:
+            raise ValueError(f"mean ({self.mean}) must be <= max ({self.max})")
+        return self
+
+
+class Job(Strict):
+    id: str = Field(min_length=1)
+    requests: int | None = Field(None, ge=1, description="number of requests")
+    tokens: float | None = Field(
+        None, gt=0, description="token volume (prompt + output); requests = tokens / mean size"
+    )
+    prompt_tokens: LengthDistribution
+    output_tokens: LengthDistribution
+    release_s: float = Field(0.0, ge=0, description="earliest start, seconds from midnight")
+    deadline_s: float = Field(gt=0, description="must finish by, seconds from midnight")
+    value: float = Field(1.0, gt=0, description="worth of completing the job by its deadline")
+    priority: int = Field(0, description="order among background jobs (lower is served first)")
+    preemptible: bool = Field(True, description="may pause between slots and move GPU types")
+
+    @model_validator(mode="after")
+    def _volume(self) -> Job:
+        if (self.requests is None) == (self.tokens is None):
+            raise ValueError("set exactly one of requests or tokens")
+        if self.deadline_s > MAX_HORIZON_S:
+            raise ValueError(f"deadline_s must be within 7 days ({MAX_HORIZON_S:.0f} s)")
+        return self
+
+    def mean_request_tokens(self) -> float:
+        return self.prompt_tokens.mean + self.output_tokens.mean
+
+    def n_requests(self) -> int:
+        if self.requests is not None:
+            return self.requests
+        assert self.tokens is not None
+        return max(1, round(self.tokens / self.mean_request_tokens()))
+
+    def total_tokens(self) -> float:
+        return self.n_requests() * self.mean_request_tokens()
+
+
+class Jobs(Document):
+    KIND: ClassVar[str] = "Jobs"
+    kind: Literal["Jobs"] = "Jobs"
+    name: str = "jobs"
+    jobs: list[Job] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> Jobs:
+        seen: set[str] = set()
+        for i, j in enumerate(self.jobs):
+            if j.id in seen:
+                raise ValueError(f"jobs.{i}.id: duplicate job id {j.id!r}")
+            seen.add(j.id)
+        return self
+
+
+class PlanBucket(Strict):
+    name: str
+    prompt_tokens: list[int | None] = Field(description="[low, high) bounds; null = unbounded")
+    output_tokens: list[int | None]
+    share: float = Field(ge=0, le=1, description="share of the planned requests")
+
+
+class PlanGPUType(Strict):
+    name: str
+    profile: str = Field(description="profile path (relative to the plan file when possible)")
+    price_per_gpu_hour: float
+    gpus_per_replica: int
+    capacity_rate_per_s: dict[str, float] = Field(
+        description="validated per-replica capacity per bucket, req/s (0 = cannot serve)"
+    )
+    policy: dict = Field(default_factory=dict, description="the Policy one replica runs")
+
+
+class CapacityPlan(Document):
+    """What ``servetune plan`` writes and ``servetune place`` reads."""
+
+    KIND: ClassVar[str] = "CapacityPlan"
+    kind: Literal["CapacityPlan"] = "CapacityPlan"
+    name: str = "plan"
+    inputs: dict = Field(default_factory=dict, description="input paths and SHA-256 hashes")
+    growth: float = 1.0
+    slot_s: float = SECONDS_PER_SLOT
+    n_slots: int = Field(ge=1)
+    engine: str = "vllm"
+    sample: dict = Field(default_factory=dict, description="how the workload was sampled")
+    buckets: list[PlanBucket]
+    gpu_types: list[PlanGPUType]
+    replicas: dict[str, list[int]] = Field(description="replicas per GPU type and slot")
+    gpus: dict[str, list[int]] = Field(description="GPUs per type and slot")
+    routing: dict[str, dict[str, list[float]]] = Field(
+        description="bucket -> GPU type -> share of the bucket's rate in each slot"
+    )
+    cost: dict = Field(default_factory=dict)
+    single_type: dict = Field(default_factory=dict)
+    validation: dict = Field(default_factory=dict)
+    solver: dict = Field(default_factory=dict)
+    growth_sweep: list[dict] = Field(default_factory=list, description="what-if scenarios")

@@ -1,0 +1,43 @@
+"""OptimizeJob: one file that names everything ``servetune optimize`` needs.
+
+Relative paths resolve against the folder of the job file, so a job can be run from
+anywhere. Exactly one of ``workload`` (a Workload YAML) and ``trace`` (a request trace
+in any supported format) is given.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from servetune.schemas.base import Document
+
+METHODS = ("milp", "grid", "random", "optuna")
+
+
+class OptimizeJob(Document):
+    KIND: ClassVar[str] = "OptimizeJob"
+    kind: Literal["OptimizeJob"] = "OptimizeJob"
+    name: str = "optimize"
+    workload: str | None = Field(None, description="Workload YAML (or give trace)")
+    trace: str | None = Field(None, description="request trace file (or give workload)")
+    trace_format: str | None = Field(None, description="trace format; detected when omitted")
+    profile: str = Field(..., min_length=1, description="Profile YAML or shipped profile name")
+    slo: str = Field(..., min_length=1, description="SLOSet YAML")
+    space: str | None = Field(None, description="SearchSpace YAML; the default space if omitted")
+    method: Literal["milp", "grid", "random", "optuna"] = "milp"
+    time_limit_s: float = Field(60.0, gt=0, le=86400, description="wall-clock budget, seconds")
+    seed: int = Field(0, ge=0, description="seed of the workload sample and of random methods")
+    requests: int = Field(
+        3000, ge=50, le=1_000_000, description="requests per simulation (a sample, not the hour)"
+    )
+    engine: Literal["vllm", "sglang", "trtllm", "tgi"] = "vllm"
+    output: str | None = Field(None, description="policy YAML to write (-o overrides)")
+    summary_json: str | None = Field(None, description="summary JSON to write (--json overrides)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> OptimizeJob:
+        if (self.workload is None) == (self.trace is None):
+            raise ValueError("give exactly one of workload or trace")
+        return self

@@ -1,0 +1,165 @@
+"""Workload: request classes, each with an arrival process and length distributions.
+
+A workload is what servetune optimizes for. Each class (keyed by name; the key order is
+the class index a sampled trace uses) has
+
+- ``priority``: lower is served first (vLLM's convention), used by ``scheduling: priority``;
+- ``arrival``: a renewal process with mean ``rate_per_s``. ``poisson`` has exponential
+  inter-arrival gaps (CV 1); ``gamma`` has gamma-distributed gaps whose coefficient of
+  variation is ``interarrival_cv`` (> 1 bursty, < 1 regular). Optional ``windows`` make
+  the rate piecewise constant: window ``i`` (of ``window_s`` seconds, repeating after the
+  last one) runs at ``rate_per_s * rate_multipliers[i] / mean(rate_multipliers)``, so
+  ``rate_per_s`` stays the mean rate. The gaps are drawn in "operational time" (unit
+  rate) and mapped through the inverse cumulative rate, so the CV describes burstiness
+  that the windows do not already explain;
+- ``prompt_tokens`` / ``output_tokens``: empirical length distributions as quantile knots,
+  ``values[i]`` = the ``quantiles[i]`` quantile. Sampling inverts this CDF with linear
+  interpolation between knots and rounds to an integer >= 1. A fitted workload uses a grid
+  that is dense in the tail, so p50, p90, p99 and the maximum are knots and are kept
+  exactly; a hand-written one may use a few knots (``[0, 0.5, 0.99, 1]``).
+
+A class's share of traffic is its rate over the sum of rates (``class_stats``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from servetune.schemas.base import Document, Strict
+
+MAX_TOKENS_BOUND = 10_000_000  # no request length beyond this is plausible; catches typos
+
+
+class LengthDistribution(Strict):
+    """Token lengths as quantile knots; sampled by inverse CDF with interpolation."""
+
+    quantiles: list[float] = Field(
+        min_length=2, description="probability grid, strictly increasing from 0 to 1"
+    )
+    values: list[float] = Field(
+        min_length=2, description="token count at each quantile, non-decreasing, >= 1"
+    )
+
+    @field_validator("quantiles")
+    @classmethod
+    def _grid(cls, q: list[float]) -> list[float]:
+        if any(not math.isfinite(x) for x in q):
+            raise ValueError("quantiles must be finite numbers")
+        if q[0] != 0.0 or q[-1] != 1.0:
+            raise ValueError("quantiles must start at 0 and end at 1")
+        if any(b <= a for a, b in zip(q, q[1:], strict=False)):
+            raise ValueError("quantiles must be strictly increasing")
+        return q
+
+    @field_validator("values")
+    @classmethod
+    def _lengths(cls, v: list[float]) -> list[float]:
+        if any(not math.isfinite(x) for x in v):
+            raise ValueError("values must be finite token counts")
+        if v[0] < 1:
+            raise ValueError(f"values must be >= 1 token (got {v[0]})")
+        if v[-1] > MAX_TOKENS_BOUND:
+            raise ValueError(f"values must be <= {MAX_TOKENS_BOUND} tokens (got {v[-1]})")
+        if any(b < a for a, b in zip(v, v[1:], strict=False)):
+            raise ValueError("values must be non-decreasing (they are quantiles)")
+        return v
+
+    @model_validator(mode="after")
+    def _same_length(self) -> LengthDistribution:
+        if len(self.quantiles) != len(self.values):
+            raise ValueError(
+                f"quantiles has {len(self.quantiles)} entries but values has "
+                f"{len(self.values)}; give one value per quantile"
+            )
+        return self
+
+
+class RateWindows(Strict):
+    """Piecewise-constant relative rate, repeating with period len(multipliers)*window_s."""
+
+    window_s: float = Field(gt=0, description="length of each window, seconds")
+    rate_multipliers: list[float] = Field(
+        min_length=1, description="relative rate per window (normalised to mean 1), >= 0"
+    )
+
+    @field_validator("window_s")
+    @classmethod
+    def _finite_window(cls, w: float) -> float:
+        if not math.isfinite(w):
+            raise ValueError("window_s must be a finite number of seconds")
+        return w
+
+    @field_validator("rate_multipliers")
+    @classmethod
+    def _nonnegative(cls, m: list[float]) -> list[float]:
+        if any(not math.isfinite(x) or x < 0 for x in m):
+            raise ValueError("rate_multipliers must be finite and >= 0")
+        if not any(x > 0 for x in m):
+            raise ValueError("rate_multipliers needs at least one window with a rate > 0")
+        return m
+
+
+class Arrival(Strict):
+    process: Literal["poisson", "gamma"] = Field(
+        "poisson", description="poisson (exponential gaps) or gamma (gaps with the given CV)"
+    )
+    rate_per_s: float = Field(gt=0, description="mean arrival rate, requests per second")
+    interarrival_cv: float = Field(
+        1.0, gt=0, le=100, description="coefficient of variation of the gaps (1 for poisson)"
+    )
+    windows: RateWindows | None = Field(None, description="optional piecewise-constant rate")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Arrival:
+        if not math.isfinite(self.rate_per_s):
+            raise ValueError("rate_per_s must be a finite number")
+        if self.process == "poisson" and self.interarrival_cv != 1.0:
+            raise ValueError(
+                f"a poisson process has interarrival_cv 1 (got {self.interarrival_cv}); "
+                "use process: gamma for another CV"
+            )
+        return self
+
+
+class WorkloadClass(Strict):
+    priority: int = Field(0, description="lower value is served first (vLLM convention)")
+    arrival: Arrival
+    prompt_tokens: LengthDistribution
+    output_tokens: LengthDistribution
+
+
+class Workload(Document):
+    KIND: ClassVar[str] = "Workload"
+    kind: Literal["Workload"] = "Workload"
+    name: str = "workload"
+    source: str = Field("", description="where the numbers come from (trace, license)")
+    duration_s: float | None = Field(
+        None, gt=0, description="default sampling horizon (the fitted trace's span), seconds"
+    )
+    classes: dict[str, WorkloadClass] = Field(min_length=1)
+
+    @field_validator("duration_s")
+    @classmethod
+    def _finite_duration(cls, d: float | None) -> float | None:
+        if d is not None and not math.isfinite(d):
+            raise ValueError("duration_s must be a finite number of seconds")
+        return d
+
+    @field_validator("classes")
+    @classmethod
+    def _names(cls, classes: dict[str, WorkloadClass]) -> dict[str, WorkloadClass]:
+        for name in classes:
+            if not name or not name.strip():
+                raise ValueError("class names must be non-empty")
+        return classes
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return tuple(self.classes)
+
+    @property
+    def total_rate_per_s(self) -> float:
+        return sum(c.arrival.rate_per_s for c in self.classes.values())

@@ -1,0 +1,324 @@
+"""The simulator's public entry points: ``simulate`` one run, ``goodput`` search.
+
+``simulate`` turns a trace (replayed) or a workload (sampled with a seed) plus a policy and
+a profile into one engine run (:func:`servetune.sim.engine.run_engine`) and wraps the
+engine's per-request arrays in a :class:`SimResult`, which computes the summary JSON of
+issue 3, judges an SLO set, and writes records, step logs and timelines.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from servetune.errors import ServetuneError
+from servetune.schemas.base import write_text_atomic
+from servetune.schemas.policy import Policy
+from servetune.schemas.slo import SLOSet
+from servetune.sim import metrics as M
+from servetune.sim.goodput import GoodputResult, goodput_search
+from servetune.sim.records import write_records
+from servetune.sim.timeline import Window, build_timeline, write_timeline
+from servetune.trace import Trace
+
+ENGINE_NAMES = ("vllm", "sglang", "trtllm", "tgi")
+
+
+def _engine_module():
+    from servetune.sim import engine
+
+    return engine
+
+
+def prepare_trace(
+    source: Any,
+    *,
+    seed: int = 0,
+    n_requests: int | None = None,
+    duration_s: float | None = None,
+    rate_scale: float = 1.0,
+) -> Trace:
+    """The trace one run simulates.
+
+    A Trace is replayed: its first ``n_requests`` rows, time-compressed by ``rate_scale``,
+    then cut to arrivals before ``duration_s`` (simulated seconds). A Workload is sampled with
+    ``seed`` for ``n_requests`` and/or ``duration_s`` at ``rate_scale`` times its rates."""
+    if not (isinstance(rate_scale, int | float) and rate_scale > 0 and math.isfinite(rate_scale)):
+        raise ServetuneError(f"--rate-scale must be a number > 0 (got {rate_scale})")
+    if n_requests is not None and n_requests < 1:
+        raise ServetuneError(f"--requests must be >= 1 (got {n_requests})")
+    if duration_s is not None and not (duration_s > 0 and math.isfinite(duration_s)):
+        raise ServetuneError(f"--duration must be > 0 seconds (got {duration_s})")
+    if isinstance(source, Trace):
+        trace = source.head(n_requests) if n_requests is not None else source
+        if rate_scale != 1.0:
+            trace = trace.rate_scaled(rate_scale)
+        if duration_s is not None:
+            keep = int(np.searchsorted(trace.arrival_s, duration_s, side="left"))
+            trace = trace.take(slice(0, max(keep, 1)))
+        return trace
+    from servetune.schemas.workload import Workload
+    from servetune.workload import sample_trace
+
+    if isinstance(source, Workload):
+        return sample_trace(
+            source, n_requests=n_requests, duration_s=duration_s, seed=seed,
+            rate_scale=rate_scale,
+        )
+    raise ServetuneError(
+        f"simulate: source must be a Trace or a Workload (got {type(source).__name__})"
+    )
+
+
+def base_rate_per_s(source: Any) -> float:
+    """Mean arrival rate of ``source`` at rate scale 1 (requests per second)."""
+    if isinstance(source, Trace):
+        return (len(source) - 1) / source.duration_s if source.duration_s > 0 else 0.0
+    return float(source.total_rate_per_s)
+
+
+@dataclass(eq=False)
+class SimResult:
+    """One simulated run: its trace, the engine's output, and derived views."""
+
+    trace: Trace
+    output: Any  # servetune.sim.engine.EngineOutput
+    engine: str = "vllm"
+    reference: bool = False
+    sim_wall_s: float = 0.0
+    policy_name: str = ""
+    profile_name: str = ""
+    _metrics: M.RequestMetrics | None = field(default=None, repr=False)
+
+    @property
+    def metrics(self) -> M.RequestMetrics:
+        if self._metrics is None:
+            self._metrics = M.request_metrics(
+                self.trace.arrival_s, self.output.first_token_s, self.output.finish_s,
+                self.trace.output_tokens, self.output.status, self.trace.class_ids(),
+            )
+        return self._metrics
+
+    @property
+    def span_s(self) -> float:
+        return M.run_span_s(self.trace.arrival_s, np.asarray(self.output.finish_s))
+
+    def slo_met(self, slo: SLOSet) -> np.ndarray:
+        """Per request: meets every limit of its class's SLO."""
+        return M.slo_met_mask(self.metrics, slo, self.trace.class_names)
+
+    def attainment(self, slo: SLOSet) -> float:
+        met = self.slo_met(slo)
+        return float(met.mean()) if len(met) else 1.0
+
+    def meets_slo(self, slo: SLOSet) -> bool:
+        """Every class in the run meets its SLO (percentile or attainment mode)."""
+        return M.meets_slo(self.metrics, slo, self.trace.class_names)
+
+    def slo_verdicts(self, slo: SLOSet) -> dict[str, tuple[bool, dict]]:
+        return M.slo_verdicts(self.metrics, slo, self.trace.class_names)
+
+    def summary(self, slo: SLOSet | None = None) -> dict[str, Any]:
+        """The issue-3 summary: counts, latency distributions, throughput, attainment (null
+        without an SLO), per class, KV utilization and preemptions."""
+        m = self.metrics
+        span = self.span_s
+        met = self.slo_met(slo) if slo is not None else None
+        overall = M.group_summary(m, span, None, met)
+        preemptions = np.asarray(self.output.preemptions, dtype=np.int64)
+        per_class: dict[str, Any] = {}
+        verdicts = self.slo_verdicts(slo) if slo is not None else {}
+        for cid, name in enumerate(self.trace.class_names):
+            sel = m.class_id == cid
+            if not sel.any():
+                continue
+            group = M.group_summary(m, span, sel, met)
+            entry = {k: v for k, v in group.items()}
+            entry["preemptions"] = int(preemptions[sel].sum())
+            if name in verdicts:
+                entry["meets_slo"] = verdicts[name][0]
+            per_class[name] = entry
+        return {
+            "requests": overall["requests"],
+            "completed": overall["completed"],
+            "shed": overall["shed"],
+            "rejected": overall["rejected"],
+            "steps": int(self.output.steps),
+            "sim_wall_s": float(self.sim_wall_s),
+            "overall": {
+                k: overall[k]
+                for k in ("ttft_s", "tpot_s", "e2e_s", "throughput_tok_s", "throughput_req_s",
+                          "attainment")
+            },
+            "per_class": per_class,
+            "kv": {
+                "mean_util": _finite_or_none(self.output.kv_util_mean),
+                "peak_util": _finite_or_none(self.output.kv_util_peak),
+            },
+            "preemptions": int(preemptions.sum()),
+        }
+
+    def reasons(self) -> tuple[str, ...]:
+        try:
+            return tuple(_engine_module().REASONS)
+        except (ImportError, AttributeError):
+            return ()
+
+    def write_records(self, path: str | os.PathLike[str]) -> None:
+        """Per-request records as CSV, or Parquet for a ``.parquet`` path (needs pyarrow)."""
+        write_records(path, self.trace, self.output, self.reasons())
+
+    def step_log(self) -> list[dict[str, Any]]:
+        log = getattr(self.output, "step_log", None)
+        if log is None:
+            raise ServetuneError("this run kept no step log; simulate with step_log=True")
+        return log
+
+    def write_steps(self, path: str | os.PathLike[str]) -> None:
+        """The step log as JSON lines, one record per engine step (or jumped stretch)."""
+        lines = [json.dumps(_plain(rec), separators=(",", ":")) for rec in self.step_log()]
+        write_text_atomic(path, "".join(line + "\n" for line in lines))
+
+    def timeline(self, window: Window | None = None) -> dict[str, Any]:
+        return build_timeline(
+            self.step_log(),
+            self.trace.arrival_s,
+            self.trace.prompt_tokens,
+            status=np.asarray(self.output.status),
+            reason=np.asarray(self.output.reason),
+            reasons=self.reasons(),
+            window=window,
+            title=f"servetune {self.engine} {self.policy_name} on {self.profile_name}",
+        )
+
+    def write_timeline(self, path: str | os.PathLike[str], window: Window | None = None) -> None:
+        """Chrome trace-event JSON (open in Perfetto or chrome://tracing)."""
+        write_timeline(path, self.timeline(window))
+
+
+def _finite_or_none(x: Any) -> float | None:
+    value = float(x)
+    return value if math.isfinite(value) else None
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars/arrays to JSON-able Python values."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return _plain(value.tolist())
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def simulate(
+    source: Any,
+    policy: Policy,
+    profile: Any,
+    *,
+    engine: str = "vllm",
+    reference: bool = False,
+    seed: int = 0,
+    n_requests: int | None = None,
+    duration_s: float | None = None,
+    rate_scale: float = 1.0,
+    step_log: bool = False,
+    progress: Callable[..., Any] | None = None,
+) -> SimResult:
+    """Simulate ``policy`` serving ``source`` (Trace or Workload) on ``profile``."""
+    if engine not in ENGINE_NAMES:
+        raise ServetuneError(
+            f"--engine {engine!r}: unknown engine; choose one of {', '.join(ENGINE_NAMES)}"
+        )
+    trace = prepare_trace(
+        source, seed=seed, n_requests=n_requests, duration_s=duration_s, rate_scale=rate_scale
+    )
+    eng = _engine_module()
+    started = time.perf_counter()
+    output = eng.run_engine(
+        trace,
+        policy,
+        profile.kv_blocks(),
+        profile.block_size,
+        profile.step_time,
+        engine=engine,
+        reference=reference,
+        step_log=step_log,
+        progress=progress,
+    )
+    wall = time.perf_counter() - started
+    return SimResult(
+        trace=trace,
+        output=output,
+        engine=engine,
+        reference=reference,
+        sim_wall_s=wall,
+        policy_name=getattr(policy, "name", ""),
+        profile_name=getattr(profile, "name", ""),
+    )
+
+
+def goodput(
+    source: Any,
+    policy: Policy,
+    profile: Any,
+    slo: SLOSet,
+    *,
+    engine: str = "vllm",
+    seeds: Sequence[int] = (0,),
+    n_requests: int | None = None,
+    duration_s: float | None = None,
+    reference: bool = False,
+    rel_tol: float = 0.02,
+    start: float = 1.0,
+    min_scale: float = 1.0 / 1024,
+    max_scale: float = 1024.0,
+    on_point: Callable[[dict[str, Any]], Any] | None = None,
+) -> GoodputResult:
+    """Highest rate scale at which ``policy`` meets ``slo`` (every seed, for a workload).
+
+    A trace is replayed once per scale (seeds do not change a replay); a workload is sampled
+    with each seed. Each point records its verdict, per-seed attainment and the summary of
+    every run (without wall-clock fields, so the result is deterministic)."""
+    if not seeds:
+        raise ServetuneError("goodput: give at least one seed")
+    run_seeds = (seeds[0],) if isinstance(source, Trace) else tuple(seeds)
+
+    def evaluate(scale: float) -> tuple[bool, dict[str, Any]]:
+        ok = True
+        attainments = []
+        summaries = []
+        for s in run_seeds:
+            result = simulate(
+                source, policy, profile, engine=engine, reference=reference, seed=s,
+                n_requests=n_requests, duration_s=duration_s, rate_scale=scale,
+            )
+            ok = result.meets_slo(slo) and ok
+            summary = result.summary(slo)
+            summary.pop("sim_wall_s", None)
+            attainments.append(summary["overall"]["attainment"])
+            summaries.append({"seed": s, **summary})
+        point = {"attainment": min(attainments), "seeds": summaries}
+        if on_point is not None:
+            on_point({"rate_scale": scale, "meets_slo": ok, **point})
+        return ok, point
+
+    base = (
+        base_rate_per_s(prepare_trace(source, n_requests=n_requests, duration_s=duration_s))
+        if isinstance(source, Trace)
+        else base_rate_per_s(source)
+    )
+    return goodput_search(
+        evaluate, base, start=start, rel_tol=rel_tol,
+        min_scale=min_scale, max_scale=max_scale,
+    )

@@ -1,0 +1,487 @@
+"""Fit a Workload to a trace, sample a trace from a Workload, and per-class moments.
+
+Fitting (``fit_workload``): the trace is split into classes (one, by its class column, or
+by prompt-length quantile bands). Per class:
+
+- rate_c = overall mean rate * n_c / n, where the overall rate is (rows-1)/span as in
+  ``../shared/traces/README.md`` (so one class has exactly the trace's rate and the
+  classes' rates sum to it);
+- optional windows: relative rate m_i = (requests in window i / window length), divided
+  by their mean;
+- burstiness: the CV of the class's inter-arrival gaps measured in operational time
+  Lambda(t) = integral of m (plain gaps without windows). ``gamma`` when the CV differs
+  from 1 by more than ``POISSON_CV_TOLERANCE``, else ``poisson``;
+- lengths: numpy quantiles (linear interpolation) of prompt and output tokens at
+  ``QUANTILE_GRID``, which holds 0, 0.5, 0.9, 0.99 and 1 and is dense in the tail.
+
+Sampling (``sample_trace``): each class is an independent stream, generated in fixed
+chunks of ``CHUNK`` requests from its own seeded generators: unit-mean gamma (or
+exponential) gaps cumulated in operational time, mapped to seconds through the inverse
+cumulative rate, and lengths drawn by inverse CDF u -> interp(u, quantiles, values),
+rounded to an integer >= 1. Streams are merged by arrival time. Because each stream does
+not depend on how much is drawn, a shorter sample is a prefix of a longer one with the
+same seed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import yaml
+
+from servetune.errors import ServetuneError
+from servetune.schemas.base import (
+    document_from_data,
+    parse_yaml_text,
+    write_text_atomic,
+)
+from servetune.schemas.workload import (
+    Arrival,
+    LengthDistribution,
+    RateWindows,
+    Workload,
+    WorkloadClass,
+)
+from servetune.trace import Trace, from_arrays
+
+POISSON_CV_TOLERANCE = 0.01
+CHUNK = 65536
+DEFAULT_DURATION_S = 3600.0
+MAX_SAMPLE_REQUESTS = 100_000_000  # beyond this a sample does not fit a workstation's memory
+
+
+def _grid() -> np.ndarray:
+    body = np.arange(0, 90) / 100.0  # 0.00 .. 0.89
+    upper = 0.90 + np.arange(0, 36) * 0.0025  # 0.9000 .. 0.9875
+    tail = 0.99 + np.arange(0, 18) * 0.0005  # 0.9900 .. 0.9985
+    extreme = 0.999 + np.arange(0, 10) * 0.0001  # 0.9990 .. 0.9999
+    grid = np.concatenate([[0.0, 0.005], body[1:], upper, tail, extreme, [1.0]])
+    return np.round(grid, 6)
+
+
+QUANTILE_GRID: np.ndarray = _grid()
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def _as_arrays(dist: LengthDistribution) -> tuple[np.ndarray, np.ndarray]:
+    return np.asarray(dist.quantiles, dtype=np.float64), np.asarray(dist.values, np.float64)
+
+
+def distribution_mean(dist: LengthDistribution) -> float:
+    """Mean of the piecewise-linear quantile function (what the sampler draws from)."""
+    q, v = _as_arrays(dist)
+    return float(np.sum(np.diff(q) * (v[1:] + v[:-1]) / 2.0))
+
+
+def distribution_quantile(dist: LengthDistribution, p: float | np.ndarray) -> Any:
+    """The ``p`` quantile (0..1) of a length distribution, interpolating between knots."""
+    q, v = _as_arrays(dist)
+    out = np.interp(np.asarray(p, dtype=np.float64), q, v)
+    return float(out) if np.ndim(out) == 0 else out
+
+
+@dataclass(frozen=True)
+class ClassStats:
+    """Moments and quantiles of one class, as the optimizer's models read them."""
+
+    name: str
+    priority: int
+    rate_per_s: float
+    share: float
+    interarrival_cv: float
+    prompt_mean: float
+    prompt_p50: float
+    prompt_p90: float
+    prompt_p99: float
+    prompt_max: float
+    output_mean: float
+    output_p50: float
+    output_p90: float
+    output_p99: float
+    output_max: float
+    prompt: LengthDistribution
+    output: LengthDistribution
+
+    def prompt_quantile(self, q: float) -> float:
+        return float(distribution_quantile(self.prompt, q))
+
+    def output_quantile(self, q: float) -> float:
+        return float(distribution_quantile(self.output, q))
+
+
+def class_stats(workload: Workload) -> list[ClassStats]:
+    """One ClassStats per class, in the workload's class order."""
+    total = workload.total_rate_per_s
+    out = []
+    for name, cls in workload.classes.items():
+        p, o = cls.prompt_tokens, cls.output_tokens
+        pq = distribution_quantile(p, np.array([0.5, 0.9, 0.99, 1.0]))
+        oq = distribution_quantile(o, np.array([0.5, 0.9, 0.99, 1.0]))
+        out.append(
+            ClassStats(
+                name=name,
+                priority=cls.priority,
+                rate_per_s=cls.arrival.rate_per_s,
+                share=cls.arrival.rate_per_s / total,
+                interarrival_cv=cls.arrival.interarrival_cv,
+                prompt_mean=distribution_mean(p),
+                prompt_p50=float(pq[0]),
+                prompt_p90=float(pq[1]),
+                prompt_p99=float(pq[2]),
+                prompt_max=float(pq[3]),
+                output_mean=distribution_mean(o),
+                output_p50=float(oq[0]),
+                output_p90=float(oq[1]),
+                output_p99=float(oq[2]),
+                output_max=float(oq[3]),
+                prompt=p,
+                output=o,
+            )
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- fitting
+
+
+def _fit_lengths(tokens: np.ndarray) -> LengthDistribution:
+    values = np.quantile(np.asarray(tokens, dtype=np.float64), QUANTILE_GRID)
+    values = np.maximum(np.round(values, 2), 1.0)
+    values = np.maximum.accumulate(values)  # rounding must not break monotonicity
+    return LengthDistribution(
+        quantiles=[float(q) for q in QUANTILE_GRID], values=[float(v) for v in values]
+    )
+
+
+def _window_multipliers(arrival_s: np.ndarray, span: float, window_s: float) -> np.ndarray:
+    n_windows = max(1, math.ceil(span / window_s))
+    counts = np.bincount(
+        np.minimum((arrival_s // window_s).astype(np.int64), n_windows - 1), minlength=n_windows
+    ).astype(np.float64)
+    lengths = np.full(n_windows, window_s)
+    lengths[-1] = max(span - (n_windows - 1) * window_s, 1e-9) if span > 0 else window_s
+    rates = counts / lengths
+    return rates / rates.mean()
+
+
+def _operational_time(t: np.ndarray, multipliers: np.ndarray, window_s: float) -> np.ndarray:
+    """Lambda(t) = integral_0^t m(s) ds for the periodic piecewise-constant m."""
+    k = len(multipliers)
+    period = k * window_s
+    starts = np.concatenate([[0.0], np.cumsum(multipliers) * window_s])
+    p, r = np.divmod(t, period)
+    i = np.minimum((r // window_s).astype(np.int64), k - 1)
+    return p * starts[-1] + starts[i] + (r - i * window_s) * multipliers[i]
+
+
+def _fit_arrival(
+    arrival_s: np.ndarray, rate: float, multipliers: np.ndarray | None, window_s: float | None
+) -> Arrival:
+    windows = None
+    t = arrival_s
+    if multipliers is not None and window_s is not None:
+        windows = RateWindows(
+            window_s=float(window_s), rate_multipliers=[round(float(m), 4) for m in multipliers]
+        )
+        t = _operational_time(arrival_s, np.asarray(windows.rate_multipliers), window_s)
+    gaps = np.diff(t)
+    cv = 1.0
+    if len(gaps) >= 2 and gaps.mean() > 0:
+        cv = float(gaps.std() / gaps.mean())
+    cv = min(max(round(cv, 4), 0.01), 100.0)
+    if abs(cv - 1.0) <= POISSON_CV_TOLERANCE:
+        return Arrival(process="poisson", rate_per_s=rate, interarrival_cv=1.0, windows=windows)
+    return Arrival(process="gamma", rate_per_s=rate, interarrival_cv=cv, windows=windows)
+
+
+def _most_common_priority(trace: Trace, idx: np.ndarray) -> int:
+    if trace.priority is None or len(idx) == 0:
+        return 0
+    vals, counts = np.unique(trace.priority[idx], return_counts=True)
+    return int(vals[counts.argmax()])
+
+
+def _split_indices(
+    trace: Trace, split: str | None, bands: int
+) -> list[tuple[str, np.ndarray, int]]:
+    """(class name, row indices, priority) per non-empty class."""
+    n = len(trace)
+    if split is None or split == "none":
+        return [("default", np.arange(n), _most_common_priority(trace, np.arange(n)))]
+    if split == "class":
+        if trace.class_id is None:
+            raise ServetuneError(
+                f"{trace.source or 'trace'}: has no class column to split by; map one with "
+                "--columns ...,class=COLUMN or use --split-by prompt-quantiles"
+            )
+        out = []
+        for k, name in enumerate(trace.class_names):
+            idx = np.flatnonzero(trace.class_id == k)
+            if len(idx) == 0:
+                continue
+            out.append((str(name), idx, _most_common_priority(trace, idx)))
+        return out
+    if split in ("prompt-quantiles", "prompt_quantiles", "bands"):
+        if bands < 1:
+            raise ServetuneError(f"--bands must be >= 1 (got {bands})")
+        edges = np.quantile(trace.prompt_tokens, np.arange(1, bands) / bands)
+        band = np.searchsorted(edges, trace.prompt_tokens, side="left")
+        out = []
+        for b in range(bands):
+            idx = np.flatnonzero(band == b)
+            if len(idx) == 0:
+                continue
+            lo, hi = int(trace.prompt_tokens[idx].min()), int(trace.prompt_tokens[idx].max())
+            out.append((f"prompt-{lo}-{hi}", idx, 0))
+        return out
+    raise ServetuneError(f"unknown split {split!r}; use class or prompt-quantiles")
+
+
+def fit_workload(
+    trace: Trace,
+    *,
+    split: str | None = None,
+    bands: int = 3,
+    rate_windows_s: float | None = None,
+    name: str = "workload",
+    source: str = "",
+) -> Workload:
+    """Fit a Workload to ``trace`` (see the module docstring for the method)."""
+    n = len(trace)
+    if n < 2 or trace.duration_s <= 0:
+        raise ServetuneError(
+            f"{trace.source or 'trace'}: needs at least 2 requests at different times to fit "
+            f"an arrival rate (got {n} over {trace.duration_s:g} s)"
+        )
+    if rate_windows_s is not None and not (rate_windows_s > 0 and math.isfinite(rate_windows_s)):
+        raise ServetuneError(f"--rate-windows must be > 0 seconds (got {rate_windows_s})")
+    span = trace.duration_s
+    overall_rate = (n - 1) / span
+    classes: dict[str, WorkloadClass] = {}
+    for cname, idx, prio in _split_indices(trace, split, bands):
+        arrivals = trace.arrival_s[idx]
+        multipliers = None
+        if rate_windows_s is not None:
+            multipliers = _window_multipliers(arrivals, span, rate_windows_s)
+        classes[cname] = WorkloadClass(
+            priority=prio,
+            arrival=_fit_arrival(
+                arrivals, overall_rate * len(idx) / n, multipliers, rate_windows_s
+            ),
+            prompt_tokens=_fit_lengths(trace.prompt_tokens[idx]),
+            output_tokens=_fit_lengths(trace.output_tokens[idx]),
+        )
+    return Workload(name=name, source=source, duration_s=round(span, 6), classes=classes)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+class _ClassStream:
+    """One class's requests, generated CHUNK at a time from its own generators."""
+
+    def __init__(self, cls: WorkloadClass, seed_seq: np.random.SeedSequence, rate_scale: float):
+        gap_seed, prompt_seed, output_seed = seed_seq.spawn(3)
+        self.gen_gap = np.random.Generator(np.random.PCG64(gap_seed))
+        self.gen_prompt = np.random.Generator(np.random.PCG64(prompt_seed))
+        self.gen_output = np.random.Generator(np.random.PCG64(output_seed))
+        arrival = cls.arrival
+        self.rate = arrival.rate_per_s * rate_scale
+        self.cv = arrival.interarrival_cv
+        self.poisson = arrival.process == "poisson"
+        self.windows = None
+        if arrival.windows is not None:
+            m = np.asarray(arrival.windows.rate_multipliers, dtype=np.float64)
+            m = m / m.mean()
+            w = arrival.windows.window_s
+            # cumulative expected requests at each window start (one period)
+            self.windows = (m, w, np.concatenate([[0.0], np.cumsum(m) * w * self.rate]))
+        self.prompt = _as_arrays(cls.prompt_tokens)
+        self.output = _as_arrays(cls.output_tokens)
+        self.op_time = 0.0
+        self.times: list[np.ndarray] = []
+        self.prompts: list[np.ndarray] = []
+        self.outputs: list[np.ndarray] = []
+
+    @property
+    def last_s(self) -> float:
+        return float(self.times[-1][-1]) if self.times else 0.0
+
+    def _to_seconds(self, tau: np.ndarray) -> np.ndarray:
+        if self.windows is None:
+            return tau / self.rate
+        m, w, cum = self.windows
+        k = len(m)
+        per_period = cum[-1]
+        p, r = np.divmod(tau, per_period)
+        i = np.clip(np.searchsorted(cum, r, side="right") - 1, 0, k - 1)
+        # the last window may have rate 0 and r may sit exactly on its start
+        positive = np.flatnonzero(m > 0)
+        i = np.where(m[i] > 0, i, positive[np.searchsorted(positive, i, side="right") - 1])
+        return p * (k * w) + i * w + (r - cum[i]) / (self.rate * m[i])
+
+    def _lengths(self, gen: np.random.Generator, qv: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        x = np.interp(gen.random(CHUNK), qv[0], qv[1])
+        return np.maximum(np.rint(x), 1).astype(np.int64)
+
+    def extend(self) -> None:
+        if self.poisson:
+            gaps = self.gen_gap.exponential(1.0, CHUNK)
+        else:
+            shape = 1.0 / (self.cv * self.cv)
+            gaps = self.gen_gap.gamma(shape, 1.0 / shape, CHUNK)
+        tau = self.op_time + np.cumsum(gaps)
+        self.op_time = float(tau[-1])
+        self.times.append(self._to_seconds(tau))
+        self.prompts.append(self._lengths(self.gen_prompt, self.prompt))
+        self.outputs.append(self._lengths(self.gen_output, self.output))
+
+    def upto(self, horizon_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        t = np.concatenate(self.times)
+        keep = t <= horizon_s
+        return t[keep], np.concatenate(self.prompts)[keep], np.concatenate(self.outputs)[keep]
+
+    def count_upto(self, horizon_s: float) -> int:
+        return int(sum(np.searchsorted(c, horizon_s, side="right") for c in self.times))
+
+
+def sample_trace(
+    workload: Workload,
+    *,
+    n_requests: int | None = None,
+    duration_s: float | None = None,
+    seed: int = 0,
+    rate_scale: float = 1.0,
+) -> Trace:
+    """Draw a trace from ``workload``: the first ``n_requests`` arrivals and/or those within
+    ``duration_s`` seconds (default: the workload's ``duration_s``, else one hour).
+    Deterministic for a seed."""
+    if n_requests is not None and n_requests < 1:
+        raise ServetuneError(f"number of requests to sample must be >= 1 (got {n_requests})")
+    if duration_s is not None and not (duration_s > 0 and math.isfinite(duration_s)):
+        raise ServetuneError(f"sampling duration must be > 0 seconds (got {duration_s})")
+    if not (rate_scale > 0 and math.isfinite(rate_scale)):
+        raise ServetuneError(f"rate scale must be > 0 (got {rate_scale})")
+    if n_requests is None and duration_s is None:
+        duration_s = workload.duration_s or DEFAULT_DURATION_S
+    expected = (
+        n_requests if duration_s is None
+        else workload.total_rate_per_s * rate_scale * duration_s
+    )
+    if n_requests is not None:
+        expected = min(expected, n_requests)
+    if expected > MAX_SAMPLE_REQUESTS:
+        raise ServetuneError(
+            f"sampling workload {workload.name!r} would draw about {expected:.3g} requests "
+            f"(more than {MAX_SAMPLE_REQUESTS:,}); sample fewer requests or a shorter duration"
+        )
+    root = np.random.SeedSequence(int(seed) & 0xFFFFFFFFFFFFFFFF)
+    streams = [
+        _ClassStream(cls, s, rate_scale)
+        for cls, s in zip(workload.classes.values(), root.spawn(len(workload.classes)),
+                          strict=True)
+    ]
+    for s in streams:
+        s.extend()
+    horizon = math.inf if duration_s is None else float(duration_s)
+    if duration_s is not None:
+        for s in streams:
+            while s.last_s < horizon:
+                s.extend()
+    if n_requests is not None:
+        # Grow the stream that ends first until the merged prefix holds n requests.
+        while True:
+            known = min(s.last_s for s in streams)
+            if min(known, horizon) == horizon or sum(
+                s.count_upto(known) for s in streams
+            ) >= n_requests:
+                horizon = min(known, horizon)
+                break
+            min(streams, key=lambda s: s.last_s).extend()
+    parts = [s.upto(horizon) for s in streams]
+    arrival = np.concatenate([p[0] for p in parts])
+    prompt = np.concatenate([p[1] for p in parts])
+    output = np.concatenate([p[2] for p in parts])
+    class_id = np.concatenate(
+        [np.full(len(p[0]), k, dtype=np.int32) for k, p in enumerate(parts)]
+    )
+    priorities = np.array([c.priority for c in workload.classes.values()], dtype=np.int32)
+    order = np.argsort(arrival, kind="stable")
+    if n_requests is not None:
+        order = order[:n_requests]
+    if len(order) == 0:
+        raise ServetuneError(
+            f"sampling {duration_s:g} s of workload {workload.name!r} produced no requests; "
+            "sample a longer duration or more requests"
+        )
+    return from_arrays(
+        arrival[order],
+        prompt[order],
+        output[order],
+        class_id=class_id[order],
+        class_names=workload.class_names,
+        priority=priorities[class_id[order]],
+        source=f"workload:{workload.name} seed={seed}",
+    )
+
+
+# ----------------------------------------------------------------------------- YAML
+
+
+class _FlowListDumper(yaml.SafeDumper):
+    """Block style, except lists of numbers, which go on one (wrapped) line."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, data: list) -> yaml.Node:
+    flow = bool(data) and all(isinstance(x, int | float) and not isinstance(x, bool)
+                              for x in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+
+_FlowListDumper.add_representer(list, _represent_list)
+
+
+def workload_to_yaml(workload: Workload, *, header: str = "") -> str:
+    data = workload.model_dump(mode="json", exclude_none=True)
+    text = yaml.dump(
+        data, Dumper=_FlowListDumper, sort_keys=False, default_flow_style=False, width=100
+    )
+    if header:
+        text = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + text
+    return text
+
+
+def save_workload(
+    workload: Workload, path: str | os.PathLike[str], *, header: str = ""
+) -> None:
+    """Write ``workload`` as YAML atomically (numeric lists in flow style)."""
+    write_text_atomic(path, workload_to_yaml(workload, header=header))
+
+
+def load_workload(path: str | os.PathLike[str]) -> Workload:
+    """Load and validate a Workload YAML file."""
+    p = os.fspath(path)
+    try:
+        with open(p, "rb") as fh:
+            raw = fh.read()
+    except FileNotFoundError:
+        raise ServetuneError(f"{p}: file not found") from None
+    except IsADirectoryError:
+        raise ServetuneError(f"{p}: is a directory, expected a Workload YAML file") from None
+    except OSError as exc:
+        raise ServetuneError(f"{p}: cannot read ({exc.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ServetuneError(f"{p}: not UTF-8 text; expected a Workload YAML file") from None
+    return workload_from_yaml_text(text, p)
+
+
+def workload_from_yaml_text(text: str, source: str) -> Workload:
+    return document_from_data(parse_yaml_text(text, source), Workload, source)

@@ -1,0 +1,1 @@
+"""servetune.solvers: solver drivers, search loops, baselines."""

@@ -1,0 +1,152 @@
+"""Baselines over the same search space, judged by the same simulator.
+
+- engine defaults: ``vllm serve`` on a GPU with >= 70 GiB that is not an A100 (1024
+  sequences, 8192 batched tokens; engines.md 1.4) and SGLang's (chunked prefill 8192 on
+  a < 160 GB GPU, engines.md 2.1; ``max_running_requests`` = min(KV tokens / 2, the
+  request-pool size, which SGLang sizes between 2048 and 4096 slots), simulated with the
+  ``sglang`` admission model when the simulator has it;
+- exhaustive grid: every point of the space simulated, goodput by bracketing and bisection
+  from the workload's own rate (the brute-force oracle);
+- random search: points in a seeded random order, same goodput search, until the
+  simulation budget is spent;
+- Optuna TPE (only when ``optuna`` is importable, the optional extra ``optuna``), seeded,
+  same budget.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from servetune.models.fluid import Knobs
+from servetune.solvers.loop import Evaluated, Simulator, find_goodput
+
+VLLM_DEFAULTS = Knobs(max_num_seqs=1024, max_num_batched_tokens=8192)
+SGLANG_CHUNKED_PREFILL = 8192
+SGLANG_REQ_POOL_MAX = 4096
+
+
+def sglang_default_knobs(kv_tokens: int) -> Knobs:
+    seats = max(1, min(kv_tokens // 2, SGLANG_REQ_POOL_MAX))
+    return Knobs(max_num_seqs=seats, max_num_batched_tokens=max(SGLANG_CHUNKED_PREFILL, seats))
+
+
+@dataclass
+class BaselineResult:
+    method: str
+    best: Evaluated | None
+    evaluated: list[Evaluated] = field(default_factory=list)
+    simulations: int = 0
+    skipped: str = ""
+
+    @property
+    def goodput_rate_per_s(self) -> float:
+        return self.best.goodput.rate_per_s if self.best else 0.0
+
+
+def _best(evaluated: list[Evaluated]) -> Evaluated | None:
+    passing = [e for e in evaluated if e.goodput.passed]
+    return max(passing, key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
+
+
+def _evaluate(
+    i: int, knobs: Knobs, make_policy: Callable[[Knobs], Any], sim: Simulator, label: str,
+    rel_tol: float,
+) -> Evaluated:
+    policy = make_policy(knobs)
+    est = find_goodput(sim, policy, start_scale=1.0, factor=2.0, rel_tol=rel_tol)
+    return Evaluated(i, knobs, math.nan, "", est, policy, label=label)
+
+
+def grid_search(
+    points: list[Knobs],
+    make_policy: Callable[[Knobs], Any],
+    sim: Simulator,
+    *,
+    rel_tol: float = 0.03,
+    progress: Callable[[int, int], Any] | None = None,
+) -> BaselineResult:
+    """Every point simulated (the oracle)."""
+    start = sim.simulations
+    out = []
+    for i, k in enumerate(points):
+        out.append(_evaluate(i, k, make_policy, sim, "grid", rel_tol))
+        if progress:
+            progress(i + 1, len(points))
+    return BaselineResult("grid", _best(out), out, sim.simulations - start)
+
+
+def random_search(
+    points: list[Knobs],
+    make_policy: Callable[[Knobs], Any],
+    sim: Simulator,
+    *,
+    budget: int,
+    seed: int = 0,
+    rel_tol: float = 0.03,
+) -> BaselineResult:
+    """Points in a seeded random order until ``budget`` simulations are used."""
+    start = sim.simulations
+    order = np.random.default_rng(seed).permutation(len(points))
+    out = []
+    for i in order:
+        if sim.simulations - start >= budget:
+            break
+        out.append(_evaluate(int(i), points[int(i)], make_policy, sim, "random", rel_tol))
+    return BaselineResult("random", _best(out), out, sim.simulations - start)
+
+
+def optuna_available() -> bool:
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def optuna_search(
+    space_knobs: dict[str, list[Any]],
+    points: list[Knobs],
+    make_policy: Callable[[Knobs], Any],
+    sim: Simulator,
+    *,
+    budget: int,
+    seed: int = 0,
+    rel_tol: float = 0.03,
+) -> BaselineResult:
+    """Optuna's TPE sampler over the knobs (categorical), until ``budget`` simulations."""
+    if not optuna_available():
+        return BaselineResult("optuna", None, skipped="optuna is not installed "
+                              "(pip install 'servetune[optuna]')")
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    index = {k: i for i, k in enumerate(points)}
+    names = [p for p in space_knobs if p in Knobs.FIELDS]
+    start = sim.simulations
+    out: list[Evaluated] = []
+    study = optuna.create_study(
+        direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed)
+    )
+    while sim.simulations - start < budget:
+        trial = study.ask()
+        values = {
+            n: space_knobs[n][trial.suggest_categorical(n, list(range(len(space_knobs[n]))))]
+            for n in names
+        }
+        knobs = Knobs(
+            **{
+                **{f: getattr(points[0], f) for f in Knobs.FIELDS.values()},
+                **{Knobs.FIELDS[n]: v for n, v in values.items()},
+            }
+        )
+        if knobs not in index:  # invalid combination (tokens < seqs)
+            study.tell(trial, 0.0)
+            continue
+        ev = _evaluate(index[knobs], knobs, make_policy, sim, "optuna", rel_tol)
+        out.append(ev)
+        study.tell(trial, ev.goodput.rate_per_s)
+    return BaselineResult("optuna", _best(out), out, sim.simulations - start)

@@ -1,0 +1,332 @@
+"""The search loop: solve, simulate the best k candidates, recalibrate, solve again.
+
+1. Build the fluid model's limits for every grid point and solve the policy MILP for the
+   best candidates by predicted goodput (no-good cuts give the next ones; points already
+   simulated are cut off for good).
+2. Simulate each candidate's goodput (bracket around the model's prediction, then bisect)
+   on a fixed sample of the workload.
+3. Recalibrate: compare the simulator's percentile TTFT and TPOT and its KV peak with the
+   model's prediction at the same rate, and scale the model's predictions by the
+   (geometric-mean, damped by a square root) ratio; a candidate the simulator rejected
+   at every rate stays cut.
+4. Repeat until the best simulated goodput stops improving (by more than the goodput
+   search's tolerance) from one round to the next, or the MILP has nothing left, or the
+   iteration / time limit is reached.
+
+Every iteration is logged. Only a candidate that passed the SLOs in simulation is ever
+returned: the answer is the best *simulated* goodput, never the model's promise.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+from servetune.models.fluid import Calibration, FluidModel, Knobs
+from servetune.models.policy_milp import MilpInstance, solve_policy_milp
+
+CAL_CLAMP = (0.25, 4.0)
+
+
+@dataclass
+class SimPoint:
+    """One simulation of a policy at one rate scale."""
+
+    rate_scale: float
+    rate_per_s: float
+    meets_slo: bool
+    attainment: float
+    measured: dict[str, float] = field(default_factory=dict)  # ttft[c], tpot[c], kv_peak_util
+    judged: dict[str, Any] = field(default_factory=dict)  # the simulator's per-class verdicts
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rate_scale": self.rate_scale,
+            "rate_per_s": self.rate_per_s,
+            "meets_slo": self.meets_slo,
+            "attainment": self.attainment,
+            "measured": dict(self.measured),
+        }
+
+
+class Simulator(Protocol):
+    """What the loop needs from a simulator (tests may plug in their own)."""
+
+    base_rate_per_s: float
+    simulations: int
+    simulation_s: float
+
+    def run(self, policy: Any, rate_scale: float) -> SimPoint: ...
+
+
+@dataclass
+class GoodputEstimate:
+    rate_scale: float  # highest passing scale found; 0 when none passed
+    rate_per_s: float
+    points: list[SimPoint]
+
+    @property
+    def best_point(self) -> SimPoint | None:
+        passing = [p for p in self.points if p.meets_slo]
+        return max(passing, key=lambda p: p.rate_scale) if passing else None
+
+    @property
+    def passed(self) -> bool:
+        return self.best_point is not None
+
+
+def find_goodput(
+    sim: Simulator,
+    policy: Any,
+    *,
+    start_scale: float,
+    factor: float = 1.25,
+    rel_tol: float = 0.02,
+    min_scale: float = 1.0 / 256,
+    max_scale: float = 256.0,
+    max_sims: int = 14,
+) -> GoodputEstimate:
+    """Bracket the goodput around ``start_scale`` with steps that grow (x factor, then
+    squared each time), then bisect geometrically to ``rel_tol``."""
+    points: list[SimPoint] = []
+    seen: dict[float, bool] = {}
+
+    def passes(scale: float) -> bool:
+        if scale not in seen:
+            pt = sim.run(policy, scale)
+            points.append(pt)
+            seen[scale] = pt.meets_slo
+        return seen[scale]
+
+    start = min(max(start_scale, min_scale), max_scale)
+    step = factor
+    lo = hi = None
+    if passes(start):
+        lo = start
+        while len(points) < max_sims:
+            cand = min(lo * step, max_scale)
+            if cand <= lo:
+                break
+            if passes(cand):
+                lo = cand
+                step *= step
+            else:
+                hi = cand
+                break
+    else:
+        hi = start
+        while len(points) < max_sims:
+            cand = max(hi / step, min_scale)
+            if cand >= hi:
+                break
+            if passes(cand):
+                lo = cand
+                break
+            hi = cand
+            step *= step
+    if lo is not None and hi is not None:
+        while hi / lo > 1.0 + rel_tol and len(points) < max_sims:
+            mid = math.sqrt(lo * hi)
+            if passes(mid):
+                lo = mid
+            else:
+                hi = mid
+    scale = lo or 0.0
+    return GoodputEstimate(scale, scale * sim.base_rate_per_s, points)
+
+
+@dataclass
+class Evaluated:
+    index: int
+    knobs: Knobs
+    predicted_rate_per_s: float
+    binding: str
+    goodput: GoodputEstimate
+    policy: Any = None
+    label: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        best = self.goodput.best_point
+        return {
+            "label": self.label,
+            "knobs": self.knobs.as_dotted(),
+            "predicted_rate_per_s": self.predicted_rate_per_s,
+            "binding": self.binding,
+            "simulated_rate_per_s": self.goodput.rate_per_s,
+            "passed": self.goodput.passed,
+            "simulations": len(self.goodput.points),
+            "measured_at_goodput": best.measured if best else None,
+        }
+
+
+@dataclass
+class LoopResult:
+    best: Evaluated | None
+    evaluated: list[Evaluated]
+    iterations: list[dict[str, Any]]
+    calibration: Calibration
+    solver_statuses: list[list[str]]
+    solver_s: float
+    converged: bool
+    first_instance: MilpInstance | None = None
+    first_status: str = ""
+
+
+def recalibrate(
+    fluid: FluidModel, evaluated: list[Evaluated], base: Calibration
+) -> Calibration:
+    """New multipliers: the old ones times the geometric mean of measured / predicted at
+    each passing candidate's goodput (clamped, so one odd run cannot swing the model)."""
+    ratios: dict[str, list[float]] = {"ttft": [], "tpot": [], "kv": []}
+    model = fluid.with_calibration(base)
+    for ev in evaluated:
+        pt = ev.goodput.best_point
+        if pt is None:
+            continue
+        pred = model.evaluate(ev.knobs, pt.rate_per_s)
+        if not pred.get("stable", False) and "ttft_q_s" not in pred:
+            continue
+        for key, value in pt.measured.items():
+            if not (value and math.isfinite(value) and value > 0):
+                continue
+            if key.startswith("ttft[") or key.startswith("tpot["):
+                fam, cls = key[:4], key[5:-1]
+                p = pred[f"{fam}_q_s"].get(cls)
+                if p and p > 0 and math.isfinite(p):
+                    ratios[fam].append(value / p)
+            elif key == "kv_peak_tokens":
+                p = pred.get("kv_q_tokens")
+                if p and p > 0:
+                    ratios["kv"].append(value / p)
+
+    def fit(old: float, rs: list[float]) -> float:
+        if not rs:
+            return old
+        # Half a step in log space: damped, so near-saturation noise cannot swing it.
+        g = float(np.exp(0.5 * np.mean(np.log(rs))))
+        return float(np.clip(old * g, *CAL_CLAMP))
+
+    return Calibration(
+        ttft=fit(base.ttft, ratios["ttft"]),
+        tpot=fit(base.tpot, ratios["tpot"]),
+        kv=fit(base.kv, ratios["kv"]),
+    )
+
+
+def search(
+    fluid: FluidModel,
+    points: list[Knobs],
+    make_policy: Callable[[Knobs], Any],
+    sim: Simulator,
+    *,
+    k: int = 2,
+    max_iterations: int = 4,
+    time_limit_s: float = 60.0,
+    rel_tol: float = 0.03,
+    log: Callable[[str], Any] | None = None,
+) -> LoopResult:
+    """Run the loop of the module docstring over the grid ``points``."""
+    started = time.perf_counter()
+    calibration = fluid.calibration
+    cut: set[int] = set()
+    evaluated: list[Evaluated] = []
+    iterations: list[dict[str, Any]] = []
+    statuses: list[list[str]] = []
+    solver_s = 0.0
+    best_rates: list[float] = []
+    converged = False
+    first_instance = None
+    first_status = ""
+    for it in range(max_iterations):
+        left = time_limit_s - (time.perf_counter() - started)
+        if left <= 0:
+            break
+        model = fluid.with_calibration(calibration)
+        t0 = time.perf_counter()
+        inst = MilpInstance.build(model, points)
+        top = solve_policy_milp(inst, k=2 * k + 1, time_limit_s=max(left * 0.5, 0.5), excluded=cut)
+        solver_s += time.perf_counter() - t0
+        statuses.append(top.statuses)
+        if first_instance is None:
+            first_instance = inst
+            first_status = top.statuses[0] if top.statuses else "error"
+        chosen: list[tuple[int, Any]] = []
+        shapes: set[tuple[int, int, int]] = set()
+        for idx, cand in top.solutions:
+            shape = (cand.knobs.max_num_seqs, cand.knobs.max_num_batched_tokens,
+                     cand.knobs.long_prefill_token_threshold)
+            if shape in shapes:
+                continue
+            shapes.add(shape)
+            chosen.append((idx, cand))
+            if len(chosen) >= k:
+                break
+        if not chosen and top.solutions:
+            chosen = [top.solutions[0]]
+        new: list[Evaluated] = []
+        for idx, cand in chosen:
+            policy = make_policy(cand.knobs)
+            start_scale = max(cand.rate_per_s, 1e-9) / sim.base_rate_per_s
+            est = find_goodput(sim, policy, start_scale=start_scale, rel_tol=rel_tol)
+            ev = Evaluated(idx, cand.knobs, cand.rate_per_s, cand.binding, est, policy,
+                           label=f"milp#{it + 1}")
+            new.append(ev)
+            evaluated.append(ev)
+            cut.add(idx)
+            if log:
+                log(
+                    f"iteration {it + 1}: {_short(cand.knobs)} predicted "
+                    f"{cand.rate_per_s:.2f} req/s, simulated {est.rate_per_s:.2f} req/s "
+                    f"({len(est.points)} simulations)"
+                )
+        passing = [e for e in evaluated if e.goodput.passed]
+        best = max(passing, key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
+        calibration = recalibrate(fluid, new, calibration)
+        iterations.append(
+            {
+                "iteration": it + 1,
+                "milp_statuses": top.statuses,
+                "milp_objective": top.outcomes[0].objective if top.outcomes else None,
+                "candidates": [e.as_dict() for e in new],
+                "best_simulated_rate_per_s": best.goodput.rate_per_s if best else 0.0,
+                "best_knobs": best.knobs.as_dotted() if best else None,
+                "calibration": calibration.as_dict(),
+            }
+        )
+        if not chosen:
+            converged = best is not None
+            break
+        best_rates.append(best.goodput.rate_per_s if best else 0.0)
+        if len(best_rates) >= 2 and best_rates[-1] > 0 and (
+            best_rates[-1] <= best_rates[-2] * (1.0 + rel_tol)
+        ):
+            converged = True  # the best simulated candidate is stable (within tolerance)
+            break
+    passing = [e for e in evaluated if e.goodput.passed]
+    best = max(passing, key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
+    return LoopResult(
+        best=best,
+        evaluated=evaluated,
+        iterations=iterations,
+        calibration=calibration,
+        solver_statuses=statuses,
+        solver_s=solver_s,
+        converged=converged,
+        first_instance=first_instance,
+        first_status=first_status,
+    )
+
+
+def _short(k: Knobs) -> str:
+    s = f"seqs={k.max_num_seqs} tokens={k.max_num_batched_tokens}"
+    if k.long_prefill_token_threshold:
+        s += f" chunk={k.long_prefill_token_threshold}"
+    if k.kv_watermark:
+        s += f" watermark={k.kv_watermark}"
+    if k.max_queued_requests:
+        s += f" queue={k.max_queued_requests}"
+    return s

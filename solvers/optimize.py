@@ -1,0 +1,538 @@
+"""``optimize``: from a workload (or trace), a profile, SLOs and a search space to the
+best policy the simulator confirms, with provenance and a summary.
+
+This is what ``servetune optimize`` and the nightly job call. Steps:
+
+1. the workload's moments (``class_stats``, or the trace's own) and the profile's
+   step-time coefficients build the fluid model; the search space's grid is its candidates
+   (knobs the models do not cover, such as ``scheduling``, take their first listed value);
+2. ``method``: ``milp`` runs the loop of :mod:`servetune.solvers.loop` (MILP, simulate,
+   recalibrate) and then sizes long-request lanes with CP-SAT, kept only when the
+   simulator says they raise goodput; ``grid``, ``random`` and ``optuna`` are the
+   baselines of :mod:`servetune.solvers.baselines`;
+3. the engine defaults are simulated the same way for comparison;
+4. the policy carries provenance in ``metadata`` (inputs' sha256, method, solver
+   statuses, objective, simulated metrics, version, the profile's memory figures) and no
+   wall-clock figure, so the same inputs and seed give the same bytes; times go in the
+   summary.
+
+When no candidate meets the SLOs, :class:`~servetune.errors.InfeasibleError` (exit 3)
+says which condition binds, the best value reachable and what would make it feasible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from servetune.models.fluid import (
+    FluidModel,
+    Knobs,
+    LoadModel,
+    Platform,
+    describe_binding,
+    knobs_grid,
+    targets_for,
+)
+from servetune.models.lanes_cpsat import build_instance, solve_lanes
+from servetune.solvers import baselines
+from servetune.solvers.loop import (
+    Evaluated,
+    GoodputEstimate,
+    SimPoint,
+    find_goodput,
+    search,
+)
+
+from servetune import __version__
+from servetune.errors import InfeasibleError, ServetuneError
+from servetune.schemas.base import document_to_yaml
+from servetune.schemas.policy import Policy
+from servetune.schemas.slo import SLOSet
+from servetune.schemas.space import SearchSpace, apply_knobs
+
+DEFAULT_SPACE_KNOBS: dict[str, list[Any]] = {
+    "batching.max_num_seqs": [32, 64, 128, 256, 512, 1024],
+    "batching.max_num_batched_tokens": [512, 1024, 2048, 4096, 8192, 16384],
+    "batching.long_prefill_token_threshold": [0, 512, 2048],
+    "admission.kv_watermark": [0.0, 0.01, 0.05],
+    "admission.max_queued_requests": [None, 2048],
+}
+DEFAULT_REQUESTS = 3000
+RANDOM_BUDGET = 60  # simulations for random / optuna when run on their own
+
+
+def default_space() -> SearchSpace:
+    return SearchSpace(name="default", knobs=DEFAULT_SPACE_KNOBS)
+
+
+class TraceSimulator:
+    """The simulator on one fixed sample, counting simulations and their time."""
+
+    def __init__(self, trace: Any, profile: Any, slo: SLOSet, *, engine: str = "vllm") -> None:
+        from servetune.sim.api import base_rate_per_s
+
+        self.trace = trace
+        self.profile = profile
+        self.slo = slo
+        self.engine = engine
+        self.base_rate_per_s = float(base_rate_per_s(trace))
+        self.simulations = 0
+        self.simulation_s = 0.0
+        self.kv_tokens = int(profile.kv_blocks()) * int(profile.block_size)
+
+    def run(self, policy: Policy, rate_scale: float) -> SimPoint:
+        from servetune.sim import metrics as M
+        from servetune.sim import simulate
+
+        started = time.perf_counter()
+        res = simulate(self.trace, policy, self.profile, engine=self.engine,
+                       rate_scale=rate_scale)
+        self.simulation_s += time.perf_counter() - started
+        self.simulations += 1
+        verdicts = res.slo_verdicts(self.slo)
+        ok = all(v[0] for v in verdicts.values())
+        m = res.metrics
+        measured: dict[str, float] = {}
+        for cid, name in enumerate(res.trace.class_names):
+            sel = m.class_id == cid
+            if not sel.any():
+                continue
+            target = self.slo.for_class(name)
+            q = target.percentile if target.percentile is not None else 100 * target.attainment
+            sub = M.RequestMetrics(
+                m.ttft_s[sel], m.tpot_s[sel], m.e2e_s[sel], m.completed[sel],
+                m.output_tokens[sel], m.status[sel], m.class_id[sel],
+            )
+            measured[f"ttft[{name}]"] = M.percentile_value(sub, "ttft_s", q)
+            measured[f"tpot[{name}]"] = M.percentile_value(sub, "tpot_s", q)
+        peak = getattr(res.output, "kv_util_peak", float("nan"))
+        measured["kv_peak_tokens"] = float(peak) * self.kv_tokens
+        return SimPoint(
+            rate_scale=float(rate_scale),
+            rate_per_s=float(rate_scale) * self.base_rate_per_s,
+            meets_slo=bool(ok),
+            attainment=float(res.attainment(self.slo)),
+            measured=measured,
+            judged={k: v[1] for k, v in verdicts.items()},
+        )
+
+
+@dataclass
+class OptimizeResult:
+    policy: Policy | None
+    policy_yaml: str
+    summary: dict[str, Any]
+    status: str = "ok"
+    explanation: str = ""
+    evaluated: list[Evaluated] = field(default_factory=list)
+
+
+def sha256_file(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def sha256_doc(doc: Any) -> str:
+    return hashlib.sha256(doc.model_dump_json().encode()).hexdigest()
+
+
+def _round(value: Any, digits: int = 6) -> Any:
+    if isinstance(value, dict):
+        return {k: _round(v, digits) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_round(v, digits) for v in value]
+    if isinstance(value, float | np.floating):
+        v = float(value)
+        if not math.isfinite(v):
+            return None
+        return float(f"{v:.{digits}g}")
+    return value
+
+
+def base_policy_for(space: SearchSpace, base: Policy | None = None) -> Policy:
+    """The base policy: defaults (or ``base``) with every knob the models do not choose
+    set to its first listed value in the space."""
+    policy = base or Policy()
+    others = {p: v[0] for p, v in space.knobs.items() if p not in Knobs.FIELDS}
+    try:
+        return apply_knobs(policy, others) if others else policy
+    except ValueError as exc:
+        raise ServetuneError(f"search space: first values are inconsistent: {exc}") from None
+
+
+def explain_model_infeasible(fluid: FluidModel, points: list[Knobs]) -> tuple[str, dict]:
+    """Which condition binds at vanishing load on every candidate, its best value over
+    the space, and what would help."""
+    best_floor: dict[str, tuple[float, float]] = {}  # name -> (ratio, floor)
+    targets: dict[str, float] = {}
+    limits_by_name: dict[str, Any] = {}
+    for k in points:
+        for name, lim in fluid.limits(k).items():
+            if lim.floor_value is None or lim.target is None:
+                continue
+            ratio = lim.floor_value / lim.target if lim.target > 0 else math.inf
+            if name not in best_floor or ratio < best_floor[name][0]:
+                best_floor[name] = (ratio, lim.floor_value)
+                targets[name] = lim.target
+                limits_by_name[name] = lim
+    blocking = {n: r for n, (r, _) in best_floor.items() if r > 1.0}
+    if not blocking:
+        name = "stability"
+        msg = "no candidate in the space sustains any load at the SLOs"
+        return msg + "; widen the search space or use a larger GPU", {"binding": name}
+    name = max(blocking, key=lambda n: (blocking[n], n))
+    lim = limits_by_name[name]
+    sentence = describe_binding(name, lim)
+    if name.startswith("tpot["):
+        helps = [
+            f"raise the TPOT target to at least {lim.floor_value * 1e3:.0f} ms",
+            "use a faster GPU profile or tensor parallelism",
+        ]
+    elif name.startswith("ttft["):
+        helps = [
+            f"raise the TTFT target to at least {lim.floor_value:.3g} s",
+            "add larger max_num_batched_tokens values to the space",
+            "use a faster GPU profile, or serve very long prompts elsewhere",
+        ]
+    elif name == "kv_memory":
+        helps = ["use a GPU with more memory, an fp8 KV cache, or a lower kv_watermark"]
+    else:
+        helps = ["widen the search space"]
+    quantile = ""
+    if "[" in name:
+        cls = name[name.index("[") + 1 : -1]
+        quantile = f"p{fluid.targets[cls].q * 100:g} "
+    message = f"{quantile}{sentence}; " + "; ".join(helps)
+    return message, {
+        "binding": name,
+        "best_value": lim.floor_value,
+        "target": lim.target,
+        "source": "model",
+        "suggestions": helps,
+    }
+
+
+def explain_sim_infeasible(evaluated: list[Evaluated], slo: SLOSet) -> tuple[str, dict]:
+    """From the simulations: the metric closest to its target over every point tried."""
+    best: tuple[float, str, float, float, float] | None = None
+    for ev in evaluated:
+        for pt in ev.goodput.points:
+            for cls, judged in pt.judged.items():
+                target = slo.for_class(cls)
+                for metric, limit in target.limits().items():
+                    key = f"p{target.percentile:g}_{metric}" if target.percentile else None
+                    value = judged.get(key) if key else None
+                    if value is None or not math.isfinite(value):
+                        continue
+                    ratio = value / limit
+                    # The metric that fails by the most at its best point binds.
+                    cand = (ratio, f"{metric[:-2]}[{cls}]", value, limit, pt.rate_per_s)
+                    if best is None or ratio > best[0]:
+                        best = cand
+    if best is None:
+        return (
+            "no candidate met the SLOs in simulation at any rate tried; widen the search "
+            "space, relax the SLOs or use a larger GPU",
+            {"binding": "simulation", "source": "simulation"},
+        )
+    ratio, name, value, limit, rate = best
+    metric = name.split("[")[0].upper()
+    unit_value = f"{value * 1e3:.0f} ms" if metric == "TPOT" else f"{value:.3g} s"
+    unit_limit = f"{limit * 1e3:.0f} ms" if metric == "TPOT" else f"{limit:.3g} s"
+    msg = (
+        f"{metric} stays at {unit_value} in simulation even at {rate:.3g} req/s (target "
+        f"{unit_limit}); relax the {metric} target, widen the search space or use a faster GPU"
+    )
+    return msg, {"binding": name, "best_value": value, "target": limit, "source": "simulation",
+                 "rate_per_s": rate}
+
+
+def _profile_meta(profile: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "name": profile.name,
+        "gpu_memory_utilization": float(profile.gpu_memory_utilization),
+        "block_size": int(profile.block_size),
+        "kv_blocks": int(profile.kv_blocks()),
+    }
+    try:
+        summary = profile.memory_summary()
+        out["gpu_memory_bytes"] = int(summary.get("gpu_memory_bytes"))
+        out["weight_bytes"] = int(summary.get("weight_bytes_per_gpu"))
+    except Exception:  # a profile without hardware/model sections (what-if, synthetic)
+        out["gpu_memory_bytes"] = None
+        out["weight_bytes"] = None
+    return out
+
+
+def optimize(
+    source: Any,
+    profile: Any,
+    slo: SLOSet,
+    space: SearchSpace | None = None,
+    *,
+    method: str = "milp",
+    time_limit_s: float = 60.0,
+    seed: int = 0,
+    n_requests: int = DEFAULT_REQUESTS,
+    engine: str = "vllm",
+    inputs: dict[str, Any] | None = None,
+    base_policy: Policy | None = None,
+    progress: Callable[[str], Any] | None = None,
+    compare_defaults: bool = True,
+    k: int = 2,
+    max_iterations: int = 4,
+    budget: int | None = None,
+    rel_tol: float = 0.03,
+) -> OptimizeResult:
+    """Choose a policy (see the module docstring). ``source`` is a Workload or a Trace;
+    ``inputs`` names the input files and their sha256 for the provenance."""
+    from servetune.schemas.workload import Workload
+    from servetune.trace import Trace
+
+    wall_start = time.perf_counter()
+    say = progress or (lambda _msg: None)
+    space = space or default_space()
+    if method not in ("milp", "grid", "random", "optuna"):
+        raise ServetuneError(f"--method {method!r}: choose milp, grid, random or optuna")
+
+    # The workload's moments and the sample the simulator replays.
+    if isinstance(source, Workload):
+        from servetune.sim.api import prepare_trace
+        from servetune.workload import class_stats
+
+        load = LoadModel.from_class_stats(class_stats(source))
+        sample = prepare_trace(source, seed=seed, n_requests=n_requests)
+    elif isinstance(source, Trace):
+        load = LoadModel.from_trace(source)
+        sample = source.head(n_requests)
+    else:
+        raise ServetuneError("optimize: give a Workload or a Trace")
+    platform = Platform.from_profile(profile)
+    try:
+        fluid = FluidModel(load, platform, targets_for(load, slo))
+    except KeyError as exc:
+        raise ServetuneError(
+            f"SLO set {slo.name!r} has no entry for class {exc.args[0]!r} and no 'default'; "
+            "add one"
+        ) from None
+    base = base_policy_for(space, base_policy)
+    points = knobs_grid(space.knobs, Knobs.from_policy(base))
+    if not points:
+        raise ServetuneError(
+            "search space: no valid point (every max_num_batched_tokens < max_num_seqs)"
+        )
+
+    def make_policy(knobs: Knobs) -> Policy:
+        return apply_knobs(base, knobs.as_dotted())
+
+    sim = TraceSimulator(sample, profile, slo, engine=engine)
+    say(f"{len(points)} candidate policies, {len(sample)} requests per simulation "
+        f"(base rate {sim.base_rate_per_s:.3g} req/s)")
+
+    iterations: list[dict[str, Any]] = []
+    solver_meta: dict[str, Any] = {}
+    solver_s = 0.0
+    best: Evaluated | None = None
+    evaluated: list[Evaluated] = []
+    predicted = None
+    converged = None
+    calibration = None
+    if method == "milp":
+        deadline_left = time_limit_s - (time.perf_counter() - wall_start)
+        loop = search(
+            fluid, points, make_policy, sim, k=k, max_iterations=max_iterations,
+            time_limit_s=deadline_left, rel_tol=rel_tol, log=say,
+        )
+        iterations = loop.iterations
+        solver_s = loop.solver_s
+        evaluated = list(loop.evaluated)
+        best = loop.best
+        converged = loop.converged
+        calibration = loop.calibration.as_dict()
+        solver_meta["milp"] = {"statuses": loop.solver_statuses}
+        if loop.first_status == "infeasible" or (not loop.evaluated and best is None):
+            message, details = explain_model_infeasible(fluid, points)
+            _raise_infeasible(message, details, sim, solver_s, wall_start, method, iterations)
+        if best is not None:
+            best, lanes_info, lanes_s = _try_lanes(
+                fluid, best, sim, space, rel_tol=rel_tol, seed=seed, say=say
+            )
+            solver_s += lanes_s
+            if lanes_info:
+                solver_meta["lanes"] = {"status": lanes_info["status"]}
+                iterations.append({"iteration": len(iterations) + 1, "lanes": lanes_info})
+                if lanes_info.get("candidate"):
+                    evaluated.append(lanes_info.pop("_evaluated"))
+                lanes_info.pop("_evaluated", None)
+        predicted = best.predicted_rate_per_s if best else None
+    else:
+        # The baselines need no model, but if even vanishing load breaks a condition on
+        # every candidate, say so now instead of simulating the whole space.
+        if all(fluid.goodput(kn)[0] <= 0 for kn in points):
+            message, details = explain_model_infeasible(fluid, points)
+            _raise_infeasible(message, details, sim, 0.0, wall_start, method, [])
+        if method == "grid":
+            res = baselines.grid_search(
+                points, make_policy, sim, rel_tol=rel_tol,
+                progress=lambda i, n: say(f"grid: {i}/{n} points simulated") if i % 25 == 0
+                or i == n else None,
+            )
+        elif method == "random":
+            res = baselines.random_search(
+                points, make_policy, sim, budget=budget or RANDOM_BUDGET, seed=seed,
+                rel_tol=rel_tol,
+            )
+        else:
+            res = baselines.optuna_search(
+                space.knobs, points, make_policy, sim, budget=budget or RANDOM_BUDGET,
+                seed=seed, rel_tol=rel_tol,
+            )
+            if res.skipped:
+                raise ServetuneError(f"--method optuna: {res.skipped}")
+        best = res.best
+        evaluated = res.evaluated
+        iterations = [
+            {"iteration": i + 1, "candidates": [e.as_dict()]} for i, e in enumerate(evaluated)
+        ]
+    method_sims = sim.simulations
+    if best is None:
+        message, details = explain_sim_infeasible(evaluated, slo)
+        _raise_infeasible(message, details, sim, solver_s, wall_start, method, iterations)
+
+    # Engine defaults, for comparison.
+    defaults_rate = None
+    defaults_sims = 0
+    if compare_defaults:
+        d_policy = apply_knobs(base, baselines.VLLM_DEFAULTS.as_dotted())
+        start = fluid.with_calibration(_cal(calibration)).goodput(baselines.VLLM_DEFAULTS)[0]
+        start_scale = start / sim.base_rate_per_s if start > 0 else 1.0
+        before = sim.simulations
+        d_est = find_goodput(sim, d_policy, start_scale=start_scale, rel_tol=rel_tol)
+        defaults_sims = sim.simulations - before
+        defaults_rate = d_est.rate_per_s
+        say(f"vLLM serve defaults: {defaults_rate:.2f} req/s in simulation")
+
+    assert best is not None
+    point = best.goodput.best_point
+    assert point is not None  # best passed the simulator
+    policy = best.policy.model_copy(deep=True)
+    policy.name = f"servetune-{method}"
+    policy.metadata = _round(
+        {
+            "generated_by": f"servetune {__version__}",
+            "method": method,
+            "seed": seed,
+            "engine": engine,
+            "inputs": inputs or {},
+            "sample_requests": len(sample),
+            "solver": solver_meta,
+            "objective": {
+                "name": "goodput_rate_per_s",
+                "predicted": predicted,
+                "binding": best.binding or None,
+            },
+            "simulated": {
+                "goodput_rate_per_s": best.goodput.rate_per_s,
+                "rate_scale": best.goodput.rate_scale,
+                "attainment": point.attainment,
+                "at_goodput": {k: v for k, v in point.measured.items()},
+                "defaults_goodput_rate_per_s": defaults_rate,
+            },
+            "profile": _profile_meta(profile),
+        }
+    )
+    text = document_to_yaml(
+        policy,
+        header=f"servetune {__version__} policy ({method}); provenance in metadata",
+    )
+    wall = time.perf_counter() - wall_start
+    summary = {
+        "method": method,
+        "status": "ok",
+        "policy": policy.knobs(),
+        "goodput_rate_per_s": best.goodput.rate_per_s,
+        "defaults_goodput_rate_per_s": defaults_rate,
+        "predicted_goodput_rate_per_s": predicted,
+        "attainment": point.attainment,
+        "simulations": method_sims,
+        "defaults_simulations": defaults_sims,
+        "solver_s": solver_s,
+        "simulation_s": sim.simulation_s,
+        "wall_s": wall,
+        "converged": converged,
+        "calibration": calibration,
+        "iterations": _round(iterations),
+    }
+    return OptimizeResult(policy, text, summary, evaluated=evaluated)
+
+
+def _cal(cal: dict[str, float] | None):
+    from servetune.models.fluid import Calibration
+
+    return Calibration(**cal) if cal else Calibration()
+
+
+def _raise_infeasible(message, details, sim, solver_s, wall_start, method, iterations) -> None:
+    summary = {
+        "method": method,
+        "status": "infeasible",
+        "explanation": message,
+        "infeasible": _round(details),
+        "policy": None,
+        "goodput_rate_per_s": 0.0,
+        "defaults_goodput_rate_per_s": None,
+        "attainment": None,
+        "simulations": sim.simulations,
+        "solver_s": solver_s,
+        "simulation_s": sim.simulation_s,
+        "wall_s": time.perf_counter() - wall_start,
+        "iterations": _round(iterations),
+    }
+    raise InfeasibleError(f"no policy in the space meets the SLOs: {message}",
+                          details={"summary": summary, **details})
+
+
+def _try_lanes(
+    fluid: FluidModel, best: Evaluated, sim: Any, space: SearchSpace, *, rel_tol: float,
+    seed: int, say: Callable[[str], Any],
+) -> tuple[Evaluated, dict[str, Any] | None, float]:
+    """Size long-request lanes for the best candidate with CP-SAT at its simulated
+    goodput; simulate the lane variant and keep it only when it does better."""
+    if any(p.startswith("long_requests.") for p in space.knobs):
+        return best, None, 0.0  # the space fixes the lanes itself
+    rate = best.goodput.rate_per_s
+    inst = build_instance(fluid, best.knobs, rate)
+    if not any(0 < t.long_share <= 0.2 and t.short_ttft_ok for t in inst.thresholds):
+        return best, None, 0.0
+    t0 = time.perf_counter()
+    outcome = solve_lanes(inst, time_limit_s=5.0, seed=seed)
+    lanes_s = time.perf_counter() - t0
+    info: dict[str, Any] = {"status": outcome.status.value, "message": outcome.message}
+    if not outcome.status.has_solution:
+        return best, info, lanes_s
+    choice = outcome.solution
+    try:
+        policy = apply_knobs(best.policy, choice.policy_fields())
+    except ValueError as exc:
+        info["message"] = f"lane policy rejected: {exc}"
+        return best, info, lanes_s
+    est: GoodputEstimate = find_goodput(
+        sim, policy, start_scale=best.goodput.rate_scale, rel_tol=rel_tol
+    )
+    ev = Evaluated(best.index, best.knobs, best.predicted_rate_per_s, best.binding, est, policy,
+                   label="lanes")
+    info["candidate"] = {**choice.policy_fields(), "simulated_rate_per_s": est.rate_per_s,
+                         "simulations": len(est.points)}
+    info["_evaluated"] = ev
+    better = est.passed and est.rate_per_s > best.goodput.rate_per_s * (1 + rel_tol / 2)
+    info["kept"] = bool(better)
+    say(f"long-request lanes (CP-SAT {outcome.status.value}): threshold "
+        f"{choice.threshold_tokens}, simulated {est.rate_per_s:.2f} req/s"
+        f"{' (kept)' if better else ' (not better; dropped)'}")
+    return (ev if better else best), info, lanes_s

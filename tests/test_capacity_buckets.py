@@ -1,0 +1,107 @@
+"""Buckets, bucket rates from a forecast, and the cache location (no simulation needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from servetune.errors import ServetuneError
+from servetune.schemas.base import document_from_data
+from servetune.schemas.fleet import Forecast
+from servetune.schemas.workload import Workload
+from servetune.solvers import capacity as C
+
+
+def _workload(classes: dict[str, float]) -> Workload:
+    data = {
+        "apiVersion": "servetune/v1",
+        "kind": "Workload",
+        "classes": {
+            name: {
+                "arrival": {"rate_per_s": rate},
+                "prompt_tokens": {"quantiles": [0, 0.5, 1], "values": [10, 600, 3000]},
+                "output_tokens": {"quantiles": [0, 0.5, 1], "values": [5, 100, 400]},
+            }
+            for name, rate in classes.items()
+        },
+    }
+    return document_from_data(data, Workload, "w.yaml")
+
+
+def _forecast(classes: dict[str, list[float]]) -> Forecast:
+    data = {"apiVersion": "servetune/v1", "kind": "Forecast",
+            "classes": {c: {"rate_per_s": r} for c, r in classes.items()}}
+    return document_from_data(data, Forecast, "f.yaml")
+
+
+def test_buckets_partition_every_request() -> None:
+    buckets = C.make_buckets((512, 2048), (128,))
+    assert len(buckets) == 6
+    assert buckets[0].name == "p0-512/o0-128" and buckets[-1].name == "p2048-inf/o128-inf"
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1, 10000, size=5000)
+    output = rng.integers(1, 1000, size=5000)
+    hits = np.stack([b.contains(prompt, output) for b in buckets])
+    assert (hits.sum(axis=0) == 1).all()  # each request in exactly one bucket
+    # edges are [low, high)
+    assert buckets[1].contains(np.array([511]), np.array([128]))[0]
+    assert buckets[2].contains(np.array([512]), np.array([127]))[0]
+
+
+def test_bad_edges() -> None:
+    with pytest.raises(ServetuneError, match="--prompt-edges"):
+        C.make_buckets((2048, 512), (128,))
+    with pytest.raises(ServetuneError, match="--output-edges"):
+        C.make_buckets((512,), (1,))
+
+
+def test_bucket_rates_conserve_the_forecast() -> None:
+    w = _workload({"chat": 3.0, "code": 1.0})
+    slices = C.slice_workload(w, C.make_buckets((512,), (128,)), n_requests=4000, seed=1)
+    assert abs(sum(slices.share.values()) - 1.0) < 1e-9
+    day = [float(h + 1) for h in range(24)]
+    # one 'default' class spreads over the workload's classes by their rates
+    lam = slices.bucket_rates(_forecast({"default": day}), growth=2.0)
+    for s in range(24):
+        assert sum(lam[b, s] for b in slices.names) == pytest.approx(2.0 * day[s])
+    # per-class forecasts use each class's own bucket shares
+    lam2 = slices.bucket_rates(_forecast({"chat": [1.0] * 24, "code": [0.0] * 24}))
+    for b in slices.names:
+        assert lam2[b, 0] == pytest.approx(slices.class_share["chat"].get(b, 0.0))
+
+
+def test_forecast_class_must_exist() -> None:
+    w = _workload({"chat": 1.0})
+    slices = C.slice_workload(w, C.make_buckets(), n_requests=500)
+    with pytest.raises(ServetuneError, match="classes.batch: the workload has no such class"):
+        slices.bucket_rates(_forecast({"batch": [1.0] * 24}))
+
+
+def test_mixed_trace_rates_and_determinism() -> None:
+    w = _workload({"default": 1.0})
+    slices = C.slice_workload(w, C.make_buckets((512,), (128,)), n_requests=3000)
+    names = slices.names
+    rates = {names[0]: 3.0, names[-1]: 1.0}
+    a = slices.mixed_trace(rates, 4000, seed=5)
+    b = slices.mixed_trace(rates, 4000, seed=5)
+    assert len(a) == 4000
+    assert np.array_equal(a.arrival_s, b.arrival_s) and np.array_equal(a.prompt_tokens,
+                                                                       b.prompt_tokens)
+    rate = (len(a) - 1) / a.duration_s
+    assert rate == pytest.approx(4.0, rel=0.08)
+    # shapes come from the two buckets' pools only
+    big = C.make_buckets((512,), (128,))[-1]
+    first = C.make_buckets((512,), (128,))[0]
+    inside = big.contains(a.prompt_tokens, a.output_tokens) | first.contains(
+        a.prompt_tokens, a.output_tokens
+    )
+    assert inside.all()
+
+
+def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(C.CACHE_ENV, str(tmp_path / "c"))
+    assert C.default_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv(C.CACHE_ENV)
+    assert C.default_cache_dir() == Path.home() / ".cache" / "servetune" / "capacity"

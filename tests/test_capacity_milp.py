@@ -1,0 +1,177 @@
+"""The planning MILP against hand-solved instances and a brute-force enumeration oracle."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import highspy
+import numpy as np
+import pytest
+from servetune.models.capacity_milp import CapacityInstance, solve_capacity
+
+from servetune.errors import InfeasibleError
+
+
+def _inst(**kw) -> CapacityInstance:
+    base = dict(
+        types=("a", "b"),
+        buckets=("short", "long"),
+        n_slots=2,
+        lam={("short", 0): 10.0, ("long", 0): 2.0, ("short", 1): 4.0, ("long", 1): 1.0},
+        mu={("a", "short"): 4.0, ("a", "long"): 0.5, ("b", "short"): 3.0, ("b", "long"): 2.0},
+        price={"a": 2.0, "b": 1.0},
+        headroom=1.0,
+    )
+    base.update(kw)
+    return CapacityInstance(**base)
+
+
+def test_hand_solved_two_slots() -> None:
+    # b is cheaper per req/s for both buckets (short 1/3 vs 2/4, long 1/2 vs 2/0.5), so
+    # everything goes to b: slot 0 needs 10/3 + 2/2 = 4.33 -> 5 replicas, slot 1 needs
+    # 4/3 + 1/2 = 1.83 -> 2 replicas; cost (5 + 2) x $1 = $7.
+    sol = solve_capacity(_inst())
+    assert sol.status == "optimal"
+    assert sol.replicas == {("a", 0): 0, ("a", 1): 0, ("b", 0): 5, ("b", 1): 2}
+    assert sol.cost == pytest.approx(7.0)
+    assert sol.served_share == pytest.approx(1.0)
+
+
+def test_headroom_and_n_plus_one() -> None:
+    # headroom 0.5 doubles the need: slot 0 8.67 -> 9, slot 1 3.67 -> 4 => $13.
+    assert solve_capacity(_inst(headroom=0.5)).cost == pytest.approx(13.0)
+    # N+1 adds one spare replica to every type in use: 6 + 3 => $9.
+    sol = solve_capacity(_inst(n_plus_one=True))
+    assert sol.replicas[("b", 0)] == 6 and sol.replicas[("b", 1)] == 3
+    assert sol.cost == pytest.approx(9.0)
+
+
+def test_count_limit_splits_traffic() -> None:
+    # b limited to 3 replicas: slot 0 must send part of "short" to a. b carries all of
+    # "long" (1 replica-eq) + 2 replicas of short (6 req/s); a takes 4 req/s -> 1 replica.
+    sol = solve_capacity(_inst(n_max={"a": None, "b": 3}))
+    assert sol.replicas[("b", 0)] == 3 and sol.replicas[("a", 0)] == 1
+    assert sol.cost == pytest.approx(3 + 2 + 2)
+    for s in range(2):
+        for b in ("short", "long"):
+            assert sum(sol.routing.get((b, t, s), 0.0) for t in ("a", "b")) == pytest.approx(1)
+
+
+def test_count_limit_too_low_is_infeasible_with_reason() -> None:
+    with pytest.raises(InfeasibleError) as err:
+        solve_capacity(_inst(n_max={"a": 1, "b": 2}))
+    assert err.value.exit_code == 3
+    assert "count limit too low" in err.value.message
+    assert "slot 0" in err.value.message
+    assert err.value.details["binding"] == "count_limit"
+
+
+def test_unservable_bucket() -> None:
+    mu = {("a", "short"): 4.0, ("a", "long"): 0.0, ("b", "short"): 3.0, ("b", "long"): 0.0}
+    with pytest.raises(InfeasibleError, match="no GPU type can serve bucket long"):
+        solve_capacity(_inst(mu=mu))
+
+
+def test_budget_mode_serves_most_within_budget() -> None:
+    # $5 buys five b replica-slots (a serves less per dollar). Per replica b serves 3
+    # short or 2 long req/s, so short goes first. 4 + 1 replicas: slot 0 serves all 10
+    # short (3.33) and 0.67 x 2 = 1.33 long = 11.33; slot 1 serves 3 short: 14.33 in all,
+    # more than 3 + 2 (9 + 5 = 14) or 5 + 0 (12).
+    sol = solve_capacity(_inst(budget=5.0))
+    assert sol.cost <= 5.0 + 1e-9
+    served0 = sum(
+        f * {"short": 10.0, "long": 2.0}[b] for (b, _t, s), f in sol.routing.items() if s == 0
+    )
+    served1 = sum(
+        f * {"short": 4.0, "long": 1.0}[b] for (b, _t, s), f in sol.routing.items() if s == 1
+    )
+    assert sol.replicas[("b", 0)] == 4 and sol.replicas[("b", 1)] == 1
+    assert served0 == pytest.approx(10 + 4 / 3, abs=1e-6)
+    assert served1 == pytest.approx(3.0, abs=1e-6)
+
+
+# --- brute force: enumerate every replica combination, check routing by an LP ---------
+
+
+def _routing_feasible(inst: CapacityInstance, s: int, n: dict[str, int]) -> bool:
+    """Is there a routing with every bucket served and every type within capacity?"""
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    pairs = [(b, t) for b in inst.buckets for t in inst.types if inst.mu[t, b] > 0]
+    for _ in pairs:
+        h.addVar(0.0, 1.0)
+    for b in inst.buckets:
+        idx = [i for i, (bb, _t) in enumerate(pairs) if bb == b]
+        if not idx:
+            return inst.lam[b, s] <= 0
+        h.addRow(1.0, 1.0, len(idx), np.array(idx, dtype=np.int32), np.ones(len(idx)))
+    for t in inst.types:
+        idx = [i for i, (_b, tt) in enumerate(pairs) if tt == t]
+        coef = [inst.lam[pairs[i][0], s] / inst.mu[t, pairs[i][0]] for i in idx]
+        spare = 1 if (inst.n_plus_one and n[t] > 0) else 0
+        if idx:
+            h.addRow(
+                -highspy.kHighsInf, inst.headroom * (n[t] - spare), len(idx),
+                np.array(idx, dtype=np.int32), np.array(coef),
+            )
+    h.run()
+    return h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+
+
+def _brute_force_cost(inst: CapacityInstance) -> float:
+    total = 0.0
+    for s in range(inst.n_slots):
+        bound = {
+            t: math.ceil(
+                sum(inst.lam[b, s] / inst.mu[t, b] for b in inst.buckets if inst.mu[t, b] > 0)
+                / inst.headroom
+            )
+            + (1 if inst.n_plus_one else 0)
+            for t in inst.types
+        }
+        best = math.inf
+        for combo in itertools.product(*(range(bound[t] + 1) for t in inst.types)):
+            n = dict(zip(inst.types, combo, strict=True))
+            cost = sum(inst.price[t] * inst.hours * n[t] for t in inst.types)
+            if cost < best - 1e-12 and _routing_feasible(inst, s, n):
+                best = cost
+        total += best
+    return total
+
+
+def _random_instance(rng: random.Random, n_types: int, n_buckets: int) -> CapacityInstance:
+    types = tuple(f"t{i}" for i in range(n_types))
+    buckets = tuple(f"b{i}" for i in range(n_buckets))
+    mu = {}
+    for t in types:
+        for b in buckets:
+            mu[t, b] = 0.0 if rng.random() < 0.15 else round(rng.uniform(0.5, 6.0), 2)
+    for b in buckets:  # every bucket has at least one capable type
+        if all(mu[t, b] == 0 for t in types):
+            mu[types[0], b] = 1.0
+    lam = {(b, s): round(rng.uniform(0.2, 8.0), 2) for b in buckets for s in range(2)}
+    price = {t: round(rng.uniform(0.5, 4.0), 2) for t in types}
+    return CapacityInstance(
+        types=types, buckets=buckets, n_slots=2, lam=lam, mu=mu, price=price,
+        headroom=rng.choice([1.0, 0.8]), n_plus_one=rng.random() < 0.3,
+    )
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_matches_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    inst = _random_instance(rng, rng.choice([2, 3]), rng.choice([3, 4]))
+    sol = solve_capacity(inst)
+    assert sol.cost == pytest.approx(_brute_force_cost(inst), abs=1e-6)
+    # the plan it returns is itself feasible
+    for s in range(inst.n_slots):
+        n = {t: sol.replicas[t, s] for t in inst.types}
+        assert _routing_feasible(inst, s, n)
+
+
+def test_same_inputs_same_plan() -> None:
+    inst = _random_instance(random.Random(3), 3, 4)
+    a, b = solve_capacity(inst), solve_capacity(inst)
+    assert a.replicas == b.replicas and a.routing == b.routing

@@ -1,0 +1,172 @@
+"""`servetune simulate` and `servetune goodput` through typer's CliRunner."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from servetune.cli import app
+
+runner = CliRunner()
+
+POLICY = """\
+apiVersion: servetune/v1
+kind: Policy
+name: small
+batching:
+  max_num_seqs: 8
+  max_num_batched_tokens: 512
+"""
+
+PROFILE = """\
+apiVersion: servetune/v1
+kind: Profile
+name: tiny-constant
+memory:
+  kv_blocks_override: 201
+  block_size: 16
+step_time:
+  constant_s: 0.01
+"""
+
+SLO = """\
+apiVersion: servetune/v1
+kind: SLOSet
+name: loose
+classes:
+  default: {ttft_s: 2.0, tpot_s: 0.05, attainment: 0.9}
+"""
+
+
+def azure_rows(n: int, gap_s: float = 0.25) -> str:
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for i in range(n):
+        t = i * gap_s
+        lines.append(f"2023-11-16 18:00:{int(t):02d}.{int(round((t % 1) * 1e7)):07d},"
+                     f"{50 + 37 * i % 200},{5 + 11 * i % 40}")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def files(tmp_path):
+    paths = {
+        "trace": tmp_path / "trace.csv",
+        "policy": tmp_path / "policy.yaml",
+        "profile": tmp_path / "profile.yaml",
+        "slo": tmp_path / "slo.yaml",
+    }
+    paths["trace"].write_text(azure_rows(40))
+    paths["policy"].write_text(POLICY)
+    paths["profile"].write_text(PROFILE)
+    paths["slo"].write_text(SLO)
+    return paths
+
+
+def base_args(files, source="trace"):
+    return ["simulate", f"--{source}", str(files[source]), "--profile", str(files["profile"]),
+            "--policy", str(files["policy"])]
+
+
+def one_error_line(result, code=2):
+    assert result.exit_code == code, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("servetune: error:"), result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def test_needs_exactly_one_source(files):
+    args = ["simulate", "--profile", str(files["profile"]), "--policy", str(files["policy"])]
+    assert "exactly one of --trace" in one_error_line(runner.invoke(app, args))
+    both = args + ["--trace", str(files["trace"]), "--workload", str(files["policy"])]
+    assert "exactly one of --trace" in one_error_line(runner.invoke(app, both))
+
+
+def test_missing_file_and_bad_policy(files, tmp_path):
+    missing = base_args(files)
+    missing[2] = str(tmp_path / "nope.csv")
+    assert "nope.csv" in one_error_line(runner.invoke(app, missing))
+    files["policy"].write_text(POLICY.replace("max_num_seqs: 8", "max_num_seqs: 0"))
+    line = one_error_line(runner.invoke(app, base_args(files)))
+    assert "max_num_seqs" in line
+
+
+@pytest.mark.parametrize("window", ["abc", "5:1", "1"])
+def test_bad_timeline_window(files, tmp_path, window):
+    args = base_args(files) + ["--timeline", str(tmp_path / "t.json"),
+                               "--timeline-window", window]
+    assert "--timeline-window" in one_error_line(runner.invoke(app, args))
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_unknown_engine(files):
+    line = one_error_line(runner.invoke(app, base_args(files) + ["--engine", "magic"]))
+    assert "vllm" in line
+
+
+def test_simulate_writes_all_outputs(files, tmp_path):
+    out = {k: tmp_path / f"out.{k}" for k in ("json", "csv", "jsonl", "trace.json")}
+    args = base_args(files) + [
+        "--slo", str(files["slo"]), "--json", str(out["json"]), "--records", str(out["csv"]),
+        "--steps", str(out["jsonl"]), "--timeline", str(out["trace.json"]),
+        "--timeline-window", "1:4",
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "TTFT" in result.output and "meets SLO" in result.output
+    summary = json.loads(out["json"].read_text())
+    assert summary["requests"] == 40
+    assert summary["completed"] + summary["shed"] + summary["rejected"] == 40
+    assert summary["overall"]["attainment"] is not None
+    assert isinstance(summary["meets_slo"], bool)
+    assert len(out["csv"].read_text().splitlines()) == 41
+    steps = [json.loads(line) for line in out["jsonl"].read_text().splitlines()]
+    assert steps[0]["step"] == 0 and summary["steps"] == sum(s.get("repeat", 1) for s in steps)
+    timeline = json.loads(out["trace.json"].read_text())
+    slices = [e for e in timeline["traceEvents"] if e["ph"] == "X"]
+    assert slices and all(e["ts"] <= 4e6 and e["ts"] + e["dur"] >= 1e6 for e in slices)
+
+
+def test_requests_and_rate_scale(files, tmp_path):
+    out = tmp_path / "s.json"
+    args = base_args(files) + ["--requests", "10", "--rate-scale", "2", "--json", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["requests"] == 10
+
+
+def test_same_inputs_same_records(files, tmp_path):
+    for name in ("a.csv", "b.csv"):
+        args = base_args(files) + ["--records", str(tmp_path / name)]
+        assert runner.invoke(app, args).exit_code == 0
+    assert (tmp_path / "a.csv").read_bytes() == (tmp_path / "b.csv").read_bytes()
+
+
+def test_goodput_command(files, tmp_path):
+    out = tmp_path / "g.json"
+    args = ["goodput", "--trace", str(files["trace"]), "--profile", str(files["profile"]),
+            "--policy", str(files["policy"]), "--slo", str(files["slo"]), "--json", str(out),
+            "--tolerance", "0.05"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["rate_scale"] > 0
+    assert data["rate_per_s"] == pytest.approx(data["rate_scale"] * data["base_rate_per_s"])
+    passing = [p["rate_scale"] for p in data["points"] if p["meets_slo"]]
+    failing = [p["rate_scale"] for p in data["points"] if not p["meets_slo"]]
+    assert data["rate_scale"] == max(passing)
+    if data["bracketed"]:
+        assert min(failing) <= data["rate_scale"] * 1.05 + 1e-12
+    again = tmp_path / "g2.json"
+    args[-3] = str(again)
+    assert runner.invoke(app, args).exit_code == 0
+    assert again.read_bytes() == out.read_bytes()
+
+
+def test_goodput_needs_slo(files):
+    args = ["goodput", "--trace", str(files["trace"]), "--profile", str(files["profile"]),
+            "--policy", str(files["policy"])]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2

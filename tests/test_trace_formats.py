@@ -1,0 +1,364 @@
+"""Every trace loader on tiny fixtures written here: values, detection, gzip, bad rows."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from servetune.errors import ServetuneError
+from servetune.trace_formats import detect_format, load_trace, parse_columns
+
+AZURE = (
+    "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    "2023-11-16 18:15:46.6805900,374,44\n"
+    "2023-11-16 18:15:50.9951690,396,109\n"
+    "2023-11-16 18:15:50.9951690,879,55\n"
+    "2023-11-16 18:15:52.0000000,91,16\n"
+)
+BURSTGPT = (
+    "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+    "5.0,ChatGPT,100,20,120,Conversation log\n"
+    "1.5,GPT-4,50,0,50,API log\n"
+    "2.0,GPT-4,70,7,77,API log\n"
+    "2.0,ChatGPT,30,3,33,Conversation log\n"
+)
+MOONCAKE = (
+    '{"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]}\n'
+    '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1]}\n'
+    "\n"
+    '{"timestamp": 1500, "input_length": 100, "output_length": 5, "hash_ids": []}\n'
+)
+
+
+def write(tmp_path: Path, name: str, text: str, *, gz: bool = False) -> Path:
+    path = tmp_path / (name + (".gz" if gz else ""))
+    data = text.encode()
+    path.write_bytes(gzip.compress(data, mtime=0) if gz else data)
+    return path
+
+
+# ----------------------------------------------------------------------------- azure
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_azure_values_and_gzip(tmp_path, gz):
+    trace = load_trace(write(tmp_path, "azure.csv", AZURE, gz=gz))
+    # 18:15:50.9951690 - 18:15:46.6805900 = 4.3145790 s, 100 ns ticks kept
+    np.testing.assert_allclose(trace.arrival_s, [0.0, 4.314579, 4.314579, 5.31941], atol=1e-9)
+    assert trace.prompt_tokens.tolist() == [374, 396, 879, 91]
+    assert trace.output_tokens.tolist() == [44, 109, 55, 16]
+    assert trace.class_id is None and trace.notices == ()
+
+
+def test_azure_week_long_form_with_zone_and_crlf(tmp_path):
+    text = (
+        "TIMESTAMP,ContextTokens,GeneratedTokens\r\n"
+        "2024-05-10 00:00:00.009930+00:00,10,2\r\n"
+        "2024-05-10 00:00:01.509930+00:00,20,3\r\n"
+    )
+    trace = load_trace(write(tmp_path, "week.csv", text))
+    np.testing.assert_allclose(trace.arrival_s, [0.0, 1.5])
+    assert trace.prompt_tokens.tolist() == [10, 20]
+
+
+def test_unsorted_rows_are_sorted_stably(tmp_path):
+    text = (
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:00:02,1,1\n"
+        "2023-11-16 18:00:01,2,1\n"
+        "2023-11-16 18:00:02,3,1\n"
+        "2023-11-16 18:00:01,4,1\n"
+    )
+    trace = load_trace(write(tmp_path, "u.csv", text))
+    assert trace.prompt_tokens.tolist() == [2, 4, 1, 3]  # ties keep file order
+    assert trace.arrival_s.tolist() == [0.0, 0.0, 1.0, 1.0]
+
+
+def test_chunk_boundaries_do_not_lose_or_split_rows(tmp_path, monkeypatch):
+    import servetune.trace_formats as tf
+
+    monkeypatch.setattr(tf, "CHUNK_BYTES", 37)  # a row or so per chunk
+    monkeypatch.setattr(tf, "HEAD_BYTES", 50)
+    rows = "".join(f"2023-11-16 18:00:{i:02d}.5,{i + 1},{2 * i + 1}\n" for i in range(40))
+    trace = load_trace(write(tmp_path, "c.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n" + rows))
+    assert len(trace) == 40
+    assert trace.prompt_tokens.tolist() == list(range(1, 41))
+    assert trace.output_tokens.tolist() == [2 * i + 1 for i in range(40)]
+    np.testing.assert_allclose(trace.arrival_s, np.arange(40.0))
+
+
+def test_bad_row_names_file_and_row(tmp_path):
+    text = AZURE + "2023-11-16 18:15:53.0,12,oops\n"
+    path = write(tmp_path, "bad.csv", text)
+    with pytest.raises(ServetuneError) as err:
+        load_trace(path)
+    msg = err.value.message
+    assert str(path) in msg and "row 5 (line 6)" in msg and "GeneratedTokens" in msg
+    assert "'oops'" in msg and "--on-bad-row skip" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    ("row", "what"),
+    [
+        ("2023-11-16 18:15:53.0,12", "fields"),  # too few fields
+        ("2023-11-16 18:15:53.0,12,3,4", "fields"),  # too many
+        ("2023-13-16 18:15:53.0,12,3", "TIMESTAMP"),  # month 13
+        ("yesterday,12,3", "TIMESTAMP"),
+        ("2023-11-16 18:15:53.0,0,3", "ContextTokens"),  # zero prompt
+        ("2023-11-16 18:15:53.0,12,0", "GeneratedTokens"),  # zero output
+        ("2023-11-16 18:15:53.0,-4,3", "ContextTokens"),
+        ("2023-11-16 18:15:53.0,1.5,3", "ContextTokens"),
+        ("2023-11-16 18:15:53.0,nan,3", "ContextTokens"),
+        ("2023-11-16 18:15:53.0,1e12,3", "ContextTokens"),
+        ("2023-11-16 18:15:53.0," + "9" * 80 + ",3", "fields"),
+    ],
+)
+def test_each_kind_of_bad_row(tmp_path, row, what):
+    path = write(tmp_path, "bad.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                 "2023-11-16 18:15:52.0,1,1\n" + row + "\n2023-11-16 18:15:54.0,2,2\n")
+    with pytest.raises(ServetuneError, match=rf"row 2 \(line 3\): .*{what}"):
+        load_trace(path)
+    trace = load_trace(path, on_bad_row="skip")
+    assert trace.prompt_tokens.tolist() == [1, 2]
+    assert any("skipped 1 bad row(s)" in n and "row 2" in n for n in trace.notices)
+
+
+def test_skip_counts_every_bad_row_and_blank_lines(tmp_path):
+    text = (
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:52.0,1,1\n"
+        "\n"
+        "2023-11-16 18:15:53.0,x,1\n"
+        "2023-11-16 18:15:54.0,2,y\n"
+        "bad\n"
+        "2023-11-16 18:15:55.0,3,3\n"
+        "2023-11-16 18:15:56.0,0,0\n"
+    )
+    trace = load_trace(write(tmp_path, "s.csv", text), on_bad_row="skip")
+    assert trace.prompt_tokens.tolist() == [1, 3]
+    assert "skipped 1 blank line(s)" in trace.notices
+    skipped = [n for n in trace.notices if n.startswith("skipped 4 bad row(s)")]
+    assert skipped and "row 3 (line 4)" in skipped[0]  # the first one is named
+
+
+def test_first_bad_row_is_reported_across_checks(tmp_path):
+    text = (
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:52.0,1,1\n"
+        "2023-11-16 18:15:53.0,5,bad\n"  # row 2: output
+        "garbage,x,1\n"  # row 3: time and prompt
+    )
+    with pytest.raises(ServetuneError, match=r"row 2 \(line 3\): GeneratedTokens"):
+        load_trace(write(tmp_path, "f.csv", text))
+
+
+def test_header_only_and_empty_files(tmp_path):
+    with pytest.raises(ServetuneError, match="no requests"):
+        load_trace(write(tmp_path, "h.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n"))
+    with pytest.raises(ServetuneError, match="empty"):
+        load_trace(write(tmp_path, "e.csv", ""))
+
+
+def test_missing_file_directory_and_binary(tmp_path):
+    with pytest.raises(ServetuneError, match="file not found"):
+        load_trace(tmp_path / "nope.csv")
+    with pytest.raises(ServetuneError, match="is a directory"):
+        load_trace(tmp_path)
+    binary = tmp_path / "b.bin"
+    binary.write_bytes(b"\x00\x01\x02garbage")
+    with pytest.raises(ServetuneError, match="binary"):
+        load_trace(binary)
+
+
+def test_truncated_gzip_is_one_error(tmp_path):
+    data = gzip.compress((AZURE * 200).encode(), mtime=0)
+    path = tmp_path / "t.csv.gz"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ServetuneError, match="gzip"):
+        load_trace(path)
+
+
+# ----------------------------------------------------------------------------- burstgpt
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_burstgpt_drops_failed_rows_with_notice(tmp_path, gz):
+    trace = load_trace(write(tmp_path, "BurstGPT_1.csv", BURSTGPT, gz=gz))
+    # the 0-response row (t=1.5) is dropped; rows sorted by Timestamp, ties stable
+    assert trace.arrival_s.tolist() == [0.0, 0.0, 3.0]
+    assert trace.prompt_tokens.tolist() == [70, 30, 100]
+    assert trace.output_tokens.tolist() == [7, 3, 20]
+    names = [trace.class_names[i] for i in trace.class_id]
+    assert names == ["GPT-4", "ChatGPT", "ChatGPT"]
+    assert "dropped 1 failed request(s) with 0 output tokens" in trace.notices
+
+
+# ----------------------------------------------------------------------------- mooncake
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_mooncake_keeps_hash_ids_as_csr(tmp_path, gz):
+    trace = load_trace(write(tmp_path, "conversation_trace.jsonl", MOONCAKE, gz=gz))
+    assert trace.arrival_s.tolist() == [0.0, 0.0, 1.5]  # ms -> s
+    assert trace.prompt_tokens.tolist() == [1024, 600, 100]
+    assert trace.prefix_offsets.tolist() == [0, 2, 3, 3]
+    assert trace.prefix_block_ids.tolist() == [1, 2, 1]
+    assert "skipped 1 blank line(s)" in trace.notices
+
+
+def test_mooncake_unsorted_reorders_prefixes(tmp_path):
+    text = (
+        '{"timestamp": 900, "input_length": 512, "output_length": 1, "hash_ids": [7]}\n'
+        '{"timestamp": 100, "input_length": 1024, "output_length": 2, "hash_ids": [3, 4]}\n'
+    )
+    trace = load_trace(write(tmp_path, "m.jsonl", text))
+    assert trace.prompt_tokens.tolist() == [1024, 512]
+    assert trace.prefix_offsets.tolist() == [0, 2, 3]
+    assert trace.prefix_block_ids.tolist() == [3, 4, 7]
+
+
+@pytest.mark.parametrize(
+    ("line", "what"),
+    [
+        ("not json", "not a JSON object"),
+        ("[1, 2]", "not a JSON object"),
+        ('{"timestamp": 5, "input_length": 3}', "output_length"),
+        ('{"timestamp": "x", "input_length": 3, "output_length": 1}', "timestamp"),
+        ('{"timestamp": 5, "input_length": 0, "output_length": 1}', "input_length"),
+        ('{"timestamp": 5, "input_length": 3, "output_length": true}', "output_length"),
+        ('{"timestamp": 5, "input_length": 3, "output_length": 1, "hash_ids": "x"}', "hash_ids"),
+    ],
+)
+def test_mooncake_bad_rows(tmp_path, line, what):
+    text = MOONCAKE.splitlines()[0] + "\n" + line + "\n"
+    path = write(tmp_path, "m.jsonl", text)
+    with pytest.raises(ServetuneError, match=rf"row 2: .*{what}"):
+        load_trace(path, fmt="mooncake")
+    trace = load_trace(path, fmt="mooncake", on_bad_row="skip")
+    assert len(trace) == 1 and any("skipped 1 bad row(s)" in n for n in trace.notices)
+
+
+# ----------------------------------------------------------------------------- vllm bench
+
+
+def test_vllm_bench_with_start_times_and_errors(tmp_path):
+    doc = {
+        "input_lens": [10, 20, 30, 40],
+        "output_lens": [5, 6, 0, 8],
+        "errors": ["", "timeout", "", ""],
+        "start_times": [100.0, 100.5, 101.0, 100.25],
+        "ttfts": [0.1, 0.0, 0.0, 0.2],
+    }
+    trace = load_trace(write(tmp_path, "bench.json", json.dumps(doc, indent=2)))
+    assert trace.arrival_s.tolist() == [0.0, 0.25]
+    assert trace.prompt_tokens.tolist() == [10, 40]
+    assert "dropped 2 failed request(s) with 0 output tokens" in trace.notices
+
+
+def test_vllm_bench_without_start_times_spaces_evenly(tmp_path):
+    doc = {"input_lens": [10, 20, 30], "output_lens": [5, 6, 7], "request_rate": 4.0}
+    trace = load_trace(write(tmp_path, "bench.json", json.dumps(doc)), fmt="vllm-bench")
+    np.testing.assert_allclose(trace.arrival_s, [0.0, 0.25, 0.5])
+    assert any("spaced evenly at 4 req/s" in n for n in trace.notices)
+    doc = {"input_lens": [10, 20, 30], "output_lens": [5, 6, 7], "request_rate": "inf",
+           "duration": 2.0, "completed": 3}
+    trace = load_trace(write(tmp_path, "bench2.json", json.dumps(doc)))
+    np.testing.assert_allclose(trace.arrival_s, [0.0, 2 / 3, 4 / 3])
+
+
+def test_vllm_bench_rejections(tmp_path):
+    bad = write(tmp_path, "b.json", json.dumps({"input_lens": [1, 2], "output_lens": [1]}))
+    with pytest.raises(ServetuneError, match="input_lens has 2 entries but output_lens has 1"):
+        load_trace(bad, fmt="vllm-bench")
+    no_time = write(tmp_path, "n.json", json.dumps({"input_lens": [1], "output_lens": [1]}))
+    with pytest.raises(ServetuneError, match="--save-detailed"):
+        load_trace(no_time)
+    bad_len = write(tmp_path, "l.json", json.dumps(
+        {"input_lens": [1, "x"], "output_lens": [1, 1], "request_rate": 1}))
+    with pytest.raises(ServetuneError, match=r"request 2: input_lens"):
+        load_trace(bad_len)
+
+
+# ----------------------------------------------------------------------------- generic
+
+
+def test_generic_csv_with_mapping_units_class_priority_max_tokens(tmp_path):
+    text = (
+        "ts_ms,in,out,cls,prio,cap\n"
+        "1500,10,3,\"chat, long\",1,64\n"
+        "500,20,4,batch,0,128\n"
+    )
+    path = write(tmp_path, "g.csv", text)
+    cols = "arrival=ts_ms,prompt=in,output=out,class=cls,priority=prio,max_tokens=cap"
+    trace = load_trace(path, columns=cols, arrival_unit="ms")
+    assert trace.arrival_s.tolist() == [0.0, 1.0]
+    assert trace.prompt_tokens.tolist() == [20, 10]
+    assert [trace.class_names[i] for i in trace.class_id] == ["batch", "chat, long"]
+    assert trace.priority.tolist() == [0, 1]
+    assert trace.max_tokens.tolist() == [128, 64]
+
+
+def test_generic_csv_datetime_detected_and_mapping_dict(tmp_path):
+    text = "when,p,o\n2024-01-01 00:00:10,5,1\n2024-01-01 00:00:00,6,2\n"
+    trace = load_trace(write(tmp_path, "d.csv", text),
+                       columns={"arrival": "when", "prompt": "p", "output": "o"})
+    assert trace.arrival_s.tolist() == [0.0, 10.0]
+
+
+def test_generic_jsonl(tmp_path):
+    text = (
+        '{"t": 2.0, "in": 10, "out": 2, "c": "x"}\n'
+        '{"t": 1.0, "in": 20, "out": 3, "c": "y"}\n'
+    )
+    trace = load_trace(write(tmp_path, "g.jsonl", text, gz=True),
+                       columns="arrival=t,prompt=in,output=out,class=c")
+    assert trace.arrival_s.tolist() == [0.0, 1.0]
+    assert [trace.class_names[i] for i in trace.class_id] == ["y", "x"]
+
+
+def test_generic_needs_mapping_and_valid_columns(tmp_path):
+    path = write(tmp_path, "g.csv", "a,b,c\n1,2,3\n")
+    with pytest.raises(ServetuneError, match="--columns arrival="):
+        load_trace(path)
+    with pytest.raises(ServetuneError, match="no column 'zz' for prompt; the header has a, b, c"):
+        load_trace(path, columns="arrival=a,prompt=zz,output=c")
+    with pytest.raises(ServetuneError, match="missing output"):
+        load_trace(path, columns="arrival=a,prompt=b")
+    with pytest.raises(ServetuneError, match="unknown role 'foo'"):
+        load_trace(path, columns="arrival=a,prompt=b,output=c,foo=a")
+    with pytest.raises(ServetuneError, match="not ROLE=COLUMN"):
+        parse_columns("arrival")
+    with pytest.raises(ServetuneError, match="unknown trace format"):
+        load_trace(path, fmt="parquet")
+    with pytest.raises(ServetuneError, match="--on-bad-row"):
+        load_trace(path, on_bad_row="ignore")
+    with pytest.raises(ServetuneError, match="--columns applies"):
+        load_trace(path, fmt="azure", columns="arrival=a,prompt=b,output=c")
+
+
+# ----------------------------------------------------------------------------- detection
+
+
+def test_detection_from_header_or_first_record():
+    assert detect_format(AZURE.encode()) == "azure"
+    assert detect_format(b"\xef\xbb\xbf" + AZURE.encode()) == "azure"
+    assert detect_format(BURSTGPT.encode()) == "burstgpt"
+    assert detect_format(MOONCAKE.encode()) == "mooncake"
+    assert detect_format(b'{"input_lens": [1], "output_lens": [2]}') == "vllm-bench"
+    assert detect_format(b'{\n  "input_lens": [1],\n  "output_lens": [2]\n}') == "vllm-bench"
+    assert detect_format(b'{"a": 1}\n') == "jsonl"
+    assert detect_format(b"a,b,c\n1,2,3\n") == "csv"
+
+
+def test_trace_format_override(tmp_path):
+    # an Azure-shaped file forced through the generic path with the same columns
+    path = write(tmp_path, "x.txt", AZURE)
+    forced = load_trace(path, fmt="csv",
+                        columns="arrival=TIMESTAMP,prompt=ContextTokens,output=GeneratedTokens")
+    assert forced.prompt_tokens.tolist() == load_trace(path).prompt_tokens.tolist()
+    with pytest.raises(ServetuneError):
+        load_trace(path, fmt="mooncake")

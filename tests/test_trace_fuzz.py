@@ -1,0 +1,197 @@
+"""Fuzzing: whatever bytes a trace or workload file holds, the only exception that escapes
+is ServetuneError (and a file that loads gives a valid trace)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from servetune.errors import ServetuneError
+from servetune.trace import Trace
+from servetune.trace_formats import FORMATS, load_trace
+from servetune.workload import sample_trace, workload_from_yaml_text
+
+FUZZ = settings(max_examples=120, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow])
+
+AZURE = (
+    "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    "2023-11-16 18:15:46.6805900,374,44\n"
+    "2023-11-16 18:15:50.9951690,396,109\n"
+    "2023-11-16 18:15:51.2224670,879,55\n"
+)
+BURSTGPT = (
+    "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+    "5.0,ChatGPT,100,20,120,Conversation log\n"
+    "1.5,GPT-4,50,0,50,API log\n"
+)
+MOONCAKE = (
+    '{"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]}\n'
+    '{"timestamp": 27, "input_length": 600, "output_length": 5, "hash_ids": [1]}\n'
+)
+VLLM = json.dumps({"input_lens": [10, 20], "output_lens": [5, 6], "errors": ["", ""],
+                   "start_times": [1.0, 1.5], "request_rate": 2.0})
+GENERIC = "ts,in,out,cls\n0.5,10,3,a\n0.25,20,4,\"b, c\"\n"
+GENERIC_COLUMNS = "arrival=ts,prompt=in,output=out,class=cls"
+
+ALPHABET = st.sampled_from(list(',\n\r"{}[]:- .0123456789eE+xNaTé\x00\t') + ["1e400", "nan"])
+
+
+@st.composite
+def mutated(draw, base: str) -> bytes:
+    """``base`` with a few random insertions, deletions and replacements."""
+    text = list(base)
+    for _ in range(draw(st.integers(1, 6))):
+        op = draw(st.sampled_from(["insert", "delete", "replace"]))
+        pos = draw(st.integers(0, max(len(text) - 1, 0)))
+        if op == "insert":
+            text.insert(pos, draw(ALPHABET))
+        elif op == "delete" and text:
+            del text[pos]
+        elif text:
+            text[pos] = draw(ALPHABET)
+    data = "".join(text).encode("utf-8", errors="replace")
+    if draw(st.booleans()):
+        data = gzip.compress(data, mtime=0)
+        if draw(st.booleans()):  # truncated gzip stream
+            data = data[: draw(st.integers(0, len(data)))]
+    return data
+
+
+def _check_load(data: bytes, **kwargs) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace"
+        path.write_bytes(data)
+        try:
+            trace = load_trace(path, **kwargs)
+        except ServetuneError as err:
+            assert err.message and "\n" not in err.message.strip()
+            return
+    assert isinstance(trace, Trace) and len(trace) >= 1
+    assert trace.arrival_s[0] == 0 and np.all(np.diff(trace.arrival_s) >= 0)
+    assert np.all(np.isfinite(trace.arrival_s))
+    assert trace.prompt_tokens.min() >= 1 and trace.output_tokens.min() >= 1
+
+
+@FUZZ
+@given(st.binary(max_size=400), st.sampled_from([None, *FORMATS]),
+       st.sampled_from(["error", "skip"]))
+def test_random_bytes(data, fmt, on_bad_row):
+    columns = GENERIC_COLUMNS if fmt in ("csv", "jsonl") else None
+    _check_load(data, fmt=fmt, on_bad_row=on_bad_row, columns=columns)
+
+
+@FUZZ
+@given(st.sampled_from([AZURE, BURSTGPT, MOONCAKE, VLLM]).flatmap(mutated),
+       st.sampled_from(["error", "skip"]))
+def test_mutated_known_formats(data, on_bad_row):
+    _check_load(data, on_bad_row=on_bad_row)
+
+
+@FUZZ
+@given(mutated(GENERIC), st.sampled_from(["error", "skip"]),
+       st.sampled_from([None, "s", "ms", "datetime"]))
+def test_mutated_generic_csv(data, on_bad_row, unit):
+    _check_load(data, on_bad_row=on_bad_row, columns=GENERIC_COLUMNS, arrival_unit=unit)
+
+
+@FUZZ
+@given(mutated('{"t": 1, "in": 5, "out": 2, "c": "x"}\n{"t": 0.5, "in": 6, "out": 1, "c": 3}\n'),
+       st.sampled_from(["error", "skip"]))
+def test_mutated_generic_jsonl(data, on_bad_row):
+    _check_load(data, on_bad_row=on_bad_row, columns="arrival=t,prompt=in,output=out,class=c")
+
+
+# ----------------------------------------------------------------------------- workloads
+
+WORKLOAD = yaml.safe_dump(
+    {
+        "apiVersion": "servetune/v1",
+        "kind": "Workload",
+        "name": "fuzz",
+        "duration_s": 60.0,
+        "classes": {
+            "a": {
+                "priority": 0,
+                "arrival": {"process": "gamma", "rate_per_s": 2.0, "interarrival_cv": 3.0,
+                            "windows": {"window_s": 10.0, "rate_multipliers": [1.0, 0.0, 2.0]}},
+                "prompt_tokens": {"quantiles": [0.0, 0.5, 1.0], "values": [1.0, 50.0, 900.0]},
+                "output_tokens": {"quantiles": [0.0, 1.0], "values": [1.0, 30.0]},
+            },
+            "b": {
+                "arrival": {"rate_per_s": 0.5},
+                "prompt_tokens": {"quantiles": [0.0, 1.0], "values": [7.0, 7.0]},
+                "output_tokens": {"quantiles": [0.0, 1.0], "values": [2.0, 9.0]},
+            },
+        },
+    },
+    sort_keys=False,
+)
+
+YAML_ALPHABET = st.sampled_from(list(":-[]{},\n 0123456789.eE+aq#'\"&*!|>%@`\t") +
+                                ["1e308", ".inf", "null", "~", "- ", ": "])
+
+
+@st.composite
+def mutated_yaml(draw) -> str:
+    text = list(WORKLOAD)
+    for _ in range(draw(st.integers(1, 5))):
+        pos = draw(st.integers(0, len(text) - 1))
+        op = draw(st.sampled_from(["insert", "delete", "replace"]))
+        if op == "insert":
+            text.insert(pos, draw(YAML_ALPHABET))
+        elif op == "delete":
+            del text[pos]
+        else:
+            text[pos] = draw(YAML_ALPHABET)
+    return "".join(text)
+
+
+def _check_workload(text: str) -> None:
+    try:
+        w = workload_from_yaml_text(text, "w.yaml")
+    except ServetuneError as err:
+        assert err.message.startswith("w.yaml")
+        return
+    try:
+        t = sample_trace(w, n_requests=50, seed=1)
+    except ServetuneError:
+        return
+    assert len(t) == 50 and t.prompt_tokens.min() >= 1
+
+
+@FUZZ
+@given(mutated_yaml())
+def test_mutated_workload_yaml(text):
+    _check_workload(text)
+
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**20, 10**20),
+                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8))
+values = st.recursive(scalars, lambda c: st.lists(c, max_size=4) |
+                      st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=12)
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(["name", "classes", "duration_s", "source", "x"]),
+                       values, max_size=4),
+       st.dictionaries(st.sampled_from(["priority", "arrival", "prompt_tokens",
+                                        "output_tokens"]), values, max_size=4))
+def test_random_workload_structures(top, cls):
+    data = {"apiVersion": "servetune/v1", "kind": "Workload", **top}
+    if "classes" not in top:
+        data["classes"] = {"c": cls}
+    _check_workload(yaml.safe_dump(data))
+
+
+@FUZZ
+@given(st.binary(max_size=300))
+def test_random_bytes_as_workload(data):
+    _check_workload(data.decode("utf-8", errors="replace"))
