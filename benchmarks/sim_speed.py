@@ -126,6 +126,16 @@ def bench_million() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -139,8 +149,8 @@ def main() -> None:
         _million_child()
         return
     results = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}",
+        "machine": f"{_cpu_model()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, load average at start {os.getloadavg()[0]:.1f}",
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "conv": bench_trace(args.runs, not args.skip_reference, args.reference_requests),
     }

@@ -4,8 +4,10 @@ Writes a synthetic N-row CSV in the Azure 2023 / week-long format (``TIMESTAMP``
 fractional digits, ``ContextTokens``, ``GeneratedTokens``), then loads it with
 ``servetune.trace_formats.load_trace`` in a fresh child process and reports wall time and
 the child's peak resident memory (VmHWM), next to the same child's memory after
-importing servetune only (the baseline). The loader holds the output columns (24 bytes a
-row: float64 arrival, int64 prompt, int64 output) plus one 4 MiB chunk's temporaries.
+importing servetune only (the baseline), and the CPU seconds (user + system) of the load,
+which depend less than wall time on other work sharing the machine. The loader holds the
+output columns (24 bytes a row: float64 arrival, int64 prompt, int64 output) plus one
+4 MiB chunk's temporaries.
 
 Usage: python benchmarks/trace_load.py [--rows 10000000] [--gzip] [--keep PATH]
 """
@@ -27,7 +29,7 @@ import numpy as np
 # Peak memory is VmHWM from /proc (it starts afresh at exec; ru_maxrss would inherit the
 # parent's high-water mark on Linux).
 CHILD = r"""
-import json, sys, time
+import json, os, sys, time
 from servetune.trace_formats import load_trace
 from servetune.trace_stats import trace_stats
 def hwm_kib():
@@ -35,12 +37,14 @@ def hwm_kib():
         if line.startswith("VmHWM:"):
             return int(line.split()[1])
 base = hwm_kib()
-t0 = time.perf_counter()
+c0, t0 = os.times(), time.perf_counter()
 trace = load_trace(sys.argv[1])
-load_s = time.perf_counter() - t0
+load_s, c1 = time.perf_counter() - t0, os.times()
+cpu_s = (c1.user - c0.user) + (c1.system - c0.system)
 peak = hwm_kib()
 stats = trace_stats(trace)
-print(json.dumps({"load_s": load_s, "baseline_rss_mib": base / 1024, "peak_rss_mib": peak / 1024,
+print(json.dumps({"load_s": load_s, "cpu_s": cpu_s, "baseline_rss_mib": base / 1024,
+                  "peak_rss_mib": peak / 1024,
                   "requests": stats["requests"], "rate_per_s": stats["rate_per_s"],
                   "column_mib": (trace.arrival_s.nbytes + trace.prompt_tokens.nbytes
                                  + trace.output_tokens.nbytes) / 2**20}))

@@ -176,25 +176,34 @@ def build_model(inst: CapacityInstance, *, budget_mode: bool = False) -> pyo.Con
 def _solve(m: pyo.ConcreteModel, time_limit_s: float) -> tuple[str, float]:
     import time
 
+    t0 = time.perf_counter()
+    status = _solve_once(m, time_limit_s, presolve=True)
+    if status not in ("optimal", "feasible", "infeasible", "no_solution"):
+        # HiGHS occasionally ends a MIP with an "unknown" model status; presolve off
+        # settles it (the model is small), so try once more before giving up.
+        status = _solve_once(m, time_limit_s, presolve=False)
+    return status, time.perf_counter() - t0
+
+
+def _solve_once(m: pyo.ConcreteModel, time_limit_s: float, *, presolve: bool) -> str:
     solver = pyo.SolverFactory("appsi_highs")
     solver.config.time_limit = time_limit_s
-    solver.highs_options = {"mip_rel_gap": 1e-9, "random_seed": 0, "threads": 1}
-    t0 = time.perf_counter()
+    solver.highs_options = {"mip_rel_gap": 1e-9, "random_seed": 0,
+                            "presolve": "on" if presolve else "off"}
     res = solver.solve(m, load_solutions=False)
-    elapsed = time.perf_counter() - t0
     tc = res.solver.termination_condition
     if tc == pyo.TerminationCondition.optimal:
         solver.load_vars()
-        return "optimal", elapsed
+        return "optimal"
     if tc in (pyo.TerminationCondition.infeasible, pyo.TerminationCondition.infeasibleOrUnbounded):
-        return "infeasible", elapsed
+        return "infeasible"
     if tc == pyo.TerminationCondition.maxTimeLimit:
         try:
             solver.load_vars()
         except Exception:  # no incumbent at the limit
-            return "no_solution", elapsed
-        return "feasible", elapsed
-    return str(tc), elapsed
+            return "no_solution"
+        return "feasible"
+    return str(tc)
 
 
 def _extract(inst: CapacityInstance, m: pyo.ConcreteModel, status: str, secs: float):

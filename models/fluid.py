@@ -36,7 +36,7 @@ Every condition is non-decreasing in ``x``, so each gives a largest ``x``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from statistics import NormalDist
 from typing import Any
@@ -302,9 +302,7 @@ class Target:
     @staticmethod
     def from_class_slo(slo: Any) -> Target:
         q = slo.percentile / 100.0 if slo.percentile is not None else float(slo.attainment)
-        tpot = slo.tpot_s
-        ttft = slo.ttft_s
-        return Target(ttft_s=ttft, tpot_s=tpot, q=q)
+        return Target(ttft_s=slo.ttft_s, tpot_s=slo.tpot_s, q=q)
 
 
 def targets_for(load: LoadModel, slo: Any) -> dict[str, Target]:
@@ -670,7 +668,10 @@ def knobs_grid(space_knobs: dict[str, list[Any]], base: Knobs | None = None) -> 
     """Every valid Knobs combination of a search space (``max_num_batched_tokens >=
     max_num_seqs``, as vLLM requires); knobs the fluid model does not know are ignored
     here and handled by the caller."""
+    from servetune.schemas.space import normalise_path
+
     base = base or Knobs(1024, 8192)
+    space_knobs = {normalise_path(p): v for p, v in space_knobs.items()}
     names = [p for p in space_knobs if p in Knobs.FIELDS]
     out: list[Knobs] = []
 
@@ -689,7 +690,7 @@ def knobs_grid(space_knobs: dict[str, list[Any]], base: Knobs | None = None) -> 
     return out
 
 
-def describe_binding(name: str, limit: Limit, quantile_label: Iterable[str] = ()) -> str:
+def describe_binding(name: str, limit: Limit) -> str:
     """A sentence for a condition that cannot hold even at vanishing load."""
     if name.startswith("tpot["):
         return (

@@ -41,6 +41,8 @@ Constraints
     queue_caps[p]:       rate[p] <= X[p,queue] steps[p]        (shedding below the miss budget)
     ttft[p,c]:           flow[p,c] <= share[c] X[p,ttft[c]] steps[p]
     tpot[p,c]:           flow[p,c] <= share[c] X[p,tpot[c]] steps[p]
+    (a condition whose X is not the smallest of its candidate can never bind and is
+    left out, as presolve would)
     min_rate:            sum_p rate[p] >= rate_min
 Objective
     maximize sum_p rate[p] + eps sum_p tie[p] z[p]
@@ -49,13 +51,13 @@ Objective
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import pyomo.environ as pyo
 from servetune.models.fluid import FluidModel, Knobs, Limit
-from servetune.solvers.drivers import SolveStatus, TopK, top_k_highs
+from servetune.solvers.drivers import TopK, top_k_highs
 
-POLICY_WIDE = ("budget", "seats", "kv_memory", "queue")
+# The smallest goodput worth returning, as a share of the workload's rate.
+RATE_MIN_SHARE = 1e-3
 # The tie-break bonus is worth at most this share of the goodput scale.
 TIE_WEIGHT = 1e-4
 
@@ -87,6 +89,21 @@ class MilpInstance:
             limits=fluid.limits_many(points),
             rate_scale=fluid.load.rate_per_s,
         )
+
+    def redundant(self, p: int, family: str, cls: str | None = None) -> bool:
+        """A condition whose limit is above another condition's on the same candidate
+        can never bind; leaving it out keeps the model small (HiGHS's presolve would
+        drop it too). Ties keep the first by name, so one always stays."""
+        x = self.x_limit(p, family, cls)
+        name = family if cls is None else f"{family}[{cls}]"
+        for other, lim in self.limits[p].items():
+            if other.startswith("queue_"):
+                other = "queue"
+            if other == name:
+                continue
+            if lim.x_max < x or (lim.x_max == x and other < name):
+                return True
+        return False
 
     def tie_break(self, p: int) -> float:
         """Margin of candidate p in [0, 1): (second-tightest - binding) / second-tightest
@@ -134,7 +151,7 @@ def build_model(inst: MilpInstance, *, rate_min: float, excluded: set[int] = fro
     def policy_wide(family: str):
         def rule(m, p):
             x_max = inst.x_limit(p, family)
-            if x_max == float("inf"):
+            if x_max == float("inf") or inst.redundant(p, family):
                 return pyo.Constraint.Skip
             return m.rate[p] <= x_max * m.steps[p]
         return rule
@@ -147,7 +164,7 @@ def build_model(inst: MilpInstance, *, rate_min: float, excluded: set[int] = fro
     def per_class(family: str):
         def rule(m, p, c):
             x_max = inst.x_limit(p, family, c)
-            if x_max == float("inf"):
+            if x_max == float("inf") or inst.redundant(p, family, c):
                 return pyo.Constraint.Skip
             return m.flow[p, c] <= m.share[c] * x_max * m.steps[p]
         return rule
@@ -186,11 +203,14 @@ def solve_policy_milp(
     *,
     k: int = 3,
     time_limit_s: float = 10.0,
-    rate_min: float = 1e-6,
+    rate_min: float | None = None,
     excluded: set[int] = frozenset(),
 ) -> TopK:
     """The best ``k`` candidates by predicted goodput (no-good cuts between solves).
-    Each solution is ``(point index, Candidate)``."""
+    Each solution is ``(point index, Candidate)``. ``rate_min`` defaults to 0.1% of the
+    workload's own rate (well above the solver's feasibility tolerance)."""
+    if rate_min is None:
+        rate_min = RATE_MIN_SHARE * max(inst.rate_scale, 1e-3)
     model = build_model(inst, rate_min=rate_min, excluded=set(excluded))
     return top_k_highs(
         model,
@@ -199,12 +219,3 @@ def solve_policy_milp(
         decode=_decode(inst),
         time_limit_s=time_limit_s,
     )
-
-
-def describe(out: TopK) -> dict[str, Any]:
-    return {
-        "statuses": out.statuses,
-        "objective": out.outcomes[0].objective if out.outcomes else None,
-        "solve_s": out.solve_s,
-        "first_status": out.outcomes[0].status.value if out.outcomes else SolveStatus.ERROR.value,
-    }

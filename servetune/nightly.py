@@ -161,11 +161,12 @@ def load_inputs(trace_path: Path, profile_path: Path, slo_path: Path) -> tuple[A
 
 
 def with_profile_facts(policy: Policy, profile: Any) -> Policy:
-    """The policy with ``metadata.profile`` filled from the profile when the optimizer left
-    it out, so its engine configs can be re-exported without ``--profile``."""
-    if isinstance(policy.metadata.get("profile"), dict):
-        return policy
-    facts = profile_memory_facts(profile)
+    """The policy with ``metadata.profile`` completed from the profile (the activation
+    reserve, for instance), so its engine configs can be re-exported without
+    ``--profile``; values the optimizer wrote are kept."""
+    meta = policy.metadata.get("profile")
+    facts = {**profile_memory_facts(profile), **(meta if isinstance(meta, dict) else {})}
+    facts = {k: v for k, v in facts.items() if v is not None}
     return policy.model_copy(update={"metadata": {**policy.metadata, "profile": facts}})
 
 
@@ -179,36 +180,122 @@ class Optimized:
     info: dict[str, Any]  # method, statuses, simulations (no wall times)
 
 
+CONDITION_WORDS = {
+    "budget": "the per-step token budget (demand must stay below max_num_batched_tokens)",
+    "seats": "the running seats (max_num_seqs)",
+    "kv_memory": "KV-cache memory",
+    "queue": "the queue caps (shedding)",
+    "queue_requests": "the cap on queued requests",
+    "queue_prompt_tokens": "the cap on queued prompt tokens",
+}
+
+
+def condition_words(name: str) -> str:
+    """A binding condition of the fluid model / MILP, in words."""
+    if name.startswith(("ttft[", "tpot[")):
+        metric, cls = name[:4].upper(), name[5:-1]
+        return f"the {metric} target of class '{cls}'"
+    return CONDITION_WORDS.get(name, name)
+
+
+def _shown(value: Any) -> str:
+    return "off" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def knob_reasons(fluid: Any, current: Policy, new: Policy) -> dict[str, str]:
+    """For each changed knob the fluid model knows: the model's goodput and binding
+    condition with the new value and with the current value put back, all else equal."""
+    from dataclasses import replace
+
+    from servetune.models.fluid import Knobs
+
+    new_knobs = Knobs.from_policy(new)
+    cur_knobs = Knobs.from_policy(current)
+    rate_new, binding_new, _ = fluid.goodput(new_knobs)
+    reasons: dict[str, str] = {}
+    for path, attr in Knobs.FIELDS.items():
+        a, b = getattr(cur_knobs, attr), getattr(new_knobs, attr)
+        if a == b:
+            continue
+        try:
+            alt = replace(new_knobs, **{attr: a})
+            if alt.max_num_batched_tokens < alt.max_num_seqs:
+                raise ValueError("inconsistent")
+            rate_alt, binding_alt, _ = fluid.goodput(alt)
+        except (ValueError, ZeroDivisionError):
+            continue
+        shown_a, shown_b = _shown(a), _shown(b)
+        if math.isclose(rate_alt, rate_new, rel_tol=5e-4):
+            reasons[path] = (
+                f"model: no goodput difference ({rate_new:.2f} req/s with {shown_b} or "
+                f"{shown_a}, limited by {condition_words(binding_new)}); the simulator-"
+                "validated search settled on this value"
+            )
+        else:
+            reasons[path] = (
+                f"model: {rate_new:.2f} req/s with {shown_b}, limited by "
+                f"{condition_words(binding_new)}; {rate_alt:.2f} req/s with {shown_a} "
+                f"(limited by {condition_words(binding_alt)})"
+            )
+    return reasons
+
+
 def optimize_policy(
     trace: Any,
     workload: Any,
     profile: Any,
     slo: SLOSet,
     *,
+    current: Policy,
     space: Any = None,
-    base: Policy | None = None,
     time_limit_s: float | None = None,
     seed: int = 0,
+    inputs: dict[str, str] | None = None,
     progress: Progress | None = None,
 ) -> Optimized:
-    """Run the optimizer; raises InfeasibleError (exit 3) when nothing meets the SLOs."""
-    from servetune.solvers.optimize import optimize
+    """Run the optimizer on the fitted workload (knobs outside the search space keep the
+    current policy's values); raises InfeasibleError (exit 3) when nothing meets the SLOs.
+    The reasons come from the fluid model the MILP is built on, calibrated as the loop
+    left it."""
+    from servetune.models.fluid import Calibration, FluidModel, LoadModel, Platform, targets_for
+    from servetune.solvers.optimize import DEFAULT_REQUESTS, optimize
+    from servetune.workload import class_stats
 
-    kwargs: dict[str, Any] = {"seed": seed}
-    if space is not None:
-        kwargs["space"] = space
+    kwargs: dict[str, Any] = {}
     if time_limit_s is not None:
         kwargs["time_limit_s"] = time_limit_s
-    result = optimize(workload, profile, slo, **kwargs)
-    policy = result.policy
-    reasons = dict(getattr(result, "reasons", None) or {})
-    info = {}
-    for key in ("method", "statuses", "simulations", "iterations_count", "goodput_rate_per_s",
-                "defaults_goodput_rate_per_s", "binding"):
-        value = getattr(result, key, None)
-        if value is not None:
-            info[key] = value
-    return Optimized(policy=policy, reasons=reasons, info=info)
+    result = optimize(
+        workload, profile, slo, space, seed=seed, base_policy=current, inputs=inputs or {},
+        n_requests=min(DEFAULT_REQUESTS, max(len(trace), 2)), compare_defaults=False,
+        progress=progress, **kwargs,
+    )
+    if result.policy is None:  # pragma: no cover - optimize raises InfeasibleError instead
+        raise InfeasibleError(result.explanation or "no policy meets the SLOs")
+    summary = result.summary
+    load = LoadModel.from_class_stats(class_stats(workload))
+    fluid = FluidModel(load, Platform.from_profile(profile), targets_for(load, slo))
+    if summary.get("calibration"):
+        fluid = fluid.with_calibration(Calibration(**summary["calibration"]))
+    reasons = knob_reasons(fluid, current, result.policy)
+    for it in summary.get("iterations") or []:
+        lanes = it.get("lanes") if isinstance(it, dict) else None
+        if lanes and lanes.get("kept"):
+            cand = lanes.get("candidate", {})
+            reasons["long_requests"] = (
+                f"CP-SAT lane sizing ({lanes.get('status')}); with the lane the simulator "
+                f"measured {cand.get('simulated_rate_per_s', float('nan')):.2f} req/s"
+            )
+    objective = result.policy.metadata.get("objective", {})
+    info = {
+        "method": summary.get("method"),
+        "simulations": summary.get("simulations"),
+        "converged": summary.get("converged"),
+        "goodput_rate_per_s_on_sample": summary.get("goodput_rate_per_s"),
+        "predicted_goodput_rate_per_s": summary.get("predicted_goodput_rate_per_s"),
+        "binding": objective.get("binding") if isinstance(objective, dict) else None,
+        "solver": result.policy.metadata.get("solver"),
+    }
+    return Optimized(policy=result.policy, reasons=reasons, info=info)
 
 
 # --------------------------------------------------------------------------- the job
@@ -276,8 +363,9 @@ def run_nightly(
 
     _say(progress, "optimizing a new policy")
     try:
-        opt = optimize_policy(trace, workload, profile, slo, space=space, base=current,
-                              time_limit_s=time_limit_s, seed=seed, progress=progress)
+        opt = optimize_policy(trace, workload, profile, slo, current=current, space=space,
+                              time_limit_s=time_limit_s, seed=seed, inputs=inputs,
+                              progress=progress)
     except InfeasibleError as err:
         return _write_infeasible(out, err, current, base_summary)
     new = with_profile_facts(opt.policy, profile)
@@ -309,6 +397,7 @@ def run_nightly(
         "optimizer": opt.info,
         "new_policy": new.knobs(),
     }
+    _say(progress, "rendering the report and its plots")
     report = build_report(
         comp, Verdict(headline, decision.reasons), reasons=opt.reasons, exports=exports,
         inputs=inputs, title="servetune nightly tuning report", summary_extra=summary_extra,

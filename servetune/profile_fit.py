@@ -34,8 +34,8 @@ The method, per layer of a model (all times in seconds, ``m(.)`` a measured per-
    of relative error; the score is median + max/4 of the relative errors.
 
 3. **Step-time model** (:mod:`servetune.steptime`):
-   ``gemm_pieces`` is a convex piecewise-linear fit of ``L * G(T)`` over T in [1, 32768]
-   (an LP in HiGHS minimising the summed relative error of a hinge basis with
+   ``gemm_pieces`` is a convex piecewise-linear fit of ``L * G(T)`` over T in [1, 8192]
+   (an LP in HiGHS minimising max + mean relative error over a hinge basis with
    non-negative kinks, so the result is convex and every piece's intercept >= 0);
    ``decode_attn_*`` and ``prefill_attn_*`` are ``L`` times the per-layer terms;
    the LM head is ``a + b * S`` fitted the same way, ``a`` going to ``fixed_s`` together
@@ -67,10 +67,6 @@ from servetune.steptime import StepTimeModel
 ALLREDUCE_EFFICIENCY = 0.7  # achieved share of per-direction NVLink bandwidth (NCCL busbw)
 ALLREDUCE_LATENCY_S = 10e-6  # per all-reduce inside a CUDA graph (small messages)
 
-T_GRID = np.unique(np.concatenate([
-    np.array([1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512]),
-    np.arange(640, 2049, 128), np.arange(2304, 8193, 256), np.arange(9216, 32769, 1024),
-])).astype(float)
 S_GRID = np.array([1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024], float)
 
 
@@ -106,8 +102,9 @@ class OpCurve:
 
 @dataclass
 class PerOpModel:
-    """One layer's operations of one model as measured, in seconds (launch floor removed
-    from the attention fits with ``launch_floor_s``)."""
+    """One layer's operations of one model as measured, in seconds (attention slopes from
+    affine fits whose intercept, the timing floor, is dropped; GEMM and LM-head tables
+    as measured, ``launch_floor_s`` subtracted when they are evaluated)."""
 
     rows_name: str
     layers: int
@@ -180,16 +177,20 @@ def build_perop(meas: Measurements, rows_name: str, arch: ModelArch, tensor_para
     bs = np.array([s for _, s in big])
     el_slope = float(_relative_ls(bt[:, None], bs)[0])
 
-    # decode attention: c_ctx * B * n + c_seq * B, above the floor
+    # decode attention: i + c_ctx * B * n + c_seq * B on the rows clear of the timing
+    # floor (twice the file's smallest time); the intercept i is that floor, not kernel
     ad = meas.tables["attn_decode.csv"]
     dec = [(ad.number(i, "batch", integer=True), ad.number(i, "context", integer=True),
             ad.number(i, "ms") * 1e-3) for i in ad.for_model(rows_name)]
-    dec_big = [(b, n, s) for b, n, s in dec if s > 2 * phi] or dec
-    x = np.array([[b * n, b] for b, n, _ in dec_big], float)
-    y = np.array([max(s - phi, 0.05 * s) for _, _, s in dec_big])
-    c_ctx, c_seq = _relative_ls(x, y)
+    dec_floor = min(s for _, _, s in dec)
+    dec_big = [(b, n, s) for b, n, s in dec if s > 2 * dec_floor]
+    if len(dec_big) < 3:
+        dec_big = dec
+    x = np.array([[1.0, b * n, b] for b, n, _ in dec_big], float)
+    y = np.array([s for _, _, s in dec_big])
+    _, c_ctx, c_seq = _relative_ls(x, y)
     if c_seq < 0:
-        c_ctx = float(_relative_ls(x[:, :1], y)[0])
+        _, c_ctx = _relative_ls(x[:, :2], y)
         c_seq = 0.0
 
     # prefill attention: w * pairs
@@ -210,10 +211,13 @@ def build_perop(meas: Measurements, rows_name: str, arch: ModelArch, tensor_para
         else:
             pairs = c * c / 2.0
         pre.append((pairs, s))
-    pre_big = [(p, s) for p, s in pre if s > 3 * phi] or pre
-    px = np.array([[p] for p, _ in pre_big], float)
-    py = np.array([max(s - phi, 0.05 * s) for _, s in pre_big])
-    w = float(_relative_ls(px, py)[0])
+    pre_floor = min(s for _, s in pre)
+    pre_big = [(p, s) for p, s in pre if s > 2 * pre_floor]
+    if len(pre_big) < 2:
+        pre_big = pre
+    px = np.array([[1.0, p] for p, _ in pre_big], float)
+    py = np.array([s for _, s in pre_big])
+    w = float(_relative_ls(px, py)[1])
 
     lm = meas.tables["lm_head.csv"]
     lm_pts = sorted((lm.number(i, "tokens", integer=True), lm.number(i, "ms") * 1e-3)
@@ -287,8 +291,8 @@ class GraphCorrection:
 # measurement folder has no whole-step file of its own.
 # (tests/test_profile_fit.py checks that relearning gives these values).
 H200_CORRECTION = GraphCorrection(
-    launch_floor_s=32.7825e-6, gemv_bandwidth_Bps=4.39461e12, gemm_scale=1.14429,
-    layer_overhead_s=45.8091e-6, learned_from="h200 step_graph_llama-3.1-8b.csv",
+    launch_floor_s=34.1484e-6, gemv_bandwidth_Bps=4.8e12, gemm_scale=1.14381,
+    layer_overhead_s=55.3716e-6, learned_from="h200 step_graph_llama-3.1-8b.csv",
 )
 
 
@@ -356,6 +360,7 @@ class CorrectionFit:
 def learn_correction(
     meas: Measurements, rows_name: str, arch: ModelArch, steps: list[StepRow],
     *, hbm_bandwidth_Bps: float, source: str = "",
+    launch_floors: list[float] | None = None,
 ) -> CorrectionFit:
     """Fit (phi, B_gemv, alpha, psi) so per-op sums match whole CUDA-graph steps."""
     if not steps:
@@ -363,17 +368,18 @@ def learn_correction(
     measured = np.array([r.seconds for r in steps])
     shapes = StepShapes.from_rows(steps)
     floor = launch_floor_estimate(meas)
-    evidence = gemv_bandwidth_evidence(meas, floor, hbm_bandwidth_Bps)
     best: tuple[float, GraphCorrection, np.ndarray] | None = None
-    for phi in np.linspace(0.0, 3.0 * floor, 13):
-        base_perop = build_perop(meas, rows_name, arch, 1, float(phi))
+
+    def score_phi(phi: float) -> None:
+        nonlocal best
+        base_perop = build_perop(meas, rows_name, arch, 1, phi)
+        evidence = gemv_bandwidth_evidence(meas, phi, hbm_bandwidth_Bps)
+        el = arch.layers * base_perop.elementwise_s_per_token * shapes.tokens()
         for frac in np.linspace(0.85, 1.0, 7):
-            trial = GraphCorrection(float(phi), float(frac * evidence), 1.0, 0.0)
+            trial = GraphCorrection(phi, float(frac * evidence), 1.0, 0.0)
             parts = perop_parts(base_perop, trial, shapes)
-            g = parts["gemm_elementwise"] - arch.layers * base_perop.elementwise_s_per_token \
-                * shapes.tokens()
-            rest = parts["decode_attn"] + parts["prefill_attn"] + parts["lm_head"] \
-                + arch.layers * base_perop.elementwise_s_per_token * shapes.tokens()
+            g = parts["gemm_elementwise"] - el
+            rest = parts["decode_attn"] + parts["prefill_attn"] + parts["lm_head"] + el
             x = np.stack([g, np.full_like(g, arch.layers)], axis=1)
             alpha, psi = _relative_ls(x, measured - rest)
             if psi < 0:
@@ -381,13 +387,24 @@ def learn_correction(
                 alpha = float(_relative_ls(g[:, None], measured - rest)[0])
             if alpha <= 0:
                 continue
-            pred = alpha * g + arch.layers * psi + rest
-            err = _errors(pred, measured)
+            err = _errors(alpha * g + arch.layers * psi + rest, measured)
             score = float(np.median(err) + 0.25 * err.max())
             if best is None or score < best[0]:
-                corr = GraphCorrection(float(phi), trial.gemv_bandwidth_Bps, float(alpha),
+                corr = GraphCorrection(phi, trial.gemv_bandwidth_Bps, float(alpha),
                                        float(psi), learned_from=source or rows_name)
                 best = (score, corr, err)
+
+    if launch_floors is not None:  # the caller fixes the candidates
+        for phi in launch_floors:
+            score_phi(float(phi))
+    coarse = np.linspace(0.0, 3.0 * floor, 13)
+    for phi in coarse if launch_floors is None else ():
+        score_phi(float(phi))
+    if best is not None and launch_floors is None:  # refine around the best coarse value
+        step = coarse[1] - coarse[0]
+        centre = best[1].launch_floor_s
+        for phi in np.linspace(max(centre - step, 0.0), centre + step, 17):
+            score_phi(float(phi))
     if best is None:
         raise ServetuneError(f"{source or rows_name}: could not fit the launch-floor "
                              "correction (no positive GEMM scale)")
@@ -401,7 +418,7 @@ def learn_correction(
 def fit_convex_pwl(x: np.ndarray, y: np.ndarray, knots: np.ndarray | None = None,
                    max_pieces: int = 6) -> list[tuple[float, float]]:
     """Convex piecewise-linear f(x) = max_k (a_k + b_k x) with every a_k, b_k >= 0,
-    minimising sum |f(x_i) - y_i| / y_i (an LP over a hinge basis with kinks >= 0).
+    minimising max + mean of |f(x_i) - y_i| / y_i (an LP over a hinge basis with kinks >= 0).
 
     The pieces are then greedily merged down to ``max_pieces`` by refitting on fewer knots.
     """
@@ -417,7 +434,8 @@ def fit_convex_pwl(x: np.ndarray, y: np.ndarray, knots: np.ndarray | None = None
         for j in range(len(knots)):
             trial_knots = np.delete(knots, j)
             trial = _pwl_lp(x, y, trial_knots)
-            cost = float(np.sum(np.abs(_pwl_eval(trial, x) / y - 1)))
+            resid = np.abs(_pwl_eval(trial, x) / y - 1)
+            cost = float(resid.max() + resid.mean())
             if best is None or cost < best[0]:
                 best = (cost, trial_knots, trial)
         assert best is not None
@@ -430,9 +448,13 @@ def _pwl_eval(pieces: list[tuple[float, float]], x: np.ndarray) -> np.ndarray:
 
 
 def _pwl_lp(x: np.ndarray, y: np.ndarray, knots: np.ndarray) -> list[tuple[float, float]]:
+    """The LP of :func:`fit_convex_pwl`: minimise max_i |r_i| + mean_i |r_i| of the relative
+    residuals r_i (the max keeps every measured shape within a bound where the data is not
+    convex; the mean picks the best fit among equal maxima)."""
     n, k = len(x), len(knots)
-    # variables: a, b0, c_1..c_k, e+_1..e+_n, e-_1..e-_n
-    nv = 2 + k + 2 * n
+    # variables: a, b0, c_1..c_k, e+_1..e+_n, e-_1..e-_n, z
+    nv = 2 + k + 2 * n + 1
+    z = nv - 1
     hinge = np.maximum(0.0, x[:, None] - knots[None, :])
     a_eq = np.zeros((n, nv))
     a_eq[:, 0] = 1.0 / y
@@ -441,16 +463,19 @@ def _pwl_lp(x: np.ndarray, y: np.ndarray, knots: np.ndarray) -> list[tuple[float
     a_eq[np.arange(n), 2 + k + np.arange(n)] = -1.0
     a_eq[np.arange(n), 2 + k + n + np.arange(n)] = 1.0
     b_eq = np.ones(n)
-    # cumulative intercepts a - sum_{j<=i} c_j * knot_j >= 0
-    a_ub = np.zeros((k, nv))
+    # cumulative intercepts a - sum_{j<=i} c_j * knot_j >= 0; residuals <= z
+    a_ub = np.zeros((k + 2 * n, nv))
     for i in range(k):
         a_ub[i, 0] = -1.0
         a_ub[i, 2:2 + i + 1] = knots[: i + 1]
-    b_ub = np.zeros(k)
+    for i in range(2 * n):
+        a_ub[k + i, 2 + k + i] = 1.0
+        a_ub[k + i, z] = -1.0
+    b_ub = np.zeros(k + 2 * n)
     cost = np.zeros(nv)
-    cost[2 + k:] = 1.0
-    sol = solve_lp(cost, a_eq=a_eq, b_eq=b_eq, a_ub=a_ub if k else None,
-                   b_ub=b_ub if k else None)
+    cost[2 + k:z] = 1.0 / n
+    cost[z] = 1.0
+    sol = solve_lp(cost, a_eq=a_eq, b_eq=b_eq, a_ub=a_ub, b_ub=b_ub)
     a, b = sol[0], sol[1]
     pieces = [(a, b)]
     tol = 1e-9 * max(1.0, float(np.max(y)) / max(float(np.max(x)), 1.0))
@@ -483,10 +508,11 @@ def step_time_from_perop(perop: PerOpModel, corr: GraphCorrection, *,
                          max_pieces: int = 5) -> StepTimeModel:
     """The step-time model (module docstring, step 3) of a per-op model."""
     L = perop.layers
-    # fit at the token counts that were measured (log-spaced, 1..16384): between them the
+    # fit at the token counts that were measured (log-spaced, 1..8192, the budgets engines
+    # use; above, the last piece extrapolates the compute-bound slope): between them the
     # tables are only interpolated, and tile-quantisation bumps are not worth a piece
     grid = np.unique(np.concatenate([op.tokens for op in perop.gemm.values()]))
-    grid = grid[grid <= 16384]
+    grid = grid[grid <= 8192]
     g = L * perop.token_term(grid, corr)
     pieces = fit_convex_pwl(grid, g, grid[1:-1], max_pieces=max_pieces)
     lm = perop.lm_head(S_GRID, corr)
@@ -543,8 +569,14 @@ def scale_perop(perop: PerOpModel, *, base_hw: Hardware, target_hw: Hardware,
     rise above the weight-streaming floor, which is recomputed from bytes)."""
     f = base_hw.peak_flops / target_hw.peak_flops
     m = base_hw.hbm_bandwidth_Bps / target_hw.hbm_bandwidth_Bps
+    phi = perop.launch_floor_s
+
+    def kernel_scaled(seconds: np.ndarray, factor: float) -> np.ndarray:
+        # the launch floor belongs to the timing method, not the kernel: keep it as is
+        return phi + np.maximum(seconds - phi, 0.0) * factor
+
     gemm = {
-        name: OpCurve(op.tokens, op.seconds * f * flops_ratio,
+        name: OpCurve(op.tokens, kernel_scaled(op.seconds, f * flops_ratio),
                       op.weight_bytes * bytes_ratio, op.flops_per_token * flops_ratio)
         for name, op in perop.gemm.items()
     }
@@ -554,7 +586,7 @@ def scale_perop(perop: PerOpModel, *, base_hw: Hardware, target_hw: Hardware,
         decode_s_per_context_token=perop.decode_s_per_context_token * m * kv_ratio,
         decode_s_per_seq=perop.decode_s_per_seq * m,
         prefill_s_per_pair=perop.prefill_s_per_pair * f * attn_flops_ratio,
-        lm_seconds=perop.lm_seconds * f * lm_ratio,
+        lm_seconds=kernel_scaled(perop.lm_seconds, f * lm_ratio),
         lm_weight_bytes=perop.lm_weight_bytes * lm_ratio,
     )
 

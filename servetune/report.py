@@ -83,6 +83,9 @@ class Comparison:
     scales: tuple[float, ...]  # 1.0 first, then the stress scales
     current: PolicyEvaluation
     new: PolicyEvaluation
+    # Both policies are also run at the current policy's goodput rate (near saturation),
+    # where their queues and KV use differ most; None when there is no such rate.
+    capacity_scale: float | None = None
 
     @property
     def evaluations(self) -> tuple[PolicyEvaluation, PolicyEvaluation]:
@@ -123,16 +126,27 @@ def compare(
     goodput_rel_tol: float = 0.02,
 ) -> Comparison:
     """Evaluate both policies on the same trace, rates and SLO set."""
+    from servetune.sim import simulate
+
     scales = (1.0, *(float(s) for s in stress))
     kw = dict(engine=engine, scales=scales, goodput_rel_tol=goodput_rel_tol)
+    cur = evaluate_policy("current", trace, current, profile, slo, **kw)
+    nxt = evaluate_policy("new", trace, new, profile, slo, **kw)
+    capacity = float(cur.goodput.rate_scale) or float(nxt.goodput.rate_scale) or None
+    if capacity is not None:
+        for ev in (cur, nxt):
+            if capacity not in ev.runs:
+                ev.runs[capacity] = simulate(trace, ev.policy, profile, engine=engine,
+                                             rate_scale=capacity)
     return Comparison(
         trace=trace,
         slo=slo,
         profile_name=str(getattr(profile, "name", "")),
         engine=engine,
         scales=scales,
-        current=evaluate_policy("current", trace, current, profile, slo, **kw),
-        new=evaluate_policy("new", trace, new, profile, slo, **kw),
+        current=cur,
+        new=nxt,
+        capacity_scale=capacity,
     )
 
 
@@ -284,25 +298,35 @@ def _series(res: Any) -> dict[str, np.ndarray]:
 
 def _kv_queue_plot(comp: Comparison) -> bytes:
     plt = _pyplot()
-    fig, (ax_kv, ax_q) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
-    for ev in comp.evaluations:
-        s = _series(ev.runs[1.0])
-        if "t_s" not in s or s["t_s"].size == 0:
-            continue
-        label = f"{ev.label} ({ev.policy.name})"
-        if "kv_util" in s:
-            ax_kv.plot(s["t_s"], 100.0 * s["kv_util"], color=COLORS[ev.label], label=label,
-                       linewidth=1)
-        if "waiting" in s:
-            ax_q.plot(s["t_s"], s["waiting"], color=COLORS[ev.label], label=label, linewidth=1)
-    ax_kv.set_ylabel("KV cache in use (%)")
-    ax_kv.set_ylim(0, 105)
-    ax_kv.set_title("KV-cache utilization and queue length over time (trace at its own rate)")
-    ax_q.set_ylabel("requests waiting")
-    ax_q.set_xlabel("simulated time (s)")
-    for ax in (ax_kv, ax_q):
-        ax.grid(True, alpha=0.3)
-        ax.legend(loc="upper right", fontsize=8)
+    columns = [(1.0, "at the trace's rate")]
+    if comp.capacity_scale is not None and comp.capacity_scale != 1.0:
+        rate = comp.capacity_scale * comp.current.goodput.base_rate_per_s
+        columns.append((comp.capacity_scale, f"at {rate:.2f} req/s (current goodput)"))
+    fig, axes = plt.subplots(2, len(columns), figsize=(6 * len(columns), 5.5), sharex="col",
+                             squeeze=False)
+    for col, (scale, where) in enumerate(columns):
+        ax_kv, ax_q = axes[0][col], axes[1][col]
+        for ev in comp.evaluations:
+            if scale not in ev.runs:
+                continue
+            s = _series(ev.runs[scale])
+            if "t_s" not in s or s["t_s"].size == 0:
+                continue
+            label = f"{ev.label} ({ev.policy.name})"
+            if "kv_util" in s:
+                ax_kv.plot(s["t_s"], 100.0 * s["kv_util"], color=COLORS[ev.label],
+                           label=label, linewidth=1)
+            if "waiting" in s:
+                ax_q.plot(s["t_s"], s["waiting"], color=COLORS[ev.label], label=label,
+                          linewidth=1)
+        ax_kv.set_title(f"KV cache and queue {where}")
+        ax_kv.set_ylabel("KV cache in use (%)")
+        ax_kv.set_ylim(0, 105)
+        ax_q.set_ylabel("requests waiting (mean per time bin)")
+        ax_q.set_xlabel("simulated time (s)")
+        for ax in (ax_kv, ax_q):
+            ax.grid(True, alpha=0.3)
+            ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     return _figure_bytes(fig)
 
@@ -386,6 +410,10 @@ def _ms(x: Any) -> str:
     return "n/a" if x is None else f"{1000.0 * float(x):.0f} ms"
 
 
+def _pct(x: Any) -> str:
+    return "n/a" if x is None else f"{100.0 * float(x):.1f}%"
+
+
 def _value(v: Any) -> str:
     if v is None:
         return "off"
@@ -430,9 +458,9 @@ def results_table(comp: Comparison, numbers: dict[str, Any]) -> str:
          f"{_fmt(n['overall']['throughput_tok_s'], ' tok/s', 4)}"),
         ("Preemptions / shed requests at trace rate",
          f"{c['preemptions']} / {c['shed']}", f"{n['preemptions']} / {n['shed']}"),
-        ("Mean / peak KV utilization at trace rate",
-         f"{_fmt(c['kv']['mean_util'])} / {_fmt(c['kv']['peak_util'])}",
-         f"{_fmt(n['kv']['mean_util'])} / {_fmt(n['kv']['peak_util'])}"),
+        ("Mean / peak KV-cache use at trace rate",
+         f"{_pct(c['kv']['mean_util'])} / {_pct(c['kv']['peak_util'])}",
+         f"{_pct(n['kv']['mean_util'])} / {_pct(n['kv']['peak_util'])}"),
     ]
     lines = [f"| | current: `{comp.current.policy.name}` | new: `{comp.new.policy.name}` |",
              "|---|---|---|"]
@@ -523,7 +551,8 @@ def markdown(
         "",
         "![TPOT CDF](tpot_cdf.png)",
         "",
-        "KV-cache utilization and waiting requests over the trace at its own rate:",
+        "KV-cache utilization and waiting requests over time, at the trace's own rate and "
+        "(right) replayed at the current policy's goodput rate, where the two differ most:",
         "",
         "![KV utilization and queue length](kv_queue.png)",
         "",

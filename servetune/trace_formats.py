@@ -52,6 +52,8 @@ CHUNK_BYTES = 4 << 20
 MAX_FIELD_BYTES = 64
 MAX_TOKENS = 1e9  # a token count above this is a corrupt value, not a request
 HEAD_BYTES = 1 << 16
+MAX_HEADER_BYTES = 1 << 20
+MAX_LINE_BYTES = 64 << 20
 
 AZURE_COLUMNS = {"arrival": "TIMESTAMP", "prompt": "ContextTokens", "output": "GeneratedTokens"}
 BURSTGPT_COLUMNS = {
@@ -127,6 +129,20 @@ class _Source:
         magic = self.raw.read(2)
         self.raw.seek(0)
         self.gzipped = magic == b"\x1f\x8b"
+        # uncompressed size: the file's, or the gzip trailer's ISIZE (size mod 2**32; only
+        # a sizing hint, trusted at compression ratios 1 to 50)
+        self.text_bytes = self.total_bytes
+        if self.gzipped:
+            self.text_bytes = 0
+            try:
+                if self.total_bytes >= 18:
+                    self.raw.seek(-4, os.SEEK_END)
+                    isize = int.from_bytes(self.raw.read(4), "little")
+                    plausible = self.total_bytes <= isize <= 50 * self.total_bytes
+                    self.text_bytes = isize if plausible else 0
+            except OSError:
+                pass
+            self.raw.seek(0)
         self.stream: BinaryIO = (
             gzip.GzipFile(fileobj=self.raw, mode="rb") if self.gzipped else self.raw
         )
@@ -156,6 +172,43 @@ class _Source:
 # ----------------------------------------------------------------------------- collecting
 
 
+class _Column:
+    """A growable numpy column. Chunks are copied into one buffer that grows by half its
+    size when full (or is sized from a row-count hint), so a large file makes a few large
+    allocations instead of thousands of chunk arrays that fragment the heap."""
+
+    def __init__(self, dtype: Any):
+        self.dtype = np.dtype(dtype)
+        self.buffer = np.empty(0, dtype=self.dtype)
+        self.size = 0
+        self.hint = 0
+
+    def __bool__(self) -> bool:
+        return self.size > 0
+
+    def append(self, chunk: np.ndarray) -> None:
+        need = self.size + len(chunk)
+        if need > len(self.buffer):
+            capacity = max(need, int(len(self.buffer) * 1.5), self.hint, 1024)
+            grown = np.empty(capacity, dtype=self.dtype)
+            grown[: self.size] = self.buffer[: self.size]
+            self.buffer = grown
+        self.buffer[self.size : need] = chunk
+        self.size = need
+
+    def result(self) -> np.ndarray:
+        """The filled part (trimmed by a copy only when much of the buffer is unused)."""
+        out = self.buffer[: self.size]
+        if len(self.buffer) > 1.1 * self.size + 1024:
+            out = out.copy()
+        self.buffer = np.empty(0, dtype=self.dtype)
+        return out
+
+
+def _column(dtype: Any) -> Any:
+    return field(default_factory=lambda: _Column(dtype))
+
+
 @dataclass
 class _Rows:
     """Accumulates column chunks and the bad-row policy for one file."""
@@ -163,14 +216,14 @@ class _Rows:
     path: str
     on_bad_row: str
     unit: str = "row"  # "row" for data rows, "request" for vllm-bench entries
-    arrival: list[np.ndarray] = field(default_factory=list)
-    prompt: list[np.ndarray] = field(default_factory=list)
-    output: list[np.ndarray] = field(default_factory=list)
-    class_id: list[np.ndarray] = field(default_factory=list)
-    priority: list[np.ndarray] = field(default_factory=list)
-    max_tokens: list[np.ndarray] = field(default_factory=list)
-    prefix_lengths: list[np.ndarray] = field(default_factory=list)
-    prefix_ids: list[np.ndarray] = field(default_factory=list)
+    arrival: _Column = _column(np.float64)
+    prompt: _Column = _column(np.int64)
+    output: _Column = _column(np.int64)
+    class_id: _Column = _column(np.int32)
+    priority: _Column = _column(np.int32)
+    max_tokens: _Column = _column(np.int64)
+    prefix_lengths: _Column = _column(np.int64)
+    prefix_ids: _Column = _column(np.int64)
     class_index: dict[str, int] = field(default_factory=dict)
     skipped: int = 0
     first_skipped: str = ""
@@ -189,6 +242,12 @@ class _Rows:
                 )
             self.last_arrival = float(arrival[-1])
             self.arrival.append(arrival)
+
+    def expect_rows(self, n: int) -> None:
+        """Size the columns for about ``n`` rows (a hint from the file size)."""
+        for col in (self.arrival, self.prompt, self.output, self.class_id, self.priority,
+                    self.max_tokens):
+            col.hint = n
 
     def bad(self, row: int, reason: str, line: int | None = None) -> None:
         where = f"{self.unit} {row}" + (f" (line {line})" if line is not None else "")
@@ -218,33 +277,28 @@ class _Rows:
             notices.append(
                 f"skipped {self.skipped} bad {self.unit}(s) (first: {self.first_skipped})"
             )
-        n = sum(len(a) for a in self.arrival)
-        if n == 0:
+        if not self.arrival:
             extra = f"; {notices[-1]}" if notices else ""
             raise ServetuneError(f"{self.path}: no requests in the file{extra}")
-
-        def cat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
-            out = np.concatenate(parts).astype(dtype, copy=False) if parts else None
-            parts.clear()  # free the chunks as soon as each column is whole
-            return out
-
-        arrival = cat(self.arrival, np.float64)
-        prompt = cat(self.prompt, np.int64)
-        output = cat(self.output, np.int64)
+        arrival = self.arrival.result()
+        prompt = self.prompt.result()
+        output = self.output.result()
         optional: dict[str, Any] = {"source": source_name, "notices": tuple(notices)}
         if self.class_id:
-            optional["class_id"] = cat(self.class_id, np.int32)
+            optional["class_id"] = self.class_id.result()
             optional["class_names"] = tuple(self.class_index)
         if self.priority:
-            optional["priority"] = cat(self.priority, np.int32)
+            optional["priority"] = self.priority.result()
         if self.max_tokens:
-            optional["max_tokens"] = cat(self.max_tokens, np.int64)
+            optional["max_tokens"] = self.max_tokens.result()
         if self.prefix_lengths:
-            lengths = cat(self.prefix_lengths, np.int64)
+            lengths = self.prefix_lengths.result()
             offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
             np.cumsum(lengths, out=offsets[1:])
             optional["prefix_offsets"] = offsets
-            optional["prefix_block_ids"] = cat(self.prefix_ids, np.int64)
+            optional["prefix_block_ids"] = (
+                self.prefix_ids.result() if self.prefix_ids else np.zeros(0, dtype=np.int64)
+            )
         if self.in_order:
             # Already sorted and validated row by row: re-base in place instead of letting
             # from_arrays copy and argsort (which would double peak memory on large files).
@@ -431,6 +485,11 @@ def _chunks(source: _Source, first: bytes, progress: ProgressFn | None) -> Itera
         if cut >= 0:
             yield pending[: cut + 1]
             pending = pending[cut + 1 :]
+        elif len(pending) > MAX_LINE_BYTES:
+            raise ServetuneError(
+                f"{source.path}: a line is longer than {MAX_LINE_BYTES:,} bytes; this is not "
+                "a line-per-request trace (CSV or JSON Lines)"
+            )
         if progress is not None:
             progress(source.position(), source.total_bytes)
 
@@ -464,6 +523,12 @@ def _load_csv(
     source: _Source, head: bytes, spec: _CsvSpec, rows: _Rows, progress: ProgressFn | None
 ) -> None:
     cut = head.find(b"\n")
+    while cut < 0 and len(head) < MAX_HEADER_BYTES:  # the header may be longer than the head
+        more = source.read(HEAD_BYTES)
+        if not more:
+            break
+        head += more
+        cut = head.find(b"\n")
     header_line, rest = (head, b"") if cut < 0 else (head[: cut + 1], head[cut + 1 :])
     header = _split_header(header_line, source.path)
     if not header:
@@ -532,6 +597,9 @@ def _load_csv(
             rows.bad(rows_before + first_line + 1, reason, line=rows_before + first_line + 2)
             bad_all = np.unique(np.concatenate([lines for lines, _, _ in problems]))
             rows.skipped += len(bad_all) - 1  # rows.bad counted the first one
+        if rows_before == 0 and n_lines and source.text_bytes:
+            # size the columns from the file size and this chunk's bytes per row
+            rows.expect_rows(int(source.text_bytes / (len(chunk) / n_lines) * 1.05) + 1024)
         rows_before += n_lines
 
         if spec.drop_zero_output:
@@ -550,7 +618,7 @@ def _load_csv(
         if labels is not None:
             uniq, inverse = np.unique(labels[keep], return_inverse=True)
             ids = rows.class_ids_for(
-                [bytes(u).decode("utf-8", errors="replace") or "(empty)" for u in uniq]
+                [bytes(u).decode("utf-8", errors="replace").strip() or "(empty)" for u in uniq]
             )
             rows.class_id.append(ids[inverse])
 
@@ -680,7 +748,8 @@ def _load_jsonl(
             output.append(o)
             if "class" in keys:
                 lbl = record[keys["class"]]
-                labels.append(lbl if isinstance(lbl, str) else json.dumps(lbl))
+                label = (lbl if isinstance(lbl, str) else json.dumps(lbl)).strip()
+                labels.append(label or "(empty)")
             if pr is not None:
                 prio.append(pr)
             if mt is not None:

@@ -32,10 +32,12 @@ from typing import Any
 
 import numpy as np
 import yaml
+from pydantic import ValidationError
 
 from servetune.errors import ServetuneError
 from servetune.schemas.base import (
     document_from_data,
+    format_validation_error,
     parse_yaml_text,
     write_text_atomic,
 )
@@ -51,6 +53,7 @@ from servetune.trace import Trace, from_arrays
 POISSON_CV_TOLERANCE = 0.01
 CHUNK = 65536
 DEFAULT_DURATION_S = 3600.0
+MAX_RATE_WINDOWS = 100_000
 MAX_SAMPLE_REQUESTS = 100_000_000  # beyond this a sample does not fit a workstation's memory
 
 
@@ -263,21 +266,32 @@ def fit_workload(
         raise ServetuneError(f"--rate-windows must be > 0 seconds (got {rate_windows_s})")
     span = trace.duration_s
     overall_rate = (n - 1) / span
-    classes: dict[str, WorkloadClass] = {}
-    for cname, idx, prio in _split_indices(trace, split, bands):
-        arrivals = trace.arrival_s[idx]
-        multipliers = None
-        if rate_windows_s is not None:
-            multipliers = _window_multipliers(arrivals, span, rate_windows_s)
-        classes[cname] = WorkloadClass(
-            priority=prio,
-            arrival=_fit_arrival(
-                arrivals, overall_rate * len(idx) / n, multipliers, rate_windows_s
-            ),
-            prompt_tokens=_fit_lengths(trace.prompt_tokens[idx]),
-            output_tokens=_fit_lengths(trace.output_tokens[idx]),
+    if rate_windows_s is not None and span / rate_windows_s > MAX_RATE_WINDOWS:
+        raise ServetuneError(
+            f"--rate-windows {rate_windows_s:g} s makes {span / rate_windows_s:.0f} windows over "
+            f"{span:g} s; use at most {MAX_RATE_WINDOWS:,} (a longer window)"
         )
-    return Workload(name=name, source=source, duration_s=round(span, 6), classes=classes)
+    classes: dict[str, WorkloadClass] = {}
+    try:
+        for cname, idx, prio in _split_indices(trace, split, bands):
+            arrivals = trace.arrival_s[idx]
+            multipliers = None
+            if rate_windows_s is not None:
+                multipliers = _window_multipliers(arrivals, span, rate_windows_s)
+            classes[cname] = WorkloadClass(
+                priority=prio,
+                arrival=_fit_arrival(
+                    arrivals, overall_rate * len(idx) / n, multipliers, rate_windows_s
+                ),
+                prompt_tokens=_fit_lengths(trace.prompt_tokens[idx]),
+                output_tokens=_fit_lengths(trace.output_tokens[idx]),
+            )
+        return Workload(name=name, source=source, duration_s=round(span, 6), classes=classes)
+    except ValidationError as err:
+        where = trace.source or "trace"
+        raise ServetuneError(
+            format_validation_error(err, f"{where}: cannot fit a workload")
+        ) from None
 
 
 # ----------------------------------------------------------------------------- sampling

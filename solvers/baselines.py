@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ class BaselineResult:
     evaluated: list[Evaluated] = field(default_factory=list)
     simulations: int = 0
     skipped: str = ""
+    stopped_at_deadline: bool = False
 
     @property
     def goodput_rate_per_s(self) -> float:
@@ -68,15 +70,22 @@ def grid_search(
     *,
     rel_tol: float = 0.03,
     progress: Callable[[int, int], Any] | None = None,
+    deadline: float | None = None,
 ) -> BaselineResult:
-    """Every point simulated (the oracle)."""
+    """Every point simulated (the oracle); with a ``deadline`` (``time.perf_counter``
+    value) no new point starts after it."""
     start = sim.simulations
     out = []
+    stopped = False
     for i, k in enumerate(points):
+        if deadline is not None and time.perf_counter() > deadline:
+            stopped = True
+            break
         out.append(_evaluate(i, k, make_policy, sim, "grid", rel_tol))
         if progress:
             progress(i + 1, len(points))
-    return BaselineResult("grid", _best(out), out, sim.simulations - start)
+    return BaselineResult("grid", _best(out), out, sim.simulations - start,
+                          stopped_at_deadline=stopped)
 
 
 def random_search(
@@ -87,16 +96,22 @@ def random_search(
     budget: int,
     seed: int = 0,
     rel_tol: float = 0.03,
+    deadline: float | None = None,
 ) -> BaselineResult:
     """Points in a seeded random order until ``budget`` simulations are used."""
     start = sim.simulations
     order = np.random.default_rng(seed).permutation(len(points))
     out = []
+    stopped = False
     for i in order:
         if sim.simulations - start >= budget:
             break
+        if deadline is not None and time.perf_counter() > deadline:
+            stopped = True
+            break
         out.append(_evaluate(int(i), points[int(i)], make_policy, sim, "random", rel_tol))
-    return BaselineResult("random", _best(out), out, sim.simulations - start)
+    return BaselineResult("random", _best(out), out, sim.simulations - start,
+                          stopped_at_deadline=stopped)
 
 
 def optuna_available() -> bool:
@@ -131,7 +146,9 @@ def optuna_search(
     study = optuna.create_study(
         direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed)
     )
-    while sim.simulations - start < budget:
+    trials = 0
+    while sim.simulations - start < budget and trials < 20 * max(budget, 1):
+        trials += 1
         trial = study.ask()
         values = {
             n: space_knobs[n][trial.suggest_categorical(n, list(range(len(space_knobs[n]))))]

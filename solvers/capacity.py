@@ -303,7 +303,8 @@ def replica_capacity(
     optimize = _optimizer() if method in ("auto", "optimizer") else None
     if method == "optimizer" and optimize is None:
         raise ServetuneError("--capacity-method optimizer: servetune.solvers.optimize is missing")
-    used = "optimizer" if optimize is not None else "candidates"
+    used = ("optimizer" if method == "optimizer" else "optimizer+candidates") if optimize \
+        is not None else "candidates"
     key = _hash_json({
         "v": CACHE_VERSION,
         "profile": profile.model_dump(mode="json"),
@@ -311,7 +312,7 @@ def replica_capacity(
         "slo": slo.model_dump(mode="json"),
         "engine": engine,
         "method": used,
-        "candidates": CANDIDATE_BATCHING if used == "candidates" else None,
+        "candidates": CANDIDATE_BATCHING if "candidates" in used else None,
         "n": n_requests,
         "seed": seed,
     })
@@ -328,13 +329,19 @@ def replica_capacity(
             pass  # a damaged entry is recomputed and overwritten
     # One request per second as the base rate; goodput scales it up or down.
     trace = slices.mixed_trace({bucket: 1.0}, n_requests, seed)
+    rate, policy, sims = 0.0, Policy(), 0
     if optimize is not None:
         try:
             rate, policy, sims = _optimized(trace, profile, slo, engine, optimize, seed)
         except InfeasibleError:
-            rate, policy, sims = 0.0, Policy(), 0
-    else:
-        rate, policy, sims = _best_candidate(trace, profile, slo, engine)
+            pass  # no policy in the optimizer's space meets the SLOs on this bucket
+    if "candidates" in used:
+        # The optimizer's answer competes with the fixed candidates: both are measured
+        # by simulated goodput, and the plan should rest on the better one.
+        c_rate, c_policy, c_sims = _best_candidate(trace, profile, slo, engine)
+        sims += c_sims
+        if c_rate > rate * (1 + 1e-9):
+            rate, policy = c_rate, c_policy
     policy = policy.model_copy(update={"metadata": {}})
     result = ReplicaCapacity(rate, policy, used, sims)
     try:
@@ -644,7 +651,7 @@ def plan_document(
             "name": t,
             "profile": profile_paths[t],
             "price_per_gpu_hour": g.price_per_gpu_hour,
-            "gpus_per_replica": g.gpus_per_replica,
+            "gpus_per_replica": g.replica_gpus,
             "capacity_rate_per_s": {b: _r(inst.mu[t, b], 4) for b in inst.buckets},
             "policy": result.type_policy[t].model_dump(mode="json"),
         })
@@ -688,7 +695,7 @@ def plan_document(
         "buckets": bucket_rows,
         "gpu_types": types,
         "replicas": {t: [sol.replicas[t, s] for s in S] for t in inst.types},
-        "gpus": {t: [sol.replicas[t, s] * fleet.type_named(t).gpus_per_replica for s in S]
+        "gpus": {t: [sol.replicas[t, s] * fleet.type_named(t).replica_gpus for s in S]
                  for t in inst.types},
         "routing": routing,
         "cost": cost,
@@ -725,12 +732,18 @@ class PlanRun:
     slices: WorkloadSlices
 
 
-def load_fleet_profiles(fleet: Fleet, fleet_path: Path) -> tuple[dict[str, Any], dict[str, Path]]:
-    """Load each GPU type's profile; errors name the fleet file and field."""
+def load_fleet_profiles(
+    fleet: Fleet, fleet_path: Path
+) -> tuple[Fleet, dict[str, Any], dict[str, Path]]:
+    """Load each GPU type's profile; errors name the fleet file and field. Returns the
+    fleet with every ``gpus_per_replica`` filled in from its profile."""
     from servetune.profiles import load_profile
 
     profiles, paths = {}, {}
+    types = []
     for i, g in enumerate(fleet.gpu_types):
+        if g.profiles is not None and fleet.model is not None and fleet.model not in g.profiles:
+            continue  # this GPU type has no profile for the model: it cannot serve it
         try:
             path = g.profile_path(fleet.model, fleet_path.parent)
         except ValueError as exc:
@@ -742,14 +755,19 @@ def load_fleet_profiles(fleet: Fleet, fleet_path: Path) -> tuple[dict[str, Any],
             )
         prof = load_profile(path)
         tp = getattr(prof, "tensor_parallel", 1)
-        if tp != g.gpus_per_replica:
+        if g.gpus_per_replica is not None and tp != g.gpus_per_replica:
             raise ServetuneError(
                 f"{fleet_path}: gpu_types.{i}.gpus_per_replica is {g.gpus_per_replica} but "
                 f"profile {path.name} runs on {tp} GPUs (tensor_parallel); make them agree"
             )
+        types.append(g.model_copy(update={"gpus_per_replica": tp}))
         profiles[g.name] = prof
         paths[g.name] = path
-    return profiles, paths
+    if not types:
+        raise ServetuneError(
+            f"{fleet_path}: gpu_types: no GPU type has a profile for model {fleet.model!r}"
+        )
+    return fleet.model_copy(update={"gpu_types": types}), profiles, paths
 
 
 def _rel(path: Path, base: Path | None) -> str:
@@ -780,6 +798,7 @@ def run_plan(
     validate_requests: int = 2000,
     budget: float | None = None,
     compare_single: bool = True,
+    model: str | None = None,
     seed: int = 0,
     progress: Progress | None = None,
 ) -> PlanRun:
@@ -792,10 +811,12 @@ def run_plan(
     workload = load_workload(workload_path)
     forecast = load_document(forecast_path, Forecast)
     fleet = load_document(fleet_path, Fleet)
+    if model is not None:
+        fleet = fleet.model_copy(update={"model": model})
     slo = load_document(slo_path, SLOSet)
     if not (growth > 0 and math.isfinite(growth)):
         raise ServetuneError(f"--growth: factors must be > 0 (got {growth})")
-    profiles, profile_paths = load_fleet_profiles(fleet, fleet_path)
+    fleet, profiles, profile_paths = load_fleet_profiles(fleet, fleet_path)
     # class names must line up before any simulation runs
     buckets = make_buckets(prompt_edges, output_edges)
     slices = slice_workload(workload, buckets, n_requests=sample_requests, seed=seed)
@@ -855,7 +876,7 @@ def run_plan(
             "daily_usd": _r(mixed, 2),
             "peak_gpus": {
                 t: max(res_g.solution.replicas[t, s] for s in range(forecast.n_slots))
-                * fleet.type_named(t).gpus_per_replica for t in res_g.instance.types
+                * fleet.type_named(t).replica_gpus for t in res_g.instance.types
             },
             "best_single": best_g[0] if best_g else None,
             "best_single_daily_usd": _r(best_g[1]["cost"] * scale, 2) if best_g else None,

@@ -150,7 +150,7 @@ def top_k_highs(
     return out
 
 
-def cpsat_status(code: int, has_time_limit_hit: bool = False) -> SolveStatus:
+def cpsat_status(code: int) -> SolveStatus:
     """Map an OR-Tools CP-SAT status code to ours."""
     from ortools.sat.python import cp_model
 

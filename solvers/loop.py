@@ -248,7 +248,7 @@ def search(
         model = fluid.with_calibration(calibration)
         t0 = time.perf_counter()
         inst = MilpInstance.build(model, points)
-        top = solve_policy_milp(inst, k=2 * k + 1, time_limit_s=max(left * 0.5, 0.5), excluded=cut)
+        top = solve_policy_milp(inst, k=2 * k, time_limit_s=max(left * 0.5, 0.5), excluded=cut)
         solver_s += time.perf_counter() - t0
         statuses.append(top.statuses)
         if first_instance is None:

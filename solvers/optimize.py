@@ -219,35 +219,38 @@ def explain_model_infeasible(fluid: FluidModel, points: list[Knobs]) -> tuple[st
 
 
 def explain_sim_infeasible(evaluated: list[Evaluated], slo: SLOSet) -> tuple[str, dict]:
-    """From the simulations: the metric closest to its target over every point tried."""
-    best: tuple[float, str, float, float, float] | None = None
+    """From the simulations: for each judged metric its best (lowest) value over every
+    point tried; the metric whose best is furthest above its target binds."""
+    best_of: dict[str, tuple[float, float, float]] = {}  # name -> (value, limit, rate)
     for ev in evaluated:
         for pt in ev.goodput.points:
             for cls, judged in pt.judged.items():
                 target = slo.for_class(cls)
+                if target.percentile is None:
+                    continue
                 for metric, limit in target.limits().items():
-                    key = f"p{target.percentile:g}_{metric}" if target.percentile else None
-                    value = judged.get(key) if key else None
+                    value = judged.get(f"p{target.percentile:g}_{metric}")
                     if value is None or not math.isfinite(value):
                         continue
-                    ratio = value / limit
-                    # The metric that fails by the most at its best point binds.
-                    cand = (ratio, f"{metric[:-2]}[{cls}]", value, limit, pt.rate_per_s)
-                    if best is None or ratio > best[0]:
-                        best = cand
-    if best is None:
+                    name = f"{metric[:-2]}[{cls}]"
+                    if name not in best_of or value < best_of[name][0]:
+                        best_of[name] = (value, limit, pt.rate_per_s)
+    failing = {n: v for n, v in best_of.items() if v[0] > v[1]}
+    if not failing:
         return (
             "no candidate met the SLOs in simulation at any rate tried; widen the search "
             "space, relax the SLOs or use a larger GPU",
             {"binding": "simulation", "source": "simulation"},
         )
-    ratio, name, value, limit, rate = best
+    name = max(failing, key=lambda n: (failing[n][0] / failing[n][1], n))
+    value, limit, rate = failing[name]
     metric = name.split("[")[0].upper()
     unit_value = f"{value * 1e3:.0f} ms" if metric == "TPOT" else f"{value:.3g} s"
     unit_limit = f"{limit * 1e3:.0f} ms" if metric == "TPOT" else f"{limit:.3g} s"
     msg = (
-        f"{metric} stays at {unit_value} in simulation even at {rate:.3g} req/s (target "
-        f"{unit_limit}); relax the {metric} target, widen the search space or use a faster GPU"
+        f"{metric} stays at {unit_value} or more in simulation, even at {rate:.3g} req/s "
+        f"(target {unit_limit}); relax the {metric} target, widen the search space or use a "
+        "faster GPU"
     )
     return msg, {"binding": name, "best_value": value, "target": limit, "source": "simulation",
                  "rate_per_s": rate}
@@ -356,9 +359,19 @@ def optimize(
         converged = loop.converged
         calibration = loop.calibration.as_dict()
         solver_meta["milp"] = {"statuses": loop.solver_statuses}
-        if loop.first_status == "infeasible" or (not loop.evaluated and best is None):
+        if loop.first_status == "infeasible":
             message, details = explain_model_infeasible(fluid, points)
             _raise_infeasible(message, details, sim, solver_s, wall_start, method, iterations)
+        if not loop.evaluated:
+            if not loop.first_status:
+                raise ServetuneError(
+                    f"--time-limit {time_limit_s:g} s ran out before any candidate was "
+                    "simulated; allow more time"
+                )
+            raise ServetuneError(
+                f"the policy MILP stopped with status {loop.first_status!r} before finding a "
+                "candidate; allow more time (--time-limit) or use a smaller search space"
+            )
         if best is not None:
             best, lanes_info, lanes_s = _try_lanes(
                 fluid, best, sim, space, rel_tol=rel_tol, seed=seed, say=say
@@ -380,13 +393,14 @@ def optimize(
         if method == "grid":
             res = baselines.grid_search(
                 points, make_policy, sim, rel_tol=rel_tol,
+                deadline=wall_start + time_limit_s,
                 progress=lambda i, n: say(f"grid: {i}/{n} points simulated") if i % 25 == 0
                 or i == n else None,
             )
         elif method == "random":
             res = baselines.random_search(
                 points, make_policy, sim, budget=budget or RANDOM_BUDGET, seed=seed,
-                rel_tol=rel_tol,
+                rel_tol=rel_tol, deadline=wall_start + time_limit_s,
             )
         else:
             res = baselines.optuna_search(
@@ -397,6 +411,9 @@ def optimize(
                 raise ServetuneError(f"--method optuna: {res.skipped}")
         best = res.best
         evaluated = res.evaluated
+        converged = not res.stopped_at_deadline
+        if res.stopped_at_deadline:
+            say(f"{method}: time limit reached after {len(evaluated)} of {len(points)} points")
         iterations = [
             {"iteration": i + 1, "candidates": [e.as_dict()]} for i, e in enumerate(evaluated)
         ]

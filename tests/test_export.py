@@ -495,3 +495,44 @@ def test_profile_document_gives_memory_facts():
     # the pool in tokens: usable blocks x 16; KV bytes/token for Llama-3.1-8B = 131072
     blocks = int((0.9 * 150e9 - weights - 6e9) // (131_072 * 16)) - 1
     assert data["max-total-tokens"] == blocks * 16
+
+
+@settings(max_examples=80, deadline=None)
+@given(meta=st.dictionaries(
+    st.sampled_from(["gpu_memory_bytes", "weight_bytes", "gpu_memory_utilization",
+                     "activation_bytes", "block_size", "kv_blocks", "weight_bytes_per_gpu",
+                     "other"]),
+    st.one_of(st.none(), st.booleans(), st.integers(-10, 10**12), st.text(max_size=5),
+              st.floats(allow_nan=True, allow_infinity=True), st.lists(st.integers())),
+))
+def test_any_metadata_profile_exports_or_fails_cleanly(meta):
+    policy = make_policy(metadata={"profile": meta})
+    for engine in ENGINES:
+        try:
+            result = export_policy(policy, engine)
+        except ServetuneError as err:
+            assert "\n" not in err.message
+            continue
+        check_keys(engine, result)
+
+
+def test_cli_profile_option_with_shipped_profile(tmp_path):
+    profile = Path(__file__).resolve().parents[1] / "gpu_profiles" / "h200-llama-3.1-8b.yaml"
+    if not profile.exists():
+        pytest.skip("shipped profile missing")
+    from servetune.profiles import load_profile
+
+    prof = load_profile(profile)
+    pol = write_policy(tmp_path, make_policy(metadata={}))
+    out = tmp_path / "trt.yaml"
+    res = runner.invoke(app, ["export", "--policy", str(pol), "--engine", "trtllm",
+                              "--profile", str(profile), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    data = body(out.read_text())
+    s = prof.memory_summary()
+    total, weights = s["gpu_memory_bytes"], s["weight_bytes_per_gpu"]
+    act = s["activation_reserve_bytes"]
+    u = prof.gpu_memory_utilization
+    expected = (u * total - weights - act) / (total - weights - act)
+    assert data["kv_cache_config"]["free_gpu_memory_fraction"] == round(expected, 4)
+    assert data["kv_cache_config"]["max_tokens"] == prof.kv_tokens()

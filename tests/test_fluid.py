@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 from optimizer_fixtures import STEP, fluid, synthetic_load
-
 from servetune.models.fluid import (
     ClassLoad,
     Knobs,
@@ -155,3 +154,13 @@ def test_trace_moments():
     c = ld.classes[0]
     assert c.prompt_mean == 30 and c.output_sq_mean == pytest.approx(11.0)
     assert synthetic_load().classes[0].share == 1.0
+
+
+def test_knobs_round_trip_through_a_policy():
+    from servetune.schemas.policy import Policy
+    from servetune.schemas.space import apply_knobs
+
+    k = Knobs(128, 2048, 512, 0.05, 300, 100_000)
+    assert Knobs.from_policy(apply_knobs(Policy(), k.as_dotted())) == k
+    grid = knobs_grid({"max_num_seqs": [512, 1024], "max_num_batched_tokens": [512, 8192]})
+    assert grid == [Knobs(512, 512), Knobs(512, 8192), Knobs(1024, 8192)]

@@ -3,9 +3,12 @@ a tiny trace (written, kept on the second run, deterministic, atomic)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from servetune.cli import app
@@ -72,3 +75,189 @@ def test_missing_and_bad_files_exit_2(tmp_path):
     afile.write_text("x")
     res = runner.invoke(app, nightly_args(afile))
     assert res.exit_code == 2 and "not a directory" in res.output
+
+
+# --- end to end on a tiny trace --------------------------------------------------------------
+
+SPACE = """apiVersion: servetune/v1
+kind: SearchSpace
+name: tiny
+knobs:
+  batching.max_num_seqs: [64, 256]
+  batching.max_num_batched_tokens: [1024, 8192]
+"""
+# A deliberately poor production policy: 4 running requests, 512 tokens per step.
+POOR = """apiVersion: servetune/v1
+kind: Policy
+name: poor
+batching: {max_num_seqs: 4, max_num_batched_tokens: 512}
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    if not PROFILE.exists() or not TRACE.exists():
+        pytest.skip("shipped profile or example trace missing")
+    d = tmp_path_factory.mktemp("tiny")
+    lines = TRACE.read_text().splitlines()
+    (d / "trace.csv").write_text("\n".join(lines[:401]) + "\n")  # header + 400 requests
+    (d / "space.yaml").write_text(SPACE)
+    (d / "poor.yaml").write_text(POOR)
+    return d
+
+
+def tiny_args(d: Path, out: Path, current: Path, *extra: str) -> list[str]:
+    return ["nightly", "--trace", str(d / "trace.csv"), "--profile", str(PROFILE),
+            "--slo", str(SLO), "--current", str(current), "--out-dir", str(out),
+            "--space", str(d / "space.yaml"), "--time-limit", "20", *extra]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny):
+    out = tiny / "out"
+    res = runner.invoke(app, tiny_args(tiny, out, tiny / "poor.yaml"))
+    return out, res
+
+
+def test_nightly_writes_new_policy(first_run):
+    import yaml
+
+    from servetune.schemas.base import load_document
+    from servetune.schemas.policy import Policy
+
+    out, res = first_run
+    assert res.exit_code == 0, res.output
+    names = {p.name for p in out.iterdir()}
+    assert names == {"policy.yaml", "vllm.yaml", "sglang.yaml", "report.md", "summary.json",
+                     "ttft_cdf.png", "tpot_cdf.png", "kv_queue.png", "goodput.png"}
+    policy = load_document(out / "policy.yaml", Policy)
+    assert policy.batching.max_num_seqs in (64, 256)
+    assert policy.batching.max_num_batched_tokens in (1024, 8192)
+    assert policy.metadata["profile"]["gpu_memory_bytes"] > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "new_policy_written" and summary["exit_code"] == 0
+    assert summary["new"]["goodput_rate_per_s"] >= 1.02 * summary["current"]["goodput_rate_per_s"]
+    for scale in ("1.2x", "1.5x"):
+        assert (summary["new"]["runs"][scale]["overall"]["attainment"]
+                >= summary["current"]["runs"][scale]["overall"]["attainment"])
+    vllm = yaml.safe_load((out / "vllm.yaml").read_text())
+    assert vllm["max-num-seqs"] == policy.batching.max_num_seqs
+    sglang = yaml.safe_load((out / "sglang.yaml").read_text())
+    assert sglang["max-running-requests"] == policy.batching.max_num_seqs
+    report = (out / "report.md").read_text()
+    assert "New policy written" in report and "| `batching.max_num_seqs` | 4 |" in report
+    for png in ("ttft_cdf.png", "tpot_cdf.png", "kv_queue.png", "goodput.png"):
+        assert f"]({png})" in report
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_nightly_rerun_gives_same_files(tiny, first_run):
+    out, res = first_run
+    assert res.exit_code == 0
+    again = tiny / "again"
+    res2 = runner.invoke(app, tiny_args(tiny, again, tiny / "poor.yaml"))
+    assert res2.exit_code == 0, res2.output
+    assert snapshot(again) == snapshot(out)
+
+
+def test_second_run_with_new_policy_keeps_it(tiny, first_run):
+    out, res = first_run
+    assert res.exit_code == 0
+    kept = tiny / "kept"
+    kept.mkdir()
+    (kept / "policy.yaml").write_bytes((out / "policy.yaml").read_bytes())
+    before = (kept / "policy.yaml").read_bytes()
+    res2 = runner.invoke(app, tiny_args(tiny, kept, kept / "policy.yaml"))
+    assert res2.exit_code == 10, res2.output
+    assert "Current policy kept" in res2.output
+    summary = json.loads((kept / "summary.json").read_text())
+    assert summary["status"] == "current_kept" and summary["exit_code"] == 10
+    assert (kept / "policy.yaml").read_bytes() == before  # untouched
+    assert not (kept / "vllm.yaml").exists()
+    assert "Current policy kept" in (kept / "report.md").read_text()
+
+
+def test_interrupted_run_leaves_previous_outputs(tiny, first_run, monkeypatch):
+    import servetune.report as report_mod
+
+    out, res = first_run
+    assert res.exit_code == 0
+    target = tiny / "interrupted"
+    target.mkdir()
+    for name, data in snapshot(out).items():
+        (target / name).write_bytes(data)
+    before = snapshot(target)
+    calls = {"n": 0}
+    real = report_mod.write_bytes_atomic
+
+    def dying_write(path, data):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt  # the job is killed while writing the plots
+        real(path, data)
+
+    monkeypatch.setattr(report_mod, "write_bytes_atomic", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        from servetune.nightly import run_nightly
+
+        run_nightly(tiny / "trace.csv", PROFILE, SLO, tiny / "poor.yaml", target,
+                    space_path=tiny / "space.yaml", time_limit_s=20)
+    after = snapshot(target)
+    assert set(after) == set(before)  # no half-written or temporary file
+    assert after == before  # reruns are deterministic, so every file written is unchanged
+
+
+def test_infeasible_slo_exits_3_with_report(tiny):
+    slo = tiny / "impossible.yaml"
+    slo.write_text("apiVersion: servetune/v1\nkind: SLOSet\nname: impossible\nclasses:\n"
+                   "  default: {tpot_s: 0.0001, percentile: 99}\n")
+    out = tiny / "infeasible"
+    args = tiny_args(tiny, out, tiny / "poor.yaml")
+    args[args.index("--slo") + 1] = str(slo)
+    res = runner.invoke(app, args)
+    assert res.exit_code == 3, res.output
+    assert sorted(p.name for p in out.iterdir()) == ["report.md", "summary.json"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "infeasible" and "TPOT" in summary["reasons"][0]
+    assert "TPOT" in (out / "report.md").read_text()
+
+
+def test_report_command(tiny, first_run):
+    out, res = first_run
+    assert res.exit_code == 0
+    rep = tiny / "report"
+    res2 = runner.invoke(app, ["report", "--trace", str(tiny / "trace.csv"), "--profile",
+                               str(PROFILE), "--slo", str(SLO), "--current",
+                               str(tiny / "poor.yaml"), "--new", str(out / "policy.yaml"),
+                               "--out-dir", str(rep)])
+    assert res2.exit_code == 0, res2.output
+    assert {p.name for p in rep.iterdir()} == {"report.md", "summary.json", "ttft_cdf.png",
+                                               "tpot_cdf.png", "kv_queue.png", "goodput.png"}
+    summary = json.loads((rep / "summary.json").read_text())
+    first = json.loads((out / "summary.json").read_text())
+    assert summary["new"]["goodput_rate_per_s"] == first["new"]["goodput_rate_per_s"]
+
+
+def test_new_policy_reexports_without_profile(tiny, first_run):
+    """policy.yaml carries the profile's memory figures, TensorRT-LLM's conversion included."""
+    out, res = first_run
+    assert res.exit_code == 0
+    for engine in ("trtllm", "tgi"):
+        res2 = runner.invoke(app, ["export", "--policy", str(out / "policy.yaml"),
+                                   "--engine", engine])
+        assert res2.exit_code == 0, res2.output
+
+
+@given(text=st.text(max_size=30))
+@settings(max_examples=100, deadline=None)
+def test_parse_engines_only_raises_servetune_errors(text):
+    try:
+        engines = parse_engines(text)
+    except ServetuneError:
+        return
+    assert engines and set(engines) <= {"vllm", "sglang", "trtllm", "tgi"}

@@ -253,3 +253,18 @@ def test_idle_engine_jumps_to_the_next_arrival():
     out, log = both_modes(tr, pol, kv_blocks=100, block_size=4)
     assert [rec["start_s"] for rec in log] == [0.0, 10.25, 11.25]
     assert out.finish_s.tolist() == [1.0, 12.25]
+
+
+def test_reserved_seat_for_long_requests_is_left_free_by_short_ones():
+    # max_num_seqs 2 with 1 seat reserved for long requests: the second short request
+    # waits although a seat is free, and the long one (arriving later) takes that seat.
+    tr = trace_of([(0, 4, 3), (0, 4, 1), (0.5, 30, 2)])
+    pol = policy(batching={"max_num_seqs": 2, "max_num_batched_tokens": 64},
+                 long_requests={"threshold_tokens": 20, "reserved_seqs": 1})
+    _, log = both_modes(tr, pol, kv_blocks=100, block_size=4)
+    assert compact(log) == [
+        (0.0, [(0, 4)], [], [0], [], 1, 1, 1),
+        (1.0, [(0, 1), (2, 30)], [], [2], [], 10, 1, 2),
+        (2.0, [(0, 1), (2, 1)], [], [], [0, 2], 10, 1, 2),
+        (3.0, [(1, 4)], [], [1], [1], 1, 0, 1),
+    ]

@@ -189,3 +189,16 @@ def test_report_handles_shed_requests_and_missing_series():
     assert files.summary["current"]["runs"]["1x"]["shed"] == 2
     assert files.summary["current"]["runs"]["1x"]["overall"]["attainment"] == 0.5
     assert files.figures["kv_queue.png"].startswith(b"\x89PNG")
+
+
+def test_report_with_capacity_runs():
+    comp = comparison()
+    comp.capacity_scale = 2.0
+    comp.current.runs[2.0] = run([0.9, 1.2, 1.5, 0.4])
+    comp.new.runs[2.0] = run([0.3] * 4)
+    files = build_report(comp, Verdict("v"))
+    assert files.summary["current"]["runs"]["2x"]["overall"]["attainment"] == 0.5
+    assert files.summary["new"]["runs"]["2x"]["overall"]["attainment"] == 1.0
+    # two columns of panels: wider than the one-column figure
+    one = build_report(comparison(), Verdict("v")).figures["kv_queue.png"]
+    assert files.figures["kv_queue.png"] != one

@@ -126,3 +126,20 @@ def test_prepare_trace_replay_options():
             prepare_trace(trace, **bad)
     with pytest.raises(ServetuneError, match="Trace or a Workload"):
         prepare_trace("trace.csv")
+
+
+def test_public_api_reexports_the_engine():
+    from servetune.sim import (
+        ENGINES,
+        GoodputResult,
+        SimResult,
+        engine,
+        goodput,
+        run_engine,
+        simulate,
+    )
+
+    assert run_engine is engine.run_engine
+    assert ENGINES == ("vllm", "sglang", "trtllm", "tgi")
+    assert callable(simulate) and callable(goodput)
+    assert SimResult and GoodputResult

@@ -120,7 +120,7 @@ def test_simulate_writes_all_outputs(files, tmp_path):
     assert summary["requests"] == 40
     assert summary["completed"] + summary["shed"] + summary["rejected"] == 40
     assert summary["overall"]["attainment"] is not None
-    assert isinstance(summary["meets_slo"], bool)
+    assert isinstance(summary["per_class"]["default"]["meets_slo"], bool)
     assert len(out["csv"].read_text().splitlines()) == 41
     steps = [json.loads(line) for line in out["jsonl"].read_text().splitlines()]
     assert steps[0]["step"] == 0 and summary["steps"] == sum(s.get("repeat", 1) for s in steps)
@@ -170,3 +170,49 @@ def test_goodput_needs_slo(files):
             "--policy", str(files["policy"])]
     result = runner.invoke(app, args)
     assert result.exit_code == 2
+
+
+def test_parquet_without_pyarrow_fails_before_writing_anything(files, tmp_path):
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("pyarrow is installed")
+    out = tmp_path / "out"
+    args = base_args(files) + ["--json", str(out / "s.json"),
+                               "--records", str(out / "r.parquet")]
+    assert "pyarrow" in one_error_line(runner.invoke(app, args))
+    assert not out.exists()
+
+
+def two_class_workload(tmp_path):
+    import numpy as np
+
+    from servetune.trace import from_arrays
+    from servetune.workload import fit_workload, save_workload
+
+    rng = np.random.default_rng(0)
+    n = 300
+    trace = from_arrays(np.cumsum(rng.exponential(0.2, n)), rng.integers(20, 300, n),
+                        rng.integers(2, 60, n))
+    path = tmp_path / "w.yaml"
+    save_workload(fit_workload(trace, split="bands", bands=2, name="two"), path)
+    return path
+
+
+def test_simulate_a_workload_with_progress(files, tmp_path, monkeypatch):
+    from servetune.cli import simulate_cmd
+
+    monkeypatch.setattr(simulate_cmd, "PROGRESS_MIN_REQUESTS", 10)
+    files["workload"] = two_class_workload(tmp_path)
+    out = tmp_path / "s.json"
+    args = base_args(files, "workload") + ["--requests", "200", "--seed", "4",
+                                           "--json", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(out.read_text())
+    assert summary["requests"] == 200
+    assert len(summary["per_class"]) == 2
+    assert "per class" in result.output
+    assert sum(c["requests"] for c in summary["per_class"].values()) == 200

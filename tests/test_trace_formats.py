@@ -362,3 +362,65 @@ def test_trace_format_override(tmp_path):
     assert forced.prompt_tokens.tolist() == load_trace(path).prompt_tokens.tolist()
     with pytest.raises(ServetuneError):
         load_trace(path, fmt="mooncake")
+
+
+# ----------------------------------------------------------------------------- properties
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+rows_strategy = st.lists(
+    st.tuples(st.integers(0, 10**6), st.integers(1, 10**6), st.integers(1, 10**5),
+              st.sampled_from(["a", "b c", '"q, r"', ""]), st.booleans()),
+    min_size=1, max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows_strategy, st.integers(8, 200))
+def test_any_chunking_gives_the_same_trace(rows, chunk_bytes):
+    """Chunk size is invisible: tiny chunks load exactly what one big chunk loads, and
+    nothing is lost or invented (a file-order oracle built here)."""
+    import tempfile
+
+    import servetune.trace_formats as tf
+
+    lines = ["ms,in,out,cls"]
+    for ms, p, o, cls, blank in rows:
+        lines.append(f"{ms},{p},{o},{cls}")
+        if blank:
+            lines.append("")
+    text = "\n".join(lines) + "\n"
+    cols = "arrival=ms,prompt=in,output=out,class=cls"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "t.csv"
+        path.write_text(text)
+        whole = load_trace(path, columns=cols, arrival_unit="ms")
+        saved = tf.CHUNK_BYTES, tf.HEAD_BYTES
+        try:
+            tf.CHUNK_BYTES, tf.HEAD_BYTES = chunk_bytes, chunk_bytes
+            pieces = load_trace(path, columns=cols, arrival_unit="ms")
+        finally:
+            tf.CHUNK_BYTES, tf.HEAD_BYTES = saved
+    order = sorted(range(len(rows)), key=lambda i: rows[i][0])  # stable, as the loader
+    t0 = min(r[0] for r in rows)
+    assert whole.arrival_s.tolist() == pytest.approx([(rows[i][0] - t0) / 1000 for i in order])
+    assert whole.prompt_tokens.tolist() == [rows[i][1] for i in order]
+    assert whole.output_tokens.tolist() == [rows[i][2] for i in order]
+    labels = [rows[i][3].strip('"') or "(empty)" for i in order]
+    assert [whole.class_names[k] for k in whole.class_id] == labels
+    for t in (whole, pieces):
+        assert [t.class_names[k] for k in t.class_id] == labels
+        assert t.prompt_tokens.tolist() == whole.prompt_tokens.tolist()
+        assert t.arrival_s.tolist() == whole.arrival_s.tolist()
+
+
+def test_a_line_longer_than_the_limit_is_an_error(tmp_path, monkeypatch):
+    import servetune.trace_formats as tf
+
+    monkeypatch.setattr(tf, "MAX_LINE_BYTES", 100)
+    monkeypatch.setattr(tf, "HEAD_BYTES", 16)
+    monkeypatch.setattr(tf, "CHUNK_BYTES", 16)
+    path = write(tmp_path, "long.csv", "a,b,c\n" + "1" * 500 + "\n")
+    with pytest.raises(ServetuneError, match="longer than"):
+        load_trace(path, columns="arrival=a,prompt=b,output=c")

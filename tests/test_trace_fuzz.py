@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -195,3 +196,36 @@ def test_random_workload_structures(top, cls):
 @given(st.binary(max_size=300))
 def test_random_bytes_as_workload(data):
     _check_workload(data.decode("utf-8", errors="replace"))
+
+
+# ----------------------------------------------------------------------------- fitting
+
+
+@FUZZ
+@given(
+    st.lists(st.tuples(st.floats(0, 1e6), st.integers(1, 2 * 10**7), st.integers(1, 10**5),
+                       st.integers(0, 2)), min_size=1, max_size=60),
+    st.sampled_from([None, "class", "prompt-quantiles"]),
+    st.integers(1, 5),
+    st.sampled_from([None, 0.001, 1.0, 1e5]),
+)
+def test_fit_any_trace(rows, split, bands, window):
+    from servetune.trace import from_arrays
+    from servetune.workload import class_stats, fit_workload
+
+    arr = np.array(rows, dtype=np.float64)
+    trace = from_arrays(arr[:, 0], arr[:, 1].astype(np.int64), arr[:, 2].astype(np.int64),
+                        class_id=arr[:, 3].astype(np.int32), class_names=("a", "b", ""))
+    try:
+        w = fit_workload(trace, split=split, bands=bands, rate_windows_s=window)
+    except ServetuneError as err:
+        assert "\n" not in err.message
+        return
+    stats = class_stats(w)
+    assert sum(s.share for s in stats) == pytest.approx(1.0)
+    assert all(s.prompt_max <= trace.prompt_tokens.max() for s in stats)
+    try:
+        t = sample_trace(w, n_requests=100, seed=0)
+    except ServetuneError:
+        return
+    assert len(t) == 100

@@ -334,3 +334,22 @@ def test_help_has_an_example(cmd):
     result = runner.invoke(app, [*cmd, "--help"])
     assert result.exit_code == 0
     assert "Example: servetune " + " ".join(cmd) in " ".join(result.stdout.split())
+
+
+def test_fit_recovers_the_workload_it_was_sampled_from():
+    w = _workload({
+        "chat": _cls(4.0, cv=2.0, prompt=(10, 3000), output=(5, 500)),
+        "batch": _cls(1.0, priority=1, prompt=(2000, 8000), output=(100, 200)),
+    })
+    refit = fit_workload(sample_trace(w, n_requests=200_000, seed=9), split="class")
+    assert list(refit.classes) == ["chat", "batch"]
+    for want, got in zip(class_stats(w), class_stats(refit), strict=True):
+        assert got.priority == want.priority
+        assert _rel(got.rate_per_s, want.rate_per_s) < 0.02
+        assert _rel(got.share, want.share) < 0.01
+        for stat in ("prompt_mean", "prompt_p50", "prompt_p99", "output_mean", "output_p99"):
+            assert _rel(getattr(got, stat), getattr(want, stat)) < 0.02, stat
+    # each class keeps its own burstiness (the other class's arrivals do not mix in)
+    assert _rel(refit.classes["chat"].arrival.interarrival_cv, 2.0) < 0.05
+    assert refit.classes["batch"].arrival.interarrival_cv == 1.0 or _rel(
+        refit.classes["batch"].arrival.interarrival_cv, 1.0) < 0.05

@@ -170,3 +170,47 @@ def test_load_errors(tmp_path):
 def test_flow_lists_in_yaml():
     text = workload_to_yaml(small())
     assert "values: [10.0, 100.0, 1000.0]" in text
+
+
+# ----------------------------------------------------------------------------- property
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+positive = st.floats(min_value=1e-9, max_value=1e9, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def distributions(draw) -> dict:
+    inner = sorted(set(draw(st.lists(st.floats(0.001, 0.999), max_size=6))))
+    values = sorted(draw(st.lists(st.floats(1, 1e7), min_size=len(inner) + 2,
+                                  max_size=len(inner) + 2)))
+    return {"quantiles": [0.0, *inner, 1.0], "values": values}
+
+
+@st.composite
+def workloads(draw) -> Workload:
+    classes = {}
+    for name in draw(st.lists(st.text(min_size=1, max_size=6).filter(str.strip), min_size=1,
+                              max_size=3, unique=True)):
+        cv = draw(st.one_of(st.just(1.0), st.floats(0.01, 100)))
+        arrival = {"process": "poisson" if cv == 1.0 else "gamma", "rate_per_s": draw(positive),
+                   "interarrival_cv": cv}
+        if draw(st.booleans()):
+            arrival["windows"] = {"window_s": draw(positive), "rate_multipliers": draw(
+                st.lists(st.floats(0, 100), min_size=1, max_size=5).filter(
+                    lambda m: any(x > 0 for x in m)))}
+        classes[name] = {"priority": draw(st.integers(-5, 5)), "arrival": arrival,
+                         "prompt_tokens": draw(distributions()),
+                         "output_tokens": draw(distributions())}
+    data = {"apiVersion": "servetune/v1", "kind": "Workload", "name": draw(st.text(max_size=10)),
+            "duration_s": draw(st.one_of(st.none(), positive)), "classes": classes}
+    return Workload.model_validate(data)
+
+
+@settings(max_examples=80, deadline=None)
+@given(workloads())
+def test_any_valid_workload_round_trips(w):
+    text = workload_to_yaml(w)
+    assert workload_from_yaml_text(text, "w.yaml") == w
+    assert workload_to_yaml(workload_from_yaml_text(text, "w.yaml")) == text

@@ -59,7 +59,7 @@ def run_optimize(
     from servetune.profiles import load_profile
     from servetune.schemas.slo import SLOSet
     from servetune.schemas.space import SearchSpace
-    from servetune.solvers.optimize import optimize
+    from servetune.solvers.optimize import optimize, sha256_doc
 
     if (trace is None) == (workload is None):
         raise ServetuneError("give exactly one of --trace FILE or --workload W.yaml")
@@ -81,15 +81,13 @@ def run_optimize(
         assert workload is not None
         source = load_workload(_file(workload, "--workload"))
         inputs["workload"] = {"file": workload.name, "sha256": _sha(workload)}
+    profile = _shipped_or_path(profile)
     prof = load_profile(profile)
     prof_path = Path(profile)
     if prof_path.is_file():
         inputs["profile"] = {"file": prof_path.name, "sha256": _sha(prof_path)}
     else:
-        from servetune.profiles import SHIPPED_DIR
-
-        shipped = SHIPPED_DIR / f"{profile}.yaml"
-        inputs["profile"] = {"file": shipped.name, "sha256": _sha(shipped)}
+        inputs["profile"] = {"file": profile, "sha256": sha256_doc(prof)}
     slo_set = load_document(_file(slo, "--slo"), SLOSet)
     inputs["slo"] = {"file": slo.name, "sha256": _sha(slo)}
     space_doc = None
@@ -115,8 +113,18 @@ def _profile_arg(base: Path, value: str) -> str:
     """A profile path relative to the job file, or a shipped profile's bare name."""
     p = _resolve(base, value)
     assert p is not None
-    if p.exists() or Path(value).suffix:
+    if p.exists():
         return str(p)
+    return _shipped_or_path(value)
+
+
+def _shipped_or_path(value: str) -> str:
+    """A bare shipped-profile name (``h200-llama-3.1-8b``) becomes its file's path."""
+    from servetune.profiles import SHIPPED_DIR
+
+    shipped = SHIPPED_DIR / f"{value}.yaml"
+    if not Path(value).exists() and "/" not in value and shipped.is_file():
+        return str(shipped)
     return value
 
 

@@ -228,6 +228,9 @@ def register(app: typer.Typer) -> None:
         budget: float | None = typer.Option(
             None, "--budget", help="$ over the forecast's slots: maximize served rate instead."
         ),
+        model: str | None = typer.Option(
+            None, "--model", help="Which model's profiles to use (overrides the fleet's)."
+        ),
         seed: int = typer.Option(0, "--seed"),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
     ) -> None:
@@ -247,6 +250,7 @@ def register(app: typer.Typer) -> None:
             workload, forecast, fleet, slo, out_path=output, sweep=sweep, cache_dir=cache_dir,
             engine=engine, method=method, prompt_edges=_ints(prompt_edges, "--prompt-edges"),
             output_edges=_ints(output_edges, "--output-edges"), budget=budget, seed=seed,
+            model=model,
             progress=_progress(quiet or json_out),
         )
         write_text_atomic(output, dump_yaml(run.plan))

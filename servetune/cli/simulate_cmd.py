@@ -95,6 +95,27 @@ def summary_table(summary: dict[str, Any], title: str) -> Table:
     return table
 
 
+def class_table(summary: dict[str, Any]) -> Table:
+    """One row per request class: counts, p99 latencies (ms), attainment."""
+    table = Table(title="per class", title_justify="left")
+    for col in ("class", "requests", "done", "shed", "rejected", "TTFT p99", "TPOT p99",
+                "E2E p99", "attainment"):
+        table.add_column(col, justify="left" if col == "class" else "right")
+    for name, c in summary["per_class"].items():
+        attainment = c["attainment"]
+        if attainment is not None:
+            verdict = "" if "meets_slo" not in c else (" ok" if c["meets_slo"] else " MISS")
+            attainment_text = _fmt(attainment, 100, 2) + "%" + verdict
+        else:
+            attainment_text = "-"
+        table.add_row(
+            name, f"{c['requests']:,}", f"{c['completed']:,}", f"{c['shed']:,}",
+            f"{c['rejected']:,}", _fmt(c["ttft_s"]["p99"], 1e3, 1),
+            _fmt(c["tpot_s"]["p99"], 1e3, 1), _fmt(c["e2e_s"]["p99"], 1e3, 1), attainment_text,
+        )
+    return table
+
+
 def counts_table(summary: dict[str, Any], meets: bool | None) -> Table:
     table = Table(show_header=False, box=None)
     table.add_column("key")
@@ -188,14 +209,19 @@ def register(app: typer.Typer) -> None:
         """Simulate a policy serving a trace or a sampled workload.
 
         Example: servetune simulate --trace ../shared/traces/AzureLLMInferenceTrace_conv.csv
-        --profile h200-llama-3.1-8b --policy policy.yaml --slo slo.yaml --json out.json
+        --profile h200-llama-3.1-8b --policy configs/policies/vllm-serve-defaults.yaml
+        --slo configs/slos/mlperf-llama-3.1-8b-server.yaml --json out.json
+        --timeline t.json --timeline-window 600:660   (open t.json in ui.perfetto.dev)
         """
         from servetune.sim import simulate
+        from servetune.sim.records import check_records_path
         from servetune.sim.timeline import parse_window
 
         window = parse_window(timeline_window) if timeline_window is not None else None
         if window is not None and timeline is None:
             raise ServetuneError("--timeline-window needs --timeline T.json")
+        if records is not None:
+            check_records_path(records)
         source, pol, prof, slo_set = load_inputs(trace, workload, profile, policy, slo, engine)
         console = Console(stderr=True)
         expected = _expected_requests(source, requests)
@@ -215,19 +241,20 @@ def register(app: typer.Typer) -> None:
         summary = result.summary(slo_set)
         meets = result.meets_slo(slo_set) if slo_set is not None else None
         if json_out is not None:
-            data = dict(summary)
-            if meets is not None:
-                data = {**summary, "meets_slo": meets}
-            _write_json(json_out, data)
+            _write_json(json_out, summary)  # per-class verdicts are in per_class
         if records is not None:
             result.write_records(records)
-        if steps is not None:
-            result.write_steps(steps)
-        if timeline is not None:
-            result.write_timeline(timeline, window)
+        if steps is not None or timeline is not None:
+            with console.status("writing the step log / timeline"):
+                if steps is not None:
+                    result.write_steps(steps)
+                if timeline is not None:
+                    result.write_timeline(timeline, window)
         out = Console(file=sys.stdout, width=100)
         title = f"{pol.name} on {prof.name} ({engine}{', reference' if reference else ''})"
         out.print(summary_table(summary, title))
+        if len(summary["per_class"]) > 1:
+            out.print(class_table(summary))
         out.print(counts_table(summary, meets))
 
     @app.command("goodput")
@@ -252,8 +279,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Find the highest arrival-rate scale at which a policy meets an SLO set.
 
-        Example: servetune goodput --trace ../shared/traces/AzureLLMInferenceTrace_conv.csv
-        --profile h200-llama-3.1-8b --policy policy.yaml --slo slo.yaml --json goodput.json
+        Example: servetune goodput --workload configs/workloads/azure-conv-2023.yaml
+        --requests 5000 --seeds 3 --profile h200-llama-3.1-8b
+        --policy configs/policies/vllm-serve-defaults.yaml
+        --slo configs/slos/mlperf-llama-3.1-8b-interactive.yaml --json goodput.json
         """
         from servetune.sim import goodput
         from servetune.sim.goodput import seeds_for
@@ -277,7 +306,7 @@ def register(app: typer.Typer) -> None:
             duration_s=duration, reference=reference, rel_tol=rel_tol, on_point=on_point,
         )
         data = {
-            "policy": pol.name, "profile": prof.name, "engine": engine,
+            "policy": pol.name, "profile": prof.name, "slo": slo_set.name, "engine": engine,
             "seeds": list(seed_list), **result.to_dict(),
         }
         if json_out is not None:

@@ -39,7 +39,10 @@ class GPUType(Strict):
     )
     price_per_gpu_hour: float = Field(gt=0, description="on-demand price of one GPU, $/hour")
     price_source: str = Field("", description="where the price comes from (citation)")
-    gpus_per_replica: int = Field(1, ge=1, le=64, description="tensor-parallel degree")
+    gpus_per_replica: int | None = Field(
+        None, ge=1, le=64,
+        description="GPUs per replica (tensor-parallel degree); default: the profile's",
+    )
     max_gpus: int | None = Field(None, ge=0, description="at most this many GPUs of this type")
     min_gpus: int = Field(0, ge=0, description="at least this many GPUs in every slot")
 
@@ -60,14 +63,18 @@ class GPUType(Strict):
             raise ValueError(f"min_gpus ({self.min_gpus}) must be <= max_gpus ({self.max_gpus})")
         return self
 
+    @property
+    def replica_gpus(self) -> int:
+        return self.gpus_per_replica or 1
+
     def price_per_replica_hour(self) -> float:
-        return self.price_per_gpu_hour * self.gpus_per_replica
+        return self.price_per_gpu_hour * self.replica_gpus
 
     def max_replicas(self) -> int | None:
-        return None if self.max_gpus is None else self.max_gpus // self.gpus_per_replica
+        return None if self.max_gpus is None else self.max_gpus // self.replica_gpus
 
     def min_replicas(self) -> int:
-        return -(-self.min_gpus // self.gpus_per_replica)
+        return -(-self.min_gpus // self.replica_gpus)
 
     def profile_path(self, model: str | None, base_dir: Path | None = None) -> Path:
         """The profile file for ``model`` (ignored when the type names one profile)."""

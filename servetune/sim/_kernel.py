@@ -194,6 +194,18 @@ def _enqueue(r, front, pi, si, prio, is_long, hk0, hid0, hk1, hid1):
 
 
 @jit
+def _pick_lane(si, hk0, hid0, hk1, hid1, blocked0, blocked1):
+    """The waiting lane whose head comes first in queue order (-1: none unblocked)."""
+    lane = -1
+    if si[S_H0] > 0 and not blocked0:
+        lane = 0
+    if si[S_H1] > 0 and not blocked1:
+        if lane == -1 or hk1[0] < hk0[0] or (hk1[0] == hk0[0] and hid1[0] < hid0[0]):
+            lane = 1
+    return lane
+
+
+@jit
 def _event(ev, si, kind, r, val):
     k = si[S_EV]
     ev[k, 0] = kind
@@ -530,7 +542,7 @@ def run_kernel(pi, pf, coef, pieces,
             # Pass 2: admit from the waiting queue, never in a step that preempted.
             if not preempted:
                 owed = 0  # blocks in-flight prefills still need (vLLM reserve_full_isl)
-                if engine == E_VLLM and pi[P_RESERVE_FULL] == 1:
+                if engine == E_VLLM and pi[P_RESERVE_FULL] == 1 and si[S_H0] + si[S_H1] > 0:
                     for q in range(si[S_NRUN]):
                         r = run[q]
                         if in_prefill[r] == 1:
@@ -540,12 +552,7 @@ def run_kernel(pi, pf, coef, pieces,
                 blocked0 = False
                 blocked1 = False
                 while budget > 0 and si[S_NRUN] < max_seqs:
-                    lane = -1
-                    if si[S_H0] > 0 and not blocked0:
-                        lane = 0
-                    if si[S_H1] > 0 and not blocked1:
-                        if lane == -1 or hk1[0] < hk0[0] or (hk1[0] == hk0[0] and hid1[0] < hid0[0]):
-                            lane = 1
+                    lane = _pick_lane(si, hk0, hid0, hk1, hid1, blocked0, blocked1)
                     if lane == -1:
                         break
                     r = hid0[0] if lane == 0 else hid1[0]
@@ -645,12 +652,7 @@ def run_kernel(pi, pf, coef, pieces,
                 blocked0 = False
                 blocked1 = False
                 while budget > 0 and si[S_NRUN] < max_seqs:
-                    lane = -1
-                    if si[S_H0] > 0 and not blocked0:
-                        lane = 0
-                    if si[S_H1] > 0 and not blocked1:
-                        if lane == -1 or hk1[0] < hk0[0] or (hk1[0] == hk0[0] and hid1[0] < hid0[0]):
-                            lane = 1
+                    lane = _pick_lane(si, hk0, hid0, hk1, hid1, blocked0, blocked1)
                     if lane == -1:
                         break
                     r = hid0[0] if lane == 0 else hid1[0]

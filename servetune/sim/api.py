@@ -244,6 +244,13 @@ def simulate(
         source, seed=seed, n_requests=n_requests, duration_s=duration_s, rate_scale=rate_scale
     )
     eng = _engine_module()
+    extra: dict[str, Any] = {}
+    if not isinstance(source, Trace) and policy.long_requests.enabled:
+        # A request is long by its class's expected output: the workload's mean, not the
+        # mean of this particular sample.
+        from servetune.workload import class_stats
+
+        extra["expected_output"] = np.array([c.output_mean for c in class_stats(source)])
     started = time.perf_counter()
     output = eng.run_engine(
         trace,
@@ -255,6 +262,7 @@ def simulate(
         reference=reference,
         step_log=step_log,
         progress=progress,
+        **extra,
     )
     wall = time.perf_counter() - started
     return SimResult(

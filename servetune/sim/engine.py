@@ -34,8 +34,9 @@ Semantics (``reference/engines.md``; the step loop is in :mod:`servetune.sim._ke
   requests' reservations, so nothing is ever evicted. TensorRT-LLM budgets all tokens
   of a step; TGI budgets only prefill tokens (decode rows ride along).
 
-For every engine: ``long_prefill_token_threshold`` applies only to vLLM (the others
-have no such knob). Where the trace has no ``max_tokens`` column, a request's declared
+For every engine: ``max_num_seqs`` caps the running batch, ``kv_watermark`` blocks are
+kept free at admission, and ``long_prefill_token_threshold`` applies only to vLLM (the
+others have no such knob). Where the trace has no ``max_tokens`` column, a request's declared
 maximum output is its output length (the engine "knows" it); with ``max_tokens``, a
 request generates ``min(output_tokens, max_tokens)`` tokens. Priorities come from the
 trace's ``priority`` column, else from the policy's class priorities (lower first).
@@ -63,6 +64,20 @@ sampled, D decoding requests, C = sum over decoding requests of their context af
 step's token, W = sum over prefill chunks of ``chunk * (prefix + chunk / 2)``.
 A request's first token comes at the end of the step that completes its prefill; it
 finishes at the end of the step that samples its last token.
+
+Step log (issue 7; ``step_log=True``): one dict per step, in order, with ``step``
+(0-based), ``start_s``, ``duration_s``, ``scheduled`` (``[request_id, new_tokens]`` in
+grant order; request id = trace row), ``preempted`` (in preemption order; SGLang
+retractions too), ``finished``, ``admitted`` (first admissions and re-admissions after
+preemption), ``shed`` (requests turned away at arrival: shed or rejected, see
+``status``/``reason``; they appear in the first record written after their arrival),
+``kv_blocks_used`` (during the step: after its allocations, before its finishes free
+blocks), ``kv_blocks_total``, ``waiting`` and ``running`` (after scheduling). In fast mode
+a jumped stretch of N identical decode steps is one record with ``repeat: N``: its
+``duration_s`` spans the N steps and ``kv_blocks_used`` is the last step's, while
+``step_durations_s`` and ``step_kv_blocks_used`` (N values each) let
+:func:`expand_repeats` rebuild the reference mode's N records exactly. If the last
+arrivals are all turned away after the final step, one zero-length record carries them.
 """
 
 from __future__ import annotations
@@ -70,7 +85,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -108,7 +123,7 @@ SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS = 600
 SGLANG_RETRACT_DECODE_STEPS = 20
 
 SERIES_BINS = 2048
-_CHUNK_STEPS_FAST = 2_000_000
+_CHUNK_STEPS_FAST = 500_000
 _CHUNK_STEPS_REFERENCE = 20_000
 
 
@@ -133,7 +148,6 @@ class EngineOutput:
     engine: str = "vllm"
     jumps: int = 0  # jumped stretches (fast mode)
     kv_blocks_in_use_end: int = 0  # 0 when every block was given back
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 _pure_module: ModuleType | None = None
@@ -400,7 +414,9 @@ def run_engine(
         raise RuntimeError(f"{int((status < 0).sum())} requests unresolved at the end (a bug)")
     sim_end = float(sf[K.T_NOW])
     steps = int(si[K.S_STEPS])
+    kv_peak = float(si[K.S_PEAK]) / total
     kv_mean = float(sf[K.T_KV_INT]) / (sim_end * total) if sim_end > 0 else 0.0
+    kv_mean = min(kv_mean, kv_peak)  # rounding of the time integral can exceed the peak
     series = _series(ser, float(sf[K.T_BIN_W]), sim_end, total)
     log = _step_log(rec_i, rec_f, ev, rep_f, rep_i, si, total) if step_log else None
     return EngineOutput(
@@ -414,7 +430,7 @@ def run_engine(
         steps=steps,
         kv_blocks_total=total,
         kv_util_mean=kv_mean,
-        kv_util_peak=float(si[K.S_PEAK]) / total,
+        kv_util_peak=kv_peak,
         sim_end_s=sim_end,
         series=series,
         step_log=log,

@@ -127,13 +127,30 @@ def records_parquet(columns: dict[str, np.ndarray]) -> bytes:
     return buf.getvalue()
 
 
+def is_parquet_path(path: str | os.PathLike[str]) -> bool:
+    return Path(path).suffix.lower() in (".parquet", ".pq")
+
+
+def check_records_path(path: str | os.PathLike[str]) -> None:
+    """Fail early (before a long run) when Parquet is asked for without pyarrow."""
+    if is_parquet_path(path):
+        try:
+            import pyarrow  # noqa: F401
+            import pyarrow.parquet  # noqa: F401
+        except ImportError:
+            raise ServetuneError(
+                f"{path}: writing Parquet records needs pyarrow (pip install pyarrow); "
+                "or give a .csv path"
+            ) from None
+
+
 def write_records(
     path: str | os.PathLike[str], trace: Any, output: Any, reasons: tuple[str, ...] = ()
 ) -> None:
     """Write the record table to ``path``: Parquet for ``.parquet``/``.pq``, else CSV."""
     p = Path(path)
     columns = record_columns(trace, output, reasons)
-    if p.suffix.lower() in (".parquet", ".pq"):
+    if is_parquet_path(p):
         data = records_parquet(columns)
     else:
         data = records_csv(columns)

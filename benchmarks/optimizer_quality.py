@@ -1,0 +1,168 @@
+"""Optimizer quality and speed: milp vs the exhaustive grid, random search, Optuna and the
+engine defaults, on the shipped workloads with the H200 Llama-3.1-8B profile and both
+MLPerf SLO sets.
+
+Two runs per workload x SLO set:
+
+1. ``optimize`` as a user runs it (method milp, the default 630-point space, 3000
+   requests per simulation): its wall time, simulations, goodput and the defaults';
+2. the comparison on a reduced space (seqs 32..1024 x tokens 512..16384 x chunk cap
+   0/512/2048: 105 valid points) and a 2000-request sample, where the exhaustive grid
+   (every point, goodput by bracketing and bisection) is affordable: milp, grid, random
+   and Optuna (when installed) with milp's simulation budget, and the vLLM defaults.
+   The fluid model's goodput prediction is compared with the grid's simulated goodput
+   point by point (its error is reported).
+
+Usage: python benchmarks/optimizer_quality.py [--out benchmarks/optimizer_quality.json]
+       [--workloads a,b] [--slos server,interactive]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+REDUCED = {
+    "batching.max_num_seqs": [32, 64, 128, 256, 512, 1024],
+    "batching.max_num_batched_tokens": [512, 1024, 2048, 4096, 8192, 16384],
+    "batching.long_prefill_token_threshold": [0, 512, 2048],
+}
+WORKLOADS = ("azure-conv-2023", "azure-code-2023", "long-context-synthetic")
+SLOS = ("server", "interactive")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "optimizer_quality.json"))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--slos", default=",".join(SLOS))
+    ap.add_argument("--requests", type=int, default=2000)
+    args = ap.parse_args()
+
+    from servetune.models.fluid import FluidModel, LoadModel, Platform, knobs_grid, targets_for
+    from servetune.solvers import baselines
+    from servetune.solvers.loop import find_goodput
+    from servetune.solvers.optimize import TraceSimulator, optimize
+
+    from servetune.errors import InfeasibleError
+    from servetune.profiles import load_profile
+    from servetune.schemas.base import load_document
+    from servetune.schemas.policy import Policy
+    from servetune.schemas.slo import SLOSet
+    from servetune.schemas.space import SearchSpace, apply_knobs
+    from servetune.schemas.workload import Workload
+    from servetune.sim.api import prepare_trace
+    from servetune.workload import class_stats
+
+    profile = load_profile(REPO / "gpu_profiles" / "h200-llama-3.1-8b.yaml")
+    rows = []
+    for wname in args.workloads.split(","):
+        workload = load_document(REPO / "configs" / "workloads" / f"{wname}.yaml", Workload)
+        for sname in args.slos.split(","):
+            slo = load_document(
+                REPO / "configs" / "slos" / f"mlperf-llama-3.1-8b-{sname}.yaml", SLOSet
+            )
+            case = {"workload": wname, "slo": sname}
+            print(f"== {wname} x {sname}", flush=True)
+            # 1. As a user runs it.
+            t0 = time.perf_counter()
+            try:
+                full = optimize(workload, profile, slo, seed=0)
+                s = full.summary
+                case["full"] = {k: s[k] for k in (
+                    "goodput_rate_per_s", "defaults_goodput_rate_per_s", "simulations",
+                    "defaults_simulations", "solver_s", "simulation_s", "wall_s", "converged",
+                )}
+                case["full"]["policy"] = {k: v for k, v in s["policy"].items()
+                                          if k.startswith(("batching.", "admission.kv",
+                                                           "long_requests.threshold"))}
+            except InfeasibleError as err:
+                case["full"] = {"infeasible": str(err),
+                                "wall_s": time.perf_counter() - t0}
+            print("  full:", case["full"], flush=True)
+
+            # 2. The comparison on the reduced space.
+            space = SearchSpace(name="reduced", knobs=REDUCED)
+            res: dict[str, dict] = {}
+            t0 = time.perf_counter()
+            try:
+                milp = optimize(workload, profile, slo, space, n_requests=args.requests,
+                                seed=0)
+                res["milp"] = {
+                    "goodput_rate_per_s": milp.summary["goodput_rate_per_s"],
+                    "simulations": milp.summary["simulations"],
+                    "wall_s": milp.summary["wall_s"],
+                }
+                res["defaults"] = {
+                    "goodput_rate_per_s": milp.summary["defaults_goodput_rate_per_s"],
+                    "simulations": milp.summary["defaults_simulations"],
+                }
+                budget = milp.summary["simulations"]
+            except InfeasibleError as err:
+                res["milp"] = {"goodput_rate_per_s": 0.0, "infeasible": str(err),
+                               "simulations": err.details["summary"]["simulations"],
+                               "wall_s": time.perf_counter() - t0}
+                budget = max(res["milp"]["simulations"], 1)
+            sample = prepare_trace(workload, seed=0, n_requests=args.requests)
+            points = knobs_grid(REDUCED)
+            base = Policy()
+
+            def make_policy(k, base=base):
+                return apply_knobs(base, k.as_dotted())
+
+            sim = TraceSimulator(sample, profile, slo)
+            t0 = time.perf_counter()
+            grid = baselines.grid_search(points, make_policy, sim, rel_tol=0.03)
+            res["grid"] = {"goodput_rate_per_s": grid.goodput_rate_per_s,
+                           "simulations": grid.simulations,
+                           "wall_s": time.perf_counter() - t0}
+            if res.get("defaults", {}).get("goodput_rate_per_s") is None:
+                dsim = TraceSimulator(sample, profile, slo)
+                d = find_goodput(dsim, make_policy(baselines.VLLM_DEFAULTS), start_scale=1.0,
+                                 factor=2.0, rel_tol=0.03)
+                res["defaults"] = {"goodput_rate_per_s": d.rate_per_s,
+                                   "simulations": dsim.simulations}
+            rsim = TraceSimulator(sample, profile, slo)
+            t0 = time.perf_counter()
+            rnd = baselines.random_search(points, make_policy, rsim, budget=budget, seed=0)
+            res["random"] = {"goodput_rate_per_s": rnd.goodput_rate_per_s,
+                             "simulations": rnd.simulations, "wall_s": time.perf_counter() - t0}
+            if baselines.optuna_available():
+                osim = TraceSimulator(sample, profile, slo)
+                opt = baselines.optuna_search(REDUCED, points, make_policy, osim, budget=budget,
+                                              seed=0)
+                res["optuna"] = {"goodput_rate_per_s": opt.goodput_rate_per_s,
+                                 "simulations": opt.simulations}
+            else:
+                res["optuna"] = {"skipped": "optuna not installed"}
+            # The fluid model's goodput against the grid's simulated goodput.
+            load = LoadModel.from_class_stats(class_stats(workload))
+            fm = FluidModel(load, Platform.from_profile(profile), targets_for(load, slo))
+            errors = []
+            for ev in grid.evaluated:
+                pred = fm.goodput(ev.knobs)[0]
+                simg = ev.goodput.rate_per_s
+                if simg > 0 and pred > 0:
+                    errors.append(abs(pred - simg) / simg)
+            case["fluid_goodput_error"] = {
+                "points": len(errors),
+                "median_abs_rel": statistics.median(errors) if errors else None,
+                "p90_abs_rel": sorted(errors)[int(0.9 * (len(errors) - 1))] if errors else None,
+            }
+            case["reduced"] = res
+            print("  reduced:", json.dumps(res), flush=True)
+            print("  fluid error:", case["fluid_goodput_error"], flush=True)
+            rows.append(case)
+            Path(args.out).write_text(json.dumps(
+                {"machine": f"{platform.node()} {platform.machine()} "
+                            f"{platform.python_version()}",
+                 "date": time.strftime("%Y-%m-%d"), "cases": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Hand-worked cases of the engine models and the known failure shapes, reproduced and
+then fixed by policy (issue 3's Tests section)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_engine_helpers import both_modes, compact, policy, trace_of
+
+from servetune.errors import ServetuneError
+from servetune.schemas.policy import Policy
+from servetune.sim.engine import ENGINES, REASONS, expand_repeats, run_engine
+from servetune.steptime import StepTimeModel
+from servetune.trace import from_arrays
+
+BATCH64 = {"max_num_seqs": 8, "max_num_batched_tokens": 64}
+
+
+# ---- other engines' admission models -------------------------------------------------
+
+def test_sglang_retracts_the_fewest_generated_and_recomputes_it():
+    # bs=1, 60 tokens of KV. Admission needs prompt + 0.7 * 30 = 26 tokens of room per
+    # request: A and B fit (26 + 26 <= 60), C does not. A and B prefill in step 0 and
+    # decode from step 1, 2 tokens of KV per step; after step 25 all 60 tokens are
+    # used, so step 26's decode batch does not fit: B (tie on generated tokens and on
+    # prompt; the later one) is retracted and the batch is A alone.
+    tr = trace_of([(0, 5, 30), (0, 5, 30), (0, 5, 30)])
+    out, log = both_modes(tr, policy(batching=BATCH64), kv_blocks=60, block_size=1,
+                          engine="sglang")
+    steps = compact(log)
+    assert steps[0] == (0.0, [(0, 5), (1, 5)], [], [0, 1], [], 10, 1, 2)
+    assert steps[25] == (25.0, [(0, 1), (1, 1)], [], [], [], 60, 1, 2)
+    assert steps[26] == (26.0, [(0, 1)], [1], [], [], 31, 2, 1)
+    assert [i for i, s in enumerate(steps) if s[2]] == [26]
+    # A finishes at the end of step 29 (its 30th token); B re-prefills its 5 + 26
+    # tokens as a prefill batch of its own (decode and prefill are separate batches).
+    assert out.finish_s[0] == 30.0
+    assert steps[30][1] == [(1, 31)]
+    assert out.preemptions.tolist() == [0, 1, 0]
+    assert (out.status == 0).all()
+
+
+def test_sglang_prefill_and_decode_batches_are_separate():
+    tr = trace_of([(0, 4, 5), (1.5, 8, 2)])
+    _, log = both_modes(tr, policy(batching=BATCH64), kv_blocks=100, block_size=4,
+                        engine="sglang")
+    assert [rec["scheduled"] for rec in log[:5]] == [
+        [[0, 4]], [[0, 1]], [[1, 8]], [[0, 1], [1, 1]], [[0, 1]],
+    ]
+
+
+def test_trtllm_reserves_prompt_plus_max_output_and_never_evicts():
+    # 10 blocks of 4: each request reserves ceil((4 + 20 - 1) / 4) = 6 blocks, so B
+    # waits until A finishes (end of step 19); vLLM admits both and must preempt.
+    tr = trace_of([(0, 4, 20), (0, 4, 20)])
+    out, _ = both_modes(tr, policy(batching=BATCH64), kv_blocks=10, block_size=4,
+                        engine="trtllm")
+    assert out.admitted_s.tolist() == [0.0, 20.0]
+    assert out.preemptions.sum() == 0
+    vllm, _ = both_modes(tr, policy(batching=BATCH64), kv_blocks=10, block_size=4)
+    assert vllm.admitted_s.tolist() == [0.0, 0.0]
+    assert vllm.preemptions.sum() > 0
+
+
+def test_trtllm_reservation_uses_max_tokens_not_the_actual_output():
+    tr = trace_of([(0, 4, 2), (0, 4, 2)], max_tokens=np.array([20, 20]))
+    out, _ = both_modes(tr, policy(batching=BATCH64), kv_blocks=10, block_size=4,
+                        engine="trtllm")
+    assert out.admitted_s.tolist() == [0.0, 2.0]
+
+
+def test_tgi_budgets_prefill_tokens_only():
+    # budget 4: A's decode token rides along with B's 4-token chunk under TGI; under
+    # TensorRT-LLM the decode token takes one of the 4.
+    tr = trace_of([(0, 4, 5), (0.5, 8, 1)])
+    pol = policy(batching={"max_num_seqs": 2, "max_num_batched_tokens": 4})
+    _, log = both_modes(tr, pol, kv_blocks=100, block_size=4, engine="tgi")
+    assert [rec["scheduled"] for rec in log[:3]] == [[[0, 4]], [[0, 1], [1, 4]],
+                                                    [[0, 1], [1, 4]]]
+    _, log = both_modes(tr, pol, kv_blocks=100, block_size=4, engine="trtllm")
+    assert [rec["scheduled"] for rec in log[:4]] == [[[0, 4]], [[0, 1], [1, 3]],
+                                                    [[0, 1], [1, 3]], [[0, 1], [1, 2]]]
+
+
+# ---- rejection instead of deadlock, shedding, inputs ---------------------------------
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_prompt_too_large_for_the_pool_is_rejected_not_a_deadlock(engine):
+    # 10 blocks of 16 tokens = 160 tokens; the 500-token prompt can never fit.
+    tr = trace_of([(0, 20, 5), (0.5, 500, 3), (1.0, 20, 5)])
+    out, log = both_modes(tr, policy(batching=BATCH64), kv_blocks=10, block_size=16,
+                          engine=engine)
+    assert out.status.tolist() == [0, 2, 0]
+    assert REASONS[out.reason[1]].startswith("rejected")
+    assert np.isnan(out.admitted_s[1]) and np.isnan(out.finish_s[1])
+    assert any(1 in rec["shed"] for rec in log)
+
+
+def test_prompt_over_the_budget_with_chunking_off_is_rejected():
+    tr = trace_of([(0, 100, 2), (0, 10, 2)])
+    pol = policy(batching={"max_num_seqs": 4, "max_num_batched_tokens": 64,
+                           "enable_chunked_prefill": False})
+    out, _ = both_modes(tr, pol, kv_blocks=100, block_size=16)
+    assert out.status.tolist() == [2, 0]
+    assert "chunked prefill off" in REASONS[out.reason[0]]
+
+
+def test_queued_prompt_token_cap_sheds():
+    tr = trace_of([(0, 40, 3), (0, 40, 3), (0, 10, 1)])
+    pol = policy(batching=BATCH64, admission={"max_queued_prompt_tokens": 60})
+    out, _ = both_modes(tr, pol, kv_blocks=100, block_size=16)
+    assert out.status.tolist() == [0, 1, 0]
+    assert "max_queued_prompt_tokens" in REASONS[out.reason[1]]
+
+
+def test_max_tokens_caps_the_output():
+    tr = trace_of([(0, 4, 10), (0, 4, 3)], max_tokens=np.array([4, 8]))
+    out, _ = both_modes(tr, policy(batching=BATCH64), kv_blocks=100, block_size=4)
+    assert out.generated.tolist() == [4, 3]
+
+
+def test_bad_inputs_are_one_line_errors():
+    tr = trace_of([(0, 4, 1)])
+    with pytest.raises(ServetuneError, match="engine 'foo'"):
+        run_engine(tr, Policy(), 10, 16, StepTimeModel(constant_s=1.0), engine="foo")
+    with pytest.raises(ServetuneError, match="at least one block"):
+        run_engine(tr, Policy(), 0, 16, StepTimeModel(constant_s=1.0))
+    with pytest.raises(ServetuneError, match="expected_output"):
+        run_engine(tr, Policy(long_requests={"threshold_tokens": 5}), 10, 16,
+                   StepTimeModel(constant_s=1.0), expected_output=np.ones(7))
+
+
+def test_progress_is_reported_up_to_all_requests():
+    tr = trace_of([(0, 4, 3), (1, 4, 3), (2, 4, 300)])
+    calls = []
+    run_engine(tr, Policy(), 100, 16, StepTimeModel(constant_s=0.1),
+               progress=lambda done, total: calls.append((done, total)))
+    assert calls[-1] == (3, 3)
+    assert all(total == 3 for _, total in calls)
+
+
+# ---- failure shapes, reproduced and fixed by policy ----------------------------------
+
+def _thrash_case():
+    # Six decoders hold the pool's start; a 1500-token prompt arrives at step 2.
+    rows = [(0.0, 64, 200)] * 6 + [(0.015, 1500, 20)]
+    return trace_of(rows)
+
+
+def test_resumed_long_request_thrash_and_its_fix():
+    tr = _thrash_case()
+    step_time = StepTimeModel(constant_s=0.01)
+    batching = {"max_num_seqs": 16, "max_num_batched_tokens": 256}
+
+    def run(admission):
+        pol = policy(batching=batching, admission=admission)
+        out = run_engine(tr, pol, 120, 16, step_time, step_log=True)
+        granted = sum(new for rec in expand_repeats(out.step_log)
+                      for rid, new in rec["scheduled"] if rid == 6)
+        return out, granted - (1500 + 19)  # tokens recomputed for nothing
+
+    # Without the full-prompt reservation the long request is admitted on its first
+    # chunk, then preempted as soon as the decoders need blocks, again and again.
+    bad, wasted_bad = run({"reserve_full_prompt": False})
+    assert bad.preemptions[6] >= 20
+    assert wasted_bad > 20 * 256
+    # Reserving the whole prompt at admission (vLLM's scheduler_reserve_full_isl) fixes it,
+    # with or without a watermark.
+    for admission in ({"reserve_full_prompt": True},
+                      {"reserve_full_prompt": True, "kv_watermark": 0.1}):
+        good, wasted_good = run(admission)
+        assert good.preemptions.sum() <= 1
+        assert wasted_good <= 1519
+        assert (good.status == 0).all()
+
+
+def test_long_prompts_starve_short_ttft_and_a_lane_restores_it():
+    rng = np.random.default_rng(1)
+    dur = 120
+    n_short, n_long = dur * 8, int(dur * 0.6)
+    arrival = np.concatenate([rng.uniform(0, dur, n_short), rng.uniform(0, dur, n_long)])
+    prompt = np.concatenate([rng.integers(100, 300, n_short), rng.integers(7000, 9000, n_long)])
+    output = np.concatenate([rng.integers(20, 80, n_short), rng.integers(100, 300, n_long)])
+    tr = from_arrays(arrival, prompt, output)
+    short = tr.prompt_tokens < 4000
+    step_time = StepTimeModel(fixed_s=0.004, gemm_pieces=[(0.005, 1e-5)],
+                              decode_attn_s_per_context_token=3e-8)
+    batching = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+
+    def short_ttft_p99(long_requests):
+        out = run_engine(tr, Policy(batching=batching, long_requests=long_requests),
+                         1200, 16, step_time)
+        assert (out.status == 0).all()
+        return float(np.percentile((out.first_token_s - tr.arrival_s)[short], 99))
+
+    # Strict FCFS: a waiting long prompt that does not fit the KV pool blocks every
+    # short request behind it.
+    starved = short_ttft_p99({})
+    assert starved > 1.0
+    # A lane capping long requests at half the pool: waiting long requests no longer
+    # block short ones.
+    fixed = short_ttft_p99({"threshold_tokens": 4000, "max_kv_fraction": 0.5})
+    assert fixed < 0.25
+    assert fixed < starved / 10

@@ -1,0 +1,116 @@
+"""The policy MILP against brute force over the grid with the same fluid formulas."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from optimizer_fixtures import SMALL_SPACE, fluid
+from servetune.models.fluid import knobs_grid
+from servetune.models.policy_milp import (
+    RATE_MIN_SHARE,
+    MilpInstance,
+    build_model,
+    solve_policy_milp,
+)
+from servetune.solvers.drivers import SolveStatus
+
+
+def _brute(fm, points):
+    return sorted(((fm.goodput(k)[0], i) for i, k in enumerate(points)), reverse=True)
+
+
+@pytest.mark.parametrize("tpot", [0.1, 0.03])
+def test_milp_optimum_equals_enumeration(tpot):
+    fm = fluid(tpot_s=tpot)
+    points = knobs_grid(SMALL_SPACE)
+    assert len(points) == 3 * 3 * 2 * 2  # tokens >= seqs holds everywhere here
+    inst = MilpInstance.build(fm, points)
+    out = solve_policy_milp(inst, k=1)
+    assert out.statuses == ["optimal"]
+    idx, cand = out.solutions[0]
+    best_rate = _brute(fm, points)[0][0]
+    assert best_rate > 0
+    assert cand.rate_per_s == pytest.approx(best_rate, rel=1e-6)
+    # The chosen point really has that goodput under the fluid model, and the
+    # step-time epigraph is tight: steps per second = 1 / t(x*).
+    assert fm.goodput(points[idx])[0] == pytest.approx(best_rate, rel=1e-6)
+    x = cand.rate_per_s / cand.steps_per_s
+    assert cand.steps_per_s == pytest.approx(1.0 / float(fm.mean_step_s(x)), rel=1e-6)
+
+
+def test_top_k_by_no_good_cuts_follows_the_enumeration_order():
+    fm = fluid()
+    points = knobs_grid(SMALL_SPACE)
+    inst = MilpInstance.build(fm, points)
+    out = solve_policy_milp(inst, k=4)
+    rates = [c.rate_per_s for _, c in out.solutions]
+    idxs = [i for i, _ in out.solutions]
+    assert len(set(idxs)) == 4
+    expected = [r for r, _ in _brute(fm, points)[:4]]
+    assert rates == pytest.approx(expected, rel=1e-6)
+
+
+def test_excluded_points_are_never_chosen():
+    fm = fluid()
+    points = knobs_grid(SMALL_SPACE)
+    inst = MilpInstance.build(fm, points)
+    ranked = _brute(fm, points)
+    best_idx = solve_policy_milp(inst, k=1).solutions[0][0]
+    out = solve_policy_milp(inst, k=1, excluded={best_idx})
+    idx, cand = out.solutions[0]
+    assert idx != best_idx
+    assert cand.rate_per_s == pytest.approx(ranked[1][0], rel=1e-6)
+
+
+def test_infeasible_slo_gives_infeasible_status():
+    fm = fluid(tpot_s=0.003)
+    inst = MilpInstance.build(fm, knobs_grid(SMALL_SPACE))
+    out = solve_policy_milp(inst, k=2)
+    assert out.statuses == ["infeasible"]
+    assert out.solutions == []
+
+
+def test_model_names_follow_the_docstring():
+    fm = fluid()
+    inst = MilpInstance.build(fm, knobs_grid(SMALL_SPACE))
+    m = build_model(inst, rate_min=1e-6)
+    for name in ("P", "C", "K", "z", "rate", "steps", "flow", "one_policy", "class_flow",
+                 "step_time", "budget_stability", "seats", "kv_memory", "queue_caps", "ttft",
+                 "tpot", "min_rate", "goodput"):
+        assert hasattr(m, name), name
+
+
+def test_zero_time_limit_returns_no_solutions():
+    fm = fluid()
+    inst = MilpInstance.build(fm, knobs_grid(SMALL_SPACE))
+    out = solve_policy_milp(inst, k=3, time_limit_s=0.0)
+    assert out.outcomes == []
+
+
+def test_status_enum_values():
+    assert [s.value for s in SolveStatus] == [
+        "optimal", "feasible_at_time_limit", "infeasible", "error"
+    ]
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    ttft=st.floats(0.2, 5.0),
+    tpot=st.floats(0.01, 0.2),
+    kv_blocks=st.integers(500, 100_000),
+    seed=st.integers(0, 1000),
+)
+def test_milp_matches_enumeration_on_random_instances(ttft, tpot, kv_blocks, seed):
+    from optimizer_fixtures import synthetic_load
+
+    fm = fluid(ttft_s=ttft, tpot_s=tpot, kv_blocks=kv_blocks,
+               load=synthetic_load(n=2000, seed=seed))
+    points = knobs_grid(SMALL_SPACE)
+    best = _brute(fm, points)[0][0]
+    out = solve_policy_milp(MilpInstance.build(fm, points), k=1)
+    if best <= RATE_MIN_SHARE * fm.load.rate_per_s:
+        assert out.statuses == ["infeasible"]
+    else:
+        assert out.statuses == ["optimal"]
+        assert out.solutions[0][1].rate_per_s == pytest.approx(best, rel=1e-6)

@@ -1,0 +1,217 @@
+"""`servetune optimize` end to end on the real simulator (small samples), its job file,
+determinism, provenance, and the infeasible exit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from servetune.solvers.optimize import DEFAULT_SPACE_KNOBS
+from typer.testing import CliRunner
+
+from servetune.cli import app
+from servetune.schemas.base import load_document
+from servetune.schemas.job import OptimizeJob
+from servetune.schemas.policy import Policy
+from servetune.schemas.space import SearchSpace
+
+REPO = Path(__file__).resolve().parents[1]
+WORKLOAD = REPO / "configs" / "workloads" / "azure-conv-2023.yaml"
+PROFILE = REPO / "gpu_profiles" / "h200-llama-3.1-8b.yaml"
+SLO = REPO / "configs" / "slos" / "mlperf-llama-3.1-8b-server.yaml"
+
+pytestmark = pytest.mark.skipif(
+    not (WORKLOAD.exists() and PROFILE.exists() and SLO.exists()),
+    reason="shipped workload/profile/SLO files not present yet",
+)
+
+
+def _space(tmp_path: Path) -> Path:
+    path = tmp_path / "space.yaml"
+    path.write_text(
+        "apiVersion: servetune/v1\nkind: SearchSpace\nname: tiny\nknobs:\n"
+        "  max_num_seqs: [64, 256]\n  max_num_batched_tokens: [1024, 4096]\n"
+    )
+    return path
+
+
+def _run(args: list[str]):
+    return CliRunner().invoke(app, args, catch_exceptions=False)
+
+
+def _args(tmp_path: Path, out: str, *extra: str) -> list[str]:
+    return [
+        "optimize", "--workload", str(WORKLOAD), "--profile", str(PROFILE), "--slo", str(SLO),
+        "--space", str(_space(tmp_path)), "--requests", "300", "--quiet", "-o",
+        str(tmp_path / out), *extra,
+    ]
+
+
+def test_same_inputs_and_seed_give_identical_policy_bytes(tmp_path):
+    a = _run(_args(tmp_path, "a.yaml", "--json", str(tmp_path / "a.json")))
+    assert a.exit_code == 0, a.output
+    b = _run(_args(tmp_path, "b.yaml"))
+    assert b.exit_code == 0, b.output
+    assert (tmp_path / "a.yaml").read_bytes() == (tmp_path / "b.yaml").read_bytes()
+
+    policy = load_document(tmp_path / "a.yaml", Policy)
+    meta = policy.metadata
+    assert meta["method"] == "milp"
+    assert meta["inputs"]["workload"]["sha256"] and meta["inputs"]["slo"]["sha256"]
+    assert set(meta["profile"]) == {
+        "name", "gpu_memory_utilization", "block_size", "kv_blocks", "gpu_memory_bytes",
+        "weight_bytes",
+    }
+    assert meta["simulated"]["goodput_rate_per_s"] > 0
+    assert meta["solver"]["milp"]["statuses"][0][0] == "optimal"
+    assert "time" not in yaml.safe_dump(meta).lower().replace("time_limit", "")
+
+    summary = json.loads((tmp_path / "a.json").read_text())
+    for key in ("method", "policy", "goodput_rate_per_s", "defaults_goodput_rate_per_s",
+                "attainment", "simulations", "solver_s", "simulation_s", "wall_s",
+                "iterations"):
+        assert key in summary, key
+    assert summary["policy"]["batching.max_num_seqs"] in (64, 256)
+    assert summary["goodput_rate_per_s"] == pytest.approx(
+        meta["simulated"]["goodput_rate_per_s"], rel=1e-5
+    )
+    assert summary["iterations"] and summary["simulations"] > 0
+
+
+def test_infeasible_slo_exits_3_naming_the_binding_constraint(tmp_path):
+    slo = tmp_path / "tight.yaml"
+    slo.write_text(
+        "apiVersion: servetune/v1\nkind: SLOSet\nname: tight\nclasses:\n"
+        "  default: {ttft_s: 2.0, tpot_s: 0.002, percentile: 99}\n"
+    )
+    args = _args(tmp_path, "never.yaml", "--json", str(tmp_path / "s.json"))
+    args[args.index(str(SLO))] = str(slo)
+    res = _run(args)
+    assert res.exit_code == 3
+    assert "TPOT cannot go below" in res.output and "target 2 ms" in res.output
+    assert not (tmp_path / "never.yaml").exists()
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["status"] == "infeasible"
+    assert summary["infeasible"]["binding"] == "tpot[default]"
+    assert summary["infeasible"]["best_value"] > 0.002
+
+
+def test_job_file_paths_resolve_against_its_folder(tmp_path):
+    folder = tmp_path / "jobs"
+    folder.mkdir()
+    (folder / "w.yaml").write_bytes(WORKLOAD.read_bytes())
+    (folder / "s.yaml").write_bytes(SLO.read_bytes())
+    _space(folder)
+    (folder / "job.yaml").write_text(
+        "apiVersion: servetune/v1\nkind: OptimizeJob\nworkload: w.yaml\n"
+        "profile: h200-llama-3.1-8b\nslo: s.yaml\nspace: space.yaml\nrequests: 300\n"
+        "output: out/policy.yaml\n"
+    )
+    res = _run(["optimize", str(folder / "job.yaml"), "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert load_document(folder / "out" / "policy.yaml", Policy).batching.max_num_seqs in (
+        64, 256
+    )
+
+
+def test_bad_inputs_exit_2_without_output(tmp_path):
+    res = _run(["optimize", "--workload", str(tmp_path / "missing.yaml"), "--profile",
+                str(PROFILE), "--slo", str(SLO), "-o", str(tmp_path / "p.yaml")])
+    assert res.exit_code == 2
+    assert "missing.yaml" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "p.yaml").exists()
+    res = _run(["optimize", "--workload", str(WORKLOAD), "--profile", str(PROFILE), "--slo",
+                str(SLO), "--method", "annealing", "-o", str(tmp_path / "p.yaml")])
+    assert res.exit_code == 2 and "--method" in res.output
+
+
+def test_shipped_default_space_and_quickstart_job():
+    space = load_document(REPO / "configs" / "spaces" / "default.yaml", SearchSpace)
+    assert space.knobs == DEFAULT_SPACE_KNOBS
+    job_path = REPO / "configs" / "jobs" / "quickstart.yaml"
+    job = load_document(job_path, OptimizeJob)
+    assert job.method == "milp"
+    for rel in (job.workload, job.profile, job.slo, job.space):
+        assert (job_path.parent / rel).exists(), rel
+
+
+def test_job_needs_exactly_one_source():
+    from servetune.errors import ServetuneError
+    from servetune.schemas.base import document_from_data
+
+    with pytest.raises(ServetuneError, match="exactly one of workload or trace"):
+        document_from_data(
+            {"apiVersion": "servetune/v1", "kind": "OptimizeJob", "profile": "p", "slo": "s"},
+            OptimizeJob, "job.yaml",
+        )
+
+
+def test_time_limit_is_honoured(tmp_path):
+    res = _run(_args(tmp_path, "p.yaml", "--time-limit", "0.000001"))
+    assert res.exit_code == 2
+    assert "--time-limit" in res.output and "allow more time" in res.output
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_trace_input(tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    n = 400
+    t = np.cumsum(rng.exponential(0.2, n))
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for i in range(n):
+        sec = t[i]
+        stamp = f"2023-11-16 18:{15 + int(sec // 60):02d}:{sec % 60:010.7f}"
+        lines.append(f"{stamp},{rng.integers(50, 3000)},{rng.integers(5, 400)}")
+    trace = tmp_path / "trace.csv"
+    trace.write_text("\n".join(lines) + "\n")
+    args = ["optimize", "--trace", str(trace), "--profile", str(PROFILE), "--slo", str(SLO),
+            "--space", str(_space(tmp_path)), "--quiet", "-o", str(tmp_path / "p.yaml")]
+    res = _run(args)
+    assert res.exit_code == 0, res.output
+    meta = load_document(tmp_path / "p.yaml", Policy).metadata
+    assert meta["inputs"]["trace"]["file"] == "trace.csv"
+    assert meta["sample_requests"] == n
+
+
+def test_simulation_infeasibility_names_the_metric():
+    from servetune.models.fluid import Knobs
+    from servetune.solvers.loop import Evaluated, GoodputEstimate, SimPoint
+    from servetune.solvers.optimize import explain_sim_infeasible
+
+    from servetune.schemas.slo import SLOSet
+
+    slo = load_document(SLO, SLOSet)
+    pts = [
+        SimPoint(0.1, 0.5, False, 0.9,
+                 judged={"default": {"p99_ttft_s": 3.5, "p99_tpot_s": 0.05}}),
+        SimPoint(0.05, 0.25, False, 0.95,
+                 judged={"default": {"p99_ttft_s": 2.6, "p99_tpot_s": 0.04}}),
+    ]
+    ev = Evaluated(0, Knobs(64, 512), 1.0, "ttft[default]", GoodputEstimate(0.0, 0.0, pts))
+    msg, details = explain_sim_infeasible([ev], slo)
+    assert details["binding"] == "ttft[default]"
+    assert "TTFT stays at 2.6 s" in msg and "target 2 s" in msg
+    assert details["best_value"] == 2.6
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.dictionaries(
+    st.sampled_from(["apiVersion", "kind", "workload", "trace", "profile", "slo", "space",
+                     "method", "time_limit_s", "seed", "requests", "engine", "bogus"]),
+    st.one_of(st.none(), st.integers(-5, 10**7), st.floats(allow_nan=True), st.text(max_size=8),
+              st.sampled_from(["servetune/v1", "OptimizeJob", "milp", "grid", "vllm"])),
+))
+def test_job_documents_fail_only_with_servetune_errors(data):
+    from servetune.errors import ServetuneError
+    from servetune.schemas.base import document_from_data
+
+    try:
+        document_from_data(data, OptimizeJob, "job.yaml")
+    except ServetuneError as err:
+        assert err.message.startswith("job.yaml")

@@ -1,0 +1,85 @@
+"""Solver drivers: statuses mapped explicitly and the time limit honoured."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyomo.environ as pyo
+from servetune.solvers.drivers import SolveStatus, solve_cpsat, solve_highs
+
+
+def _hard_knapsack(n: int = 60, m: int = 8, seed: int = 3) -> pyo.ConcreteModel:
+    """A multi-dimensional knapsack: all-zero is feasible at once, optimality is hard."""
+    rng = np.random.default_rng(seed)
+    w = rng.integers(200, 1000, (m, n))
+    v = w.sum(axis=0) // m + rng.integers(0, 20, n)
+    cap = w.sum(axis=1) // 2
+    model = pyo.ConcreteModel()
+    model.x = pyo.Var(range(n), domain=pyo.Binary)
+    model.cap = pyo.Constraint(
+        range(m), rule=lambda mm, i: sum(int(w[i, j]) * mm.x[j] for j in range(n)) <= int(cap[i])
+    )
+    model.obj = pyo.Objective(expr=sum(int(v[j]) * model.x[j] for j in range(n)),
+                              sense=pyo.maximize)
+    return model
+
+
+def test_highs_small_model_is_optimal():
+    m = pyo.ConcreteModel()
+    m.x = pyo.Var(domain=pyo.NonNegativeIntegers, bounds=(0, 10))
+    m.c = pyo.Constraint(expr=3 * m.x <= 10)
+    m.o = pyo.Objective(expr=m.x, sense=pyo.maximize)
+    out, _ = solve_highs(m, time_limit_s=10)
+    assert out.status == SolveStatus.OPTIMAL
+    assert out.objective == 3
+
+
+def test_highs_infeasible():
+    m = pyo.ConcreteModel()
+    m.x = pyo.Var(domain=pyo.Binary)
+    m.c = pyo.Constraint(expr=m.x >= 2)
+    m.o = pyo.Objective(expr=m.x)
+    out, _ = solve_highs(m, time_limit_s=10)
+    assert out.status == SolveStatus.INFEASIBLE
+    assert out.objective is None
+
+
+def test_highs_time_limit_stops_before_optimality():
+    out, _ = solve_highs(_hard_knapsack(), time_limit_s=0.05)
+    assert out.status in (SolveStatus.FEASIBLE_AT_TIME_LIMIT, SolveStatus.ERROR)
+    if out.status == SolveStatus.FEASIBLE_AT_TIME_LIMIT:
+        assert out.objective is not None
+    else:
+        assert "maxTimeLimit" in out.message
+
+
+def test_cpsat_statuses():
+    from ortools.sat.python import cp_model
+
+    m = cp_model.CpModel()
+    x = m.NewIntVar(0, 10, "x")
+    m.Add(3 * x <= 10)
+    m.Maximize(x)
+    out, solver = solve_cpsat(m, time_limit_s=5)
+    assert out.status == SolveStatus.OPTIMAL and solver.Value(x) == 3
+
+    bad = cp_model.CpModel()
+    y = bad.NewIntVar(0, 1, "y")
+    bad.Add(y >= 2)
+    assert solve_cpsat(bad, time_limit_s=5)[0].status == SolveStatus.INFEASIBLE
+
+
+def test_cpsat_time_limit_stops_before_optimality():
+    from ortools.sat.python import cp_model
+
+    rng = np.random.default_rng(5)
+    n, m_dim = 120, 10
+    w = rng.integers(200, 1000, (m_dim, n))
+    v = w.sum(axis=0) // m_dim + rng.integers(0, 20, n)
+    cap = w.sum(axis=1) // 2
+    model = cp_model.CpModel()
+    x = [model.NewBoolVar(f"x{j}") for j in range(n)]
+    for i in range(m_dim):
+        model.Add(sum(int(w[i, j]) * x[j] for j in range(n)) <= int(cap[i]))
+    model.Maximize(sum(int(v[j]) * x[j] for j in range(n)))
+    out, _ = solve_cpsat(model, time_limit_s=0.05)
+    assert out.status in (SolveStatus.FEASIBLE_AT_TIME_LIMIT, SolveStatus.ERROR)

@@ -1,0 +1,110 @@
+"""The search loop and the baselines, with simulators whose answers are known."""
+
+from __future__ import annotations
+
+import pytest
+from optimizer_fixtures import SMALL_SPACE, ThresholdSim, fluid
+from servetune.models.fluid import Knobs, knobs_grid
+from servetune.solvers import baselines
+from servetune.solvers.loop import find_goodput, search
+
+from servetune.schemas.policy import Policy
+from servetune.schemas.space import apply_knobs
+
+
+def make_policy(k: Knobs) -> Policy:
+    return apply_knobs(Policy(), k.as_dotted())
+
+
+@pytest.mark.parametrize("truth,start", [(3.7, 1.0), (3.7, 9.0), (0.05, 1.0), (40.0, 0.3)])
+def test_find_goodput_brackets_then_bisects(truth, start):
+    k = Knobs(64, 1024)
+    sim = ThresholdSim({k: truth * 5.0})
+    est = find_goodput(sim, make_policy(k), start_scale=start, rel_tol=0.02)
+    assert est.passed
+    assert truth / 1.02 <= est.rate_scale <= truth
+    assert est.rate_per_s == pytest.approx(est.rate_scale * 5.0)
+    assert all(p.meets_slo == (p.rate_scale <= truth) for p in est.points)
+    assert len(est.points) == sim.simulations
+
+
+def test_find_goodput_reports_zero_when_nothing_passes():
+    k = Knobs(64, 1024)
+    est = find_goodput(ThresholdSim({}), make_policy(k), start_scale=1.0)
+    assert not est.passed and est.rate_scale == 0.0
+
+
+def _truth(fm, points, distort):
+    return {k: fm.goodput(k)[0] * distort(k) for k in points}
+
+
+def test_loop_converges_to_the_true_best_when_the_model_is_right():
+    fm = fluid()
+    points = knobs_grid(SMALL_SPACE)
+    truth = _truth(fm, points, lambda k: 1.0)
+    sim = ThresholdSim(truth)
+    res = search(fm, points, make_policy, sim, k=2, max_iterations=4, rel_tol=0.02)
+    assert res.converged
+    assert res.best is not None and res.best.goodput.passed
+    assert res.best.goodput.rate_per_s >= max(truth.values()) / 1.02 - 1e-9
+    assert len(res.iterations) >= 2
+    grid_sims = sum(
+        len(find_goodput(ThresholdSim(truth), make_policy(k), start_scale=1.0,
+                         factor=2.0).points) for k in points
+    )
+    assert sim.simulations * 3 < grid_sims
+
+
+def test_loop_never_returns_a_candidate_the_simulator_rejected():
+    fm = fluid()
+    points = knobs_grid(SMALL_SPACE)
+    ranked = sorted(points, key=lambda k: fm.goodput(k)[0], reverse=True)
+    rejected = set(ranked[:3])  # the model's three favourites fail at every rate
+    truth = {k: (0.0 if k in rejected else fm.goodput(k)[0] * 0.8) for k in points}
+    sim = ThresholdSim(truth)
+    res = search(fm, points, make_policy, sim, k=2, max_iterations=5, rel_tol=0.02)
+    assert res.best is not None
+    assert res.best.knobs not in rejected
+    assert res.best.goodput.passed
+    tried = {e.knobs for e in res.evaluated}
+    assert tried & rejected  # they were proposed, simulated and cut off
+    for it in res.iterations:
+        assert "candidates" in it and "calibration" in it and "milp_statuses" in it
+
+
+def test_loop_returns_nothing_when_the_simulator_rejects_everything():
+    fm = fluid()
+    points = knobs_grid(SMALL_SPACE)
+    res = search(fm, points, make_policy, ThresholdSim({}), k=2, max_iterations=2)
+    assert res.best is None
+    assert res.evaluated and not any(e.goodput.passed for e in res.evaluated)
+
+
+def test_grid_is_the_oracle_and_random_respects_its_budget():
+    fm = fluid()
+    points = knobs_grid(SMALL_SPACE)
+    truth = _truth(fm, points, lambda k: 1.0 - 0.001 * (k.max_num_seqs // 16))
+    grid = baselines.grid_search(points, make_policy, ThresholdSim(truth), rel_tol=0.02)
+    assert len(grid.evaluated) == len(points)
+    assert grid.goodput_rate_per_s >= max(truth.values()) / 1.02 - 1e-9
+    rnd = baselines.random_search(points, make_policy, ThresholdSim(truth), budget=20, seed=1)
+    assert 20 <= rnd.simulations < 20 + 20  # stops starting searches once the budget is spent
+    again = baselines.random_search(points, make_policy, ThresholdSim(truth), budget=20, seed=1)
+    assert [e.knobs for e in again.evaluated] == [e.knobs for e in rnd.evaluated]
+
+
+def test_optuna_baseline_is_optional():
+    fm = fluid()
+    points = knobs_grid(SMALL_SPACE)
+    res = baselines.optuna_search(SMALL_SPACE, points, make_policy,
+                                  ThresholdSim(_truth(fm, points, lambda k: 1.0)), budget=15)
+    if baselines.optuna_available():
+        assert res.best is not None
+    else:
+        assert res.skipped and res.best is None
+
+
+def test_engine_default_knobs():
+    assert baselines.VLLM_DEFAULTS == Knobs(1024, 8192)
+    sg = baselines.sglang_default_knobs(909_072)
+    assert sg.max_num_seqs == 4096 and sg.max_num_batched_tokens == 8192
