@@ -85,9 +85,10 @@ def derived_table() -> list[dict]:
         pf8k = st.seconds(8192, 1, 0, 0, 8192 * 4096)
         rows.append({
             "profile": name, "calibration": p.calibration.kind, "tp": p.tensor_parallel,
-            "kv_blocks": p.kv_blocks(), "decode_b1_ms": round(b1 * 1e3, 2),
-            "decode_b64_2k_tok_s": round(64 / b64), "prefill_2k_ms": round(pf2k * 1e3, 1),
-            "prefill_8k_tok_s": round(8192 / pf8k),
+            "kv_blocks": p.kv_blocks(), "decode_b1_ms": round(float(b1) * 1e3, 2),
+            "decode_b64_2k_tok_s": round(64 / float(b64)),
+            "prefill_2k_ms": round(float(pf2k) * 1e3, 1),
+            "prefill_8k_tok_s": round(8192 / float(pf8k)),
         })
     return rows
 

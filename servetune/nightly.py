@@ -40,11 +40,12 @@ from servetune.report import (
     ReportFiles,
     Verdict,
     build_report,
+    commit_files,
     compare,
+    report_file_list,
     summary_json_text,
-    write_report,
 )
-from servetune.schemas.base import document_to_yaml, load_document, write_text_atomic
+from servetune.schemas.base import document_to_yaml, load_document
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
 
@@ -240,6 +241,20 @@ def knob_reasons(fluid: Any, current: Policy, new: Policy) -> dict[str, str]:
     return reasons
 
 
+def model_reasons(workload: Any, profile: Any, slo: SLOSet, current: Policy, new: Policy, *,
+                  calibration: dict[str, float] | None = None) -> dict[str, str]:
+    """:func:`knob_reasons` from the fluid model of ``workload`` on ``profile`` at ``slo``
+    (with the optimizer loop's calibration when given)."""
+    from servetune.models.fluid import Calibration, FluidModel, LoadModel, Platform, targets_for
+    from servetune.workload import class_stats
+
+    load = LoadModel.from_class_stats(class_stats(workload))
+    fluid = FluidModel(load, Platform.from_profile(profile), targets_for(load, slo))
+    if calibration:
+        fluid = fluid.with_calibration(Calibration(**calibration))
+    return knob_reasons(fluid, current, new)
+
+
 def optimize_policy(
     trace: Any,
     workload: Any,
@@ -251,15 +266,14 @@ def optimize_policy(
     time_limit_s: float | None = None,
     seed: int = 0,
     inputs: dict[str, str] | None = None,
+    engine: str = "vllm",
     progress: Progress | None = None,
 ) -> Optimized:
     """Run the optimizer on the fitted workload (knobs outside the search space keep the
     current policy's values); raises InfeasibleError (exit 3) when nothing meets the SLOs.
     The reasons come from the fluid model the MILP is built on, calibrated as the loop
     left it."""
-    from servetune.models.fluid import Calibration, FluidModel, LoadModel, Platform, targets_for
     from servetune.solvers.optimize import DEFAULT_REQUESTS, optimize
-    from servetune.workload import class_stats
 
     kwargs: dict[str, Any] = {}
     if time_limit_s is not None:
@@ -267,16 +281,13 @@ def optimize_policy(
     result = optimize(
         workload, profile, slo, space, seed=seed, base_policy=current, inputs=inputs or {},
         n_requests=min(DEFAULT_REQUESTS, max(len(trace), 2)), compare_defaults=False,
-        progress=progress, **kwargs,
+        engine=engine, progress=progress, **kwargs,
     )
     if result.policy is None:  # pragma: no cover - optimize raises InfeasibleError instead
         raise InfeasibleError(result.explanation or "no policy meets the SLOs")
     summary = result.summary
-    load = LoadModel.from_class_stats(class_stats(workload))
-    fluid = FluidModel(load, Platform.from_profile(profile), targets_for(load, slo))
-    if summary.get("calibration"):
-        fluid = fluid.with_calibration(Calibration(**summary["calibration"]))
-    reasons = knob_reasons(fluid, current, result.policy)
+    reasons = model_reasons(workload, profile, slo, current, result.policy,
+                            calibration=summary.get("calibration"))
     for it in summary.get("iterations") or []:
         lanes = it.get("lanes") if isinstance(it, dict) else None
         if lanes and lanes.get("kept"):
@@ -326,6 +337,12 @@ def run_nightly(
     if not (isinstance(min_gain, int | float) and math.isfinite(min_gain) and min_gain >= 0):
         raise ServetuneError(f"--min-gain must be a number >= 0 (got {min_gain})")
     engines = parse_engines(engines)
+    from servetune.sim.api import ENGINE_NAMES
+
+    if sim_engine not in ENGINE_NAMES:
+        raise ServetuneError(
+            f"--sim-engine {sim_engine!r}: choose one of {', '.join(ENGINE_NAMES)}"
+        )
     trace_path, profile_path, slo_path, current_path = (
         Path(trace_path), Path(profile_path), Path(slo_path), Path(current_path))
     out = Path(out_dir)
@@ -352,6 +369,7 @@ def run_nightly(
     base_summary: dict[str, Any] = {
         "min_gain": min_gain,
         "engines": engines,
+        "sim_engine": sim_engine,
         "inputs": inputs,
         "exit_codes": {str(k): v for k, v in EXIT_CODES.items()},
     }
@@ -365,7 +383,7 @@ def run_nightly(
     try:
         opt = optimize_policy(trace, workload, profile, slo, current=current, space=space,
                               time_limit_s=time_limit_s, seed=seed, inputs=inputs,
-                              progress=progress)
+                              engine=sim_engine, progress=progress)
     except InfeasibleError as err:
         return _write_infeasible(out, err, current, base_summary)
     new = with_profile_facts(opt.policy, profile)
@@ -394,7 +412,7 @@ def run_nightly(
         "exit_code": code,
         "gain": decision.gain,
         "files_written": files_written + ["report.md", "summary.json"],
-        "optimizer": opt.info,
+        "optimizer": drop_timings(opt.info),
         "new_policy": new.knobs(),
     }
     _say(progress, "rendering the report and its plots")
@@ -409,16 +427,26 @@ def run_nightly(
 
 def _write_outputs(out: Path, policy_text: str, exports: Sequence[ExportResult],
                    report: ReportFiles) -> list[Path]:
-    """Policy and configs first, the report after, ``summary.json`` last (each atomic)."""
-    written: list[Path] = []
+    """Policy and configs, then the report, ``summary.json`` last: all staged in full
+    before any is renamed into place (:func:`servetune.report.commit_files`)."""
+    files: list[tuple[str, bytes]] = []
     if policy_text:
-        write_text_atomic(out / "policy.yaml", policy_text)
-        written.append(out / "policy.yaml")
-        for ex in exports:
-            write_text_atomic(out / ex.filename, ex.text)
-            written.append(out / ex.filename)
-    written += write_report(report, out)
-    return written
+        files.append(("policy.yaml", policy_text.encode("utf-8")))
+        files += [(ex.filename, ex.text.encode("utf-8")) for ex in exports]
+    files += report_file_list(report)
+    return commit_files(out, files)
+
+
+TIMING_KEYS = frozenset({"wall_s", "solver_s", "simulation_s", "sim_wall_s", "solve_s"})
+
+
+def drop_timings(value: Any) -> Any:
+    """Remove wall-clock figures, so that the same inputs give the same summary bytes."""
+    if isinstance(value, dict):
+        return {k: drop_timings(v) for k, v in value.items() if k not in TIMING_KEYS}
+    if isinstance(value, list | tuple):
+        return [drop_timings(v) for v in value]
+    return value
 
 
 def _write_infeasible(out: Path, err: InfeasibleError, current: Policy,
@@ -429,7 +457,7 @@ def _write_infeasible(out: Path, err: InfeasibleError, current: Policy,
         "exit_code": EXIT_INFEASIBLE,
         "verdict": f"No policy in the search space meets the SLOs; `{current.name}` stays.",
         "reasons": [err.message],
-        "details": err.details,
+        "details": drop_timings(err.details),
         "files_written": ["report.md", "summary.json"],
     }
     from servetune.report import json_safe
@@ -453,7 +481,9 @@ def _write_infeasible(out: Path, err: InfeasibleError, current: Policy,
         "|---|---|",
     ]
     lines += [f"| {k} | `{v}` |" for k, v in base_summary["inputs"].items()]
-    write_text_atomic(out / "report.md", "\n".join(lines) + "\n")
-    write_text_atomic(out / "summary.json", summary_json_text(summary))
+    written = commit_files(out, [
+        ("report.md", ("\n".join(lines) + "\n").encode("utf-8")),
+        ("summary.json", summary_json_text(summary).encode("utf-8")),
+    ])
     return NightlyOutcome(exit_code=EXIT_INFEASIBLE, status="infeasible",
-                          files=[out / "report.md", out / "summary.json"], summary=summary)
+                          files=written, summary=summary)

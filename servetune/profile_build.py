@@ -32,7 +32,6 @@ from servetune.profile_fit import (
     shape_ratios,
     step_time_from_perop,
 )
-from servetune.schemas.base import load_document
 from servetune.schemas.profile import (
     Calibration,
     CalibrationFile,
@@ -328,6 +327,3 @@ def profile_header(profile: Profile) -> str:
     lines.append(f"Source: {profile.calibration.source}")
     return "\n".join(lines)
 
-
-def load_any_profile(path: str | os.PathLike[str]) -> Profile:
-    return load_document(path, Profile)

@@ -20,18 +20,21 @@ The method, per layer of a model (all times in seconds, ``m(.)`` a measured per-
 
    and the step adds ``psi`` per layer for the small kernels of a layer that no per-op
    file times (splits, concatenations, rotary, residual adds inside the graph). Attention
-   terms are fitted after subtracting ``phi`` and are not scaled (they stream KV from HBM
-   either way). The four constants (``phi`` launch floor, ``B_gemv`` weight-streaming
+   slopes come from affine fits of the rows clear of the floor (the intercept is the
+   floor and is dropped) and are not scaled (they stream KV from HBM either way). The
+   four constants (``phi`` launch floor, ``B_gemv`` weight-streaming
    bandwidth of small-batch GEMMs, ``alpha`` graph/standalone ratio of GEMM time, ``psi``
    per-layer in-graph overhead) describe the GPU and the timing method, not the model:
    they are learned once from a whole-step file and applied unchanged to any model
    measured the same way; this is how the Qwen2.5-32B profile is fitted from per-op rows
-   only. ``phi`` is searched on a grid from 0 to 3x the floor of the tiniest timings;
-   ``B_gemv`` within 85-100% of what standalone large-weight GEMMs at <= 16 tokens
-   demonstrate (bytes / (ms - floor)), because weight streaming and per-layer overhead
-   are both constant at small batch and one model's steps cannot tell them apart, while
-   they scale differently to a bigger model; ``alpha`` and ``psi >= 0`` by least squares
-   of relative error; the score is median + max/4 of the relative errors.
+   only. ``phi`` is measured, not fitted: the median of the ten smallest GEMM and
+   decode-attention timings (operations too small to take longer than the floor).
+   ``B_gemv`` is searched within 85-100% of what standalone large-weight GEMMs at <= 16
+   tokens demonstrate (bytes / (ms - phi), capped at the datasheet bandwidth), because
+   weight streaming and per-layer overhead are both constant at small batch and one
+   model's steps cannot tell them apart, while they scale differently to a bigger model;
+   ``alpha`` and ``psi >= 0`` come from least squares of relative error; the score that
+   picks ``B_gemv`` is median + max/4 of the relative errors.
 
 3. **Step-time model** (:mod:`servetune.steptime`):
    ``gemm_pieces`` is a convex piecewise-linear fit of ``L * G(T)`` over T in [1, 8192]
@@ -291,8 +294,8 @@ class GraphCorrection:
 # measurement folder has no whole-step file of its own.
 # (tests/test_profile_fit.py checks that relearning gives these values).
 H200_CORRECTION = GraphCorrection(
-    launch_floor_s=34.1484e-6, gemv_bandwidth_Bps=4.8e12, gemm_scale=1.14381,
-    layer_overhead_s=55.3716e-6, learned_from="h200 step_graph_llama-3.1-8b.csv",
+    launch_floor_s=21.855e-6, gemv_bandwidth_Bps=3.83120e12, gemm_scale=1.11547,
+    layer_overhead_s=12.6942e-6, learned_from="h200 step_graph_llama-3.1-8b.csv",
 )
 
 
@@ -362,7 +365,9 @@ def learn_correction(
     *, hbm_bandwidth_Bps: float, source: str = "",
     launch_floors: list[float] | None = None,
 ) -> CorrectionFit:
-    """Fit (phi, B_gemv, alpha, psi) so per-op sums match whole CUDA-graph steps."""
+    """Fit (B_gemv, alpha, psi) so per-op sums match whole CUDA-graph steps; phi is the
+    measured floor (:func:`launch_floor_estimate`) unless ``launch_floors`` lists
+    candidates to choose from."""
     if not steps:
         raise ServetuneError(f"{source or rows_name}: no whole-step rows to learn from")
     measured = np.array([r.seconds for r in steps])
@@ -394,17 +399,9 @@ def learn_correction(
                                        float(psi), learned_from=source or rows_name)
                 best = (score, corr, err)
 
-    if launch_floors is not None:  # the caller fixes the candidates
-        for phi in launch_floors:
-            score_phi(float(phi))
-    coarse = np.linspace(0.0, 3.0 * floor, 13)
-    for phi in coarse if launch_floors is None else ():
+    candidates = [floor] if launch_floors is None else list(launch_floors)
+    for phi in candidates:
         score_phi(float(phi))
-    if best is not None and launch_floors is None:  # refine around the best coarse value
-        step = coarse[1] - coarse[0]
-        centre = best[1].launch_floor_s
-        for phi in np.linspace(max(centre - step, 0.0), centre + step, 17):
-            score_phi(float(phi))
     if best is None:
         raise ServetuneError(f"{source or rows_name}: could not fit the launch-floor "
                              "correction (no positive GEMM scale)")

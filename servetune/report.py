@@ -25,6 +25,7 @@ import io
 import json
 import math
 import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from servetune.schemas.base import write_bytes_atomic, write_text_atomic
+from servetune.errors import ServetuneError
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
 from servetune.trace import Trace
@@ -628,15 +629,67 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def write_report(files: ReportFiles, out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Write the plots, then ``report.md``, then ``summary.json``, each atomically."""
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _stage_one(folder: Path, name: str, data: bytes, mode: int) -> Path:
+    """Write ``data`` to a new temporary file in ``folder`` (same file system as the
+    target, so the later rename is atomic)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)
+
+
+def commit_files(out_dir: str | os.PathLike[str], files: Sequence[tuple[str, bytes]]
+                 ) -> list[Path]:
+    """Write a set of files so that an interruption leaves the previous set intact.
+
+    Every file is first written in full to a temporary file beside its target; only when
+    all are on disk are they renamed into place, in order (put the file that marks a
+    finished run, ``summary.json``, last). An error or interrupt while staging removes the
+    temporary files and touches no previous output."""
     out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ServetuneError(f"{out}: cannot create the output folder ({exc.strerror})") from None
+    mode = 0o666 & ~_umask()
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for name, data in files:
+            staged.append((_stage_one(out, name, data, mode), out / name))
+    except BaseException as exc:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise ServetuneError(f"{out}: cannot write ({exc.strerror})") from None
+        raise
     written = []
-    for name, data in files.figures.items():
-        write_bytes_atomic(out / name, data)
-        written.append(out / name)
-    write_text_atomic(out / "report.md", files.markdown)
-    written.append(out / "report.md")
-    write_text_atomic(out / "summary.json", summary_json_text(files.summary))
-    written.append(out / "summary.json")
+    for tmp, target in staged:
+        os.replace(tmp, target)
+        written.append(target)
     return written
+
+
+def report_file_list(files: ReportFiles) -> list[tuple[str, bytes]]:
+    """The report's files in commit order: plots, ``report.md``, ``summary.json``."""
+    out = [(name, data) for name, data in files.figures.items()]
+    out.append(("report.md", files.markdown.encode("utf-8")))
+    out.append(("summary.json", summary_json_text(files.summary).encode("utf-8")))
+    return out
+
+
+def write_report(files: ReportFiles, out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Write the plots, ``report.md`` and ``summary.json`` (see :func:`commit_files`)."""
+    return commit_files(out_dir, report_file_list(files))

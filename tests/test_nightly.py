@@ -51,6 +51,7 @@ def test_parse_engines():
     [
         (["--engines", "vllm,ollama"], "'ollama' is not supported"),
         (["--min-gain", "-0.1"], "--min-gain must be a number >= 0"),
+        (["--sim-engine", "llamacpp"], "--sim-engine 'llamacpp'"),
     ],
 )
 def test_bad_options_exit_2_and_write_nothing(tmp_path, extra, message):
@@ -103,11 +104,13 @@ def tiny(tmp_path_factory):
     (d / "trace.csv").write_text("\n".join(lines[:401]) + "\n")  # header + 400 requests
     (d / "space.yaml").write_text(SPACE)
     (d / "poor.yaml").write_text(POOR)
+    # A snapshot of the shipped profile, so every run in this module sees the same bytes.
+    (d / "profile.yaml").write_bytes(PROFILE.read_bytes())
     return d
 
 
 def tiny_args(d: Path, out: Path, current: Path, *extra: str) -> list[str]:
-    return ["nightly", "--trace", str(d / "trace.csv"), "--profile", str(PROFILE),
+    return ["nightly", "--trace", str(d / "trace.csv"), "--profile", str(d / "profile.yaml"),
             "--slo", str(SLO), "--current", str(current), "--out-dir", str(out),
             "--space", str(d / "space.yaml"), "--time-limit", "20", *extra]
 
@@ -189,27 +192,28 @@ def test_interrupted_run_leaves_previous_outputs(tiny, first_run, monkeypatch):
     assert res.exit_code == 0
     target = tiny / "interrupted"
     target.mkdir()
-    for name, data in snapshot(out).items():
-        (target / name).write_bytes(data)
+    for name in snapshot(out):  # yesterday's outputs, recognisably different
+        (target / name).write_bytes(b"previous run's " + name.encode())
     before = snapshot(target)
     calls = {"n": 0}
-    real = report_mod.write_bytes_atomic
+    real = report_mod._stage_one
 
-    def dying_write(path, data):
+    def dying_stage(folder, name, data, mode):
         calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt  # the job is killed while writing the plots
-        real(path, data)
+        if calls["n"] == 5:
+            raise KeyboardInterrupt  # the job is killed while writing its files
+        return real(folder, name, data, mode)
 
-    monkeypatch.setattr(report_mod, "write_bytes_atomic", dying_write)
+    monkeypatch.setattr(report_mod, "_stage_one", dying_stage)
     with pytest.raises(KeyboardInterrupt):
         from servetune.nightly import run_nightly
 
-        run_nightly(tiny / "trace.csv", PROFILE, SLO, tiny / "poor.yaml", target,
+        run_nightly(tiny / "trace.csv", tiny / "profile.yaml", SLO, tiny / "poor.yaml", target,
                     space_path=tiny / "space.yaml", time_limit_s=20)
+    assert calls["n"] == 5
     after = snapshot(target)
-    assert set(after) == set(before)  # no half-written or temporary file
-    assert after == before  # reruns are deterministic, so every file written is unchanged
+    assert set(after) == set(before)  # no half-written or temporary file left behind
+    assert after == before  # nothing was renamed into place
 
 
 def test_infeasible_slo_exits_3_with_report(tiny):
@@ -232,7 +236,7 @@ def test_report_command(tiny, first_run):
     assert res.exit_code == 0
     rep = tiny / "report"
     res2 = runner.invoke(app, ["report", "--trace", str(tiny / "trace.csv"), "--profile",
-                               str(PROFILE), "--slo", str(SLO), "--current",
+                               str(tiny / "profile.yaml"), "--slo", str(SLO), "--current",
                                str(tiny / "poor.yaml"), "--new", str(out / "policy.yaml"),
                                "--out-dir", str(rep)])
     assert res2.exit_code == 0, res2.output

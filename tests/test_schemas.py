@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import string
 from pathlib import Path
 
@@ -275,3 +276,16 @@ def test_fuzz_mutated_documents(tmp_path, data, rel):
         # Whatever loads must survive a round trip unchanged.
         path.write_text(document_to_yaml(loaded))
         assert load_document(path, kind) == loaded
+
+
+def test_atomic_write_gives_a_normal_file_mode_and_leaves_no_temp(tmp_path):
+    from servetune.schemas import write_text_atomic
+
+    target = tmp_path / "out" / "policy.yaml"
+    write_text_atomic(target, "a: 1\n")
+    write_text_atomic(target, "a: 2\n")
+    assert target.read_text() == "a: 2\n"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert [p.name for p in target.parent.iterdir()] == ["policy.yaml"]

@@ -75,13 +75,19 @@ def register(app: typer.Typer) -> None:
             None, "--time-limit", help="Solver time limit per solve, seconds."
         ),
         seed: int = typer.Option(0, "--seed", help="Seed for every random choice."),
+        sim_engine: str = typer.Option(
+            "vllm", "--sim-engine",
+            help="Engine scheduler model to optimize and compare under (vllm, sglang, trtllm, "
+            "tgi).",
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print summary.json to stdout."),
     ) -> None:
         from servetune.nightly import run_nightly
 
         outcome = run_nightly(
             trace, profile, slo, current, out_dir, engines=engines, min_gain=min_gain,
-            space_path=space, time_limit_s=time_limit, seed=seed, progress=_progress,
+            space_path=space, time_limit_s=time_limit, seed=seed, sim_engine=sim_engine,
+            progress=_progress,
         )
         if as_json:
             typer.echo(json.dumps(outcome.summary, indent=2))
@@ -122,8 +128,11 @@ def register(app: typer.Typer) -> None:
         inputs = {name: f"{p.name} (sha256 {file_digest(p)[:16]})" for name, p in
                   (("trace", trace), ("profile", profile), ("slo", slo),
                    ("current policy", current), ("new policy", new))}
-        files = build_report(comp, Verdict(headline), inputs=inputs,
-                             reasons=_reasons_from_metadata(nxt))
+        from servetune.nightly import model_reasons
+        from servetune.workload import fit_workload
+
+        reasons = model_reasons(fit_workload(tr, name=trace.stem), prof, slo_set, cur, nxt)
+        files = build_report(comp, Verdict(headline), inputs=inputs, reasons=reasons)
         written = write_report(files, out_dir)
         if as_json:
             typer.echo(json.dumps(files.summary, indent=2))
@@ -132,8 +141,3 @@ def register(app: typer.Typer) -> None:
             for path in written:
                 typer.echo(f"wrote {path}")
 
-
-def _reasons_from_metadata(policy) -> dict[str, str]:
-    """Knob reasons the optimizer stored in a policy's metadata, if any."""
-    reasons = policy.metadata.get("reasons") if isinstance(policy.metadata, dict) else None
-    return {str(k): str(v) for k, v in reasons.items()} if isinstance(reasons, dict) else {}

@@ -23,6 +23,9 @@ from servetune.errors import ServetuneError
 
 API_VERSION = "servetune/v1"
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 
 class Strict(BaseModel):
     """A nested section: unknown keys are errors, values are validated on assignment."""
@@ -153,6 +156,7 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the usual file mode
         os.replace(tmp, p)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
