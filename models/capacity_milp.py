@@ -32,6 +32,10 @@ Objective
     cost mode:    minimize  sum_{t,s} price[t] hours n[t,s]
     budget mode:  maximize  sum_{b,s} hours lam[b,s] sum_t f[b,t,s]   (requests served)
 
+In cost mode without the static option no constraint links two slots, so the model
+splits into one small MILP per slot; :func:`solve_capacity` solves them one by one (the
+same optimum, and far faster than one model with every slot).
+
 Cost mode can be infeasible only through count limits (or a bucket no type can serve);
 then :func:`solve_capacity` re-solves in budget mode without a budget to find the
 largest servable share and reports which slot, bucket and limits bind.
@@ -229,6 +233,8 @@ def solve_capacity(inst: CapacityInstance, *, time_limit_s: float = 30.0) -> Cap
     cannot be served within the limits."""
     _check(inst)
     budget_mode = inst.budget is not None
+    if not budget_mode and not inst.static and inst.n_slots > 1:
+        return _solve_by_slot(inst, time_limit_s)
     m = build_model(inst, budget_mode=budget_mode)
     status, secs = _solve(m, time_limit_s)
     if status in ("optimal", "feasible"):
@@ -240,6 +246,33 @@ def solve_capacity(inst: CapacityInstance, *, time_limit_s: float = 30.0) -> Cap
             details={"status": status},
         )
     raise _explain_infeasible(inst, time_limit_s)
+
+
+def _slot_instance(inst: CapacityInstance, s: int) -> CapacityInstance:
+    return CapacityInstance(**{
+        **inst.__dict__, "n_slots": 1,
+        "lam": {(b, 0): inst.lam[b, s] for b in inst.buckets},
+    })
+
+
+def _solve_by_slot(inst: CapacityInstance, time_limit_s: float) -> CapacitySolution:
+    replicas: dict[tuple[str, int], int] = {}
+    routing: dict[tuple[str, str, int], float] = {}
+    statuses, secs = [], 0.0
+    for s in range(inst.n_slots):
+        try:
+            part = solve_capacity(_slot_instance(inst, s), time_limit_s=time_limit_s)
+        except InfeasibleError as err:
+            if err.details.get("binding") == "count_limit":
+                raise _explain_infeasible(inst, time_limit_s) from None
+            raise
+        statuses.append(part.status)
+        secs += part.solver_s
+        replicas.update({(t, s): n for (t, _s), n in part.replicas.items()})
+        routing.update({(b, t, s): f for (b, t, _s), f in part.routing.items()})
+    cost = sum(inst.price[t] * inst.hours * n for (t, _s), n in replicas.items())
+    status = "optimal" if all(x == "optimal" for x in statuses) else "feasible"
+    return CapacitySolution(status, replicas, routing, cost, 1.0, secs)
 
 
 def _check(inst: CapacityInstance) -> None:

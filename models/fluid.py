@@ -17,15 +17,20 @@ and quantiles, and the profile's step-time coefficients (``servetune.steptime``)
   request holds about ``P + O/2`` tokens over its decode life, so the mean is
   ``x (C + P * prefill steps)`` and the high quantile is the Poisson quantile of ``N``
   times the mean holding per request, plus half a block of rounding each;
-- TTFT: the prefill queue is a single server of ``M - D`` tokens per step (what the token
-  budget leaves after decodes). Utilisation ``rho = Tp / (M - D)``; the mean wait in steps
-  is Kingman's ``(ca^2 + cs^2)/2 * rho/(1-rho) * E[S]`` and its q-quantile uses the
-  exponential tail ``W_q = W / rho * ln(rho / (1 - q))``. The q-quantile prompt then needs
-  ``ceil(P_q / min(L, M - D))`` steps (``L`` = ``long_prefill_token_threshold``);
+- TTFT: the prefill queue serves ``M - D`` tokens per step (what the token budget leaves
+  after decodes), utilisation ``rho = Tp / (M - D)``. Without a chunk cap it is one FCFS
+  server (Kingman: ``W = (ca^2 + cs^2)/2 * rho/(1-rho) * E[S]``); a chunk cap ``L``
+  shares it among ``c = (M - D) / L`` prompts (G/G/c: Allen-Cunneen with Sakasegawa's
+  probability of waiting ``p = rho^(sqrt(2(c+1)) - 1)``). The q-quantile wait uses an
+  exponential tail, ``W_q = W / p' * ln(p' / (1 - q))`` with ``p' = min(1, p (ca^2+1)/2)``
+  (bursty arrivals find the queue busy more often). The q-quantile prompt then needs
+  ``ceil(P_q / min(L, M - D))`` steps (``L`` = ``long_prefill_token_threshold``) plus
+  its own causal attention, ``P_q^2 / 2`` pairs;
 - TPOT: a request's TPOT is the mean of its decode steps; its high quantile is the time of a
   step that carries ``D`` decodes and a high quantile of the per-step prefill tokens,
-  ``Tp + z_q sqrt(x E[P^2])`` (compound Poisson), capped by the budget (as Sarathi-Serve
-  bounds a step's chunk by the TPOT target);
+  ``Tp + z_q sqrt(x E[P^2] max(1, ca^2))`` (compound renewal counts: Poisson variance
+  times the index of dispersion), capped by the budget (as Sarathi-Serve bounds a step's
+  chunk by the TPOT target);
 - stability: ``T < M`` (demand per step below what one step serves), seats and KV.
 
 Every condition is non-decreasing in ``x``, so each gives a largest ``x``
@@ -464,33 +469,58 @@ class FluidModel:
         per_request = np.where(running > 0, kv_mean / np.maximum(running, 1e-12), 0.0)
         kv_q = running_q * (per_request + 0.5 * self.platform.block_size)
 
-        # Prefill queue (Kingman), in steps.
+        # Prefill queue in steps. With a per-request chunk cap L the budget is shared by
+        # c = room / L prompts at once (a G/G/c queue of servers of L tokens per step),
+        # without one FCFS single server: Allen-Cunneen's wait with Sakasegawa's
+        # probability of waiting, rho^(sqrt(2(c+1)) - 1) (= rho for c = 1, Kingman).
         with np.errstate(divide="ignore", invalid="ignore"):
-            service = self.prompt_mean / room
+            servers = np.maximum(np.floor(room / chunk), 1.0)
+            service = self.prompt_mean * servers / room
             stable = rho < 1.0
-            wait_mean = np.where(
-                stable, 0.5 * (self.ca2 + self.cs2) * rho / (1.0 - rho) * service, np.inf
+            p_wait = np.where(
+                stable, np.power(np.clip(rho, 0.0, 1.0), np.sqrt(2.0 * (servers + 1.0)) - 1.0),
+                1.0,
             )
+            wait_mean = np.where(
+                stable,
+                0.5 * (self.ca2 + self.cs2) * p_wait / (servers * (1.0 - rho)) * service,
+                np.inf,
+            )
+            # Bursty arrivals (ca^2 > 1) find the queue busy more often than rho says.
+            p_busy = np.minimum(1.0, p_wait * max(1.0, 0.5 * (self.ca2 + 1.0)))
         ttft: dict[str, np.ndarray] = {}
         tpot: dict[str, np.ndarray] = {}
-        sd_prefill = np.sqrt(np.maximum(x * self.prompt_sq, 0.0))
+        # Prompt tokens arriving per step: compound renewal counts, whose variance is the
+        # Poisson one times the index of dispersion ca^2 (bursty traffic fills steps).
+        sd_prefill = np.sqrt(np.maximum(x * self.prompt_sq * max(1.0, self.ca2), 0.0))
         pairs_per_token = self.pairs / self.prompt_mean
         context_per_row = self.context / max(self.decode_rows, 1e-9)
         for cls in self.load.classes:
             tgt = self.targets[cls.name]
             q = tgt.q
             with np.errstate(divide="ignore", invalid="ignore"):
-                tail = np.where(rho > 1.0 - q, np.log(np.maximum(rho, 1e-300) / (1.0 - q)), 0.0)
-                wait_q = np.where(stable, wait_mean / np.maximum(rho, 1e-300) * tail, np.inf)
+                # Conditional on waiting, the wait is about exponential (mean W / p_busy).
+                tail = np.where(
+                    p_busy > 1.0 - q, np.log(np.maximum(p_busy, 1e-300) / (1.0 - q)), 0.0
+                )
+                wait_q = np.where(stable, wait_mean / np.maximum(p_busy, 1e-300) * tail, np.inf)
             prompt_q = cls.prompt_quantile(q)
             own_chunk = np.minimum(chunk, prompt_q)
             steps_q = np.ceil(prompt_q / chunk - 1e-9)
             pf_tokens = np.minimum(budget, decode + np.maximum(prefill, own_chunk))
+            others = np.maximum(pf_tokens - decode - own_chunk, 0.0)
             pf_step = self.step_seconds(
                 pf_tokens, x * self.output_mean, decode, decode * context_per_row,
-                (pf_tokens - decode) * pairs_per_token,
+                others * pairs_per_token,
             )
-            ttft[cls.name] = cal.ttft * (wait_q * step + steps_q * pf_step + 0.5 * step)
+            # The request's own causal attention: P_q^2 / 2 pairs over its chunks, however
+            # it is chunked (a long prompt's attention dominates its prefill).
+            own_attention = self.coef[COEF_PREFILL_PAIR] * 0.5 * prompt_q * prompt_q
+            if self.coef[COEF_CONSTANT] > 0:
+                own_attention = 0.0
+            ttft[cls.name] = cal.ttft * (
+                wait_q * step + steps_q * pf_step + own_attention + 0.5 * step
+            )
             z = normal_quantile(q)
             hi_prefill = np.minimum(room, prefill + z * sd_prefill)
             hi_tokens = decode + hi_prefill

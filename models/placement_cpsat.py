@@ -217,6 +217,6 @@ def explain_unplaced(inst: PlacementInstance, sol: PlacementSolution, job_id: st
         if s in window
     )
     return (
-        f"crowded out: its window has {alone} spare units, {used} go to more valuable or "
-        f"earlier jobs, and it needs {job.work}"
+        f"crowded out: its window has {alone} spare units, {used} go to jobs that add more "
+        f"value, leaving {alone - used}; it needs {job.work}"
     )

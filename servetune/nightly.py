@@ -36,6 +36,7 @@ from servetune.errors import EXIT_INFEASIBLE, EXIT_KEPT_CURRENT, InfeasibleError
 from servetune.export import ENGINES, ExportResult, export_policy, profile_memory_facts
 from servetune.report import (
     DEFAULT_STRESS,
+    FIGURE_NAMES,
     Comparison,
     ReportFiles,
     Verdict,
@@ -43,7 +44,6 @@ from servetune.report import (
     commit_files,
     compare,
     report_file_list,
-    summary_json_text,
 )
 from servetune.schemas.base import document_to_yaml, load_document
 from servetune.schemas.policy import Policy
@@ -385,7 +385,9 @@ def run_nightly(
                               time_limit_s=time_limit_s, seed=seed, inputs=inputs,
                               engine=sim_engine, progress=progress)
     except InfeasibleError as err:
-        return _write_infeasible(out, err, current, base_summary)
+        _say(progress, "infeasible; simulating the current policy for the report")
+        comp = compare(trace, current, None, profile, slo, engine=sim_engine, stress=stress)
+        return _write_infeasible(out, err, comp, base_summary, progress)
     new = with_profile_facts(opt.policy, profile)
 
     _say(progress, "simulating current and new policies (trace, +20%, +50%, goodput)")
@@ -395,6 +397,13 @@ def run_nightly(
     exports: list[ExportResult] = []
     policy_text = ""
     if decision.write_new:
+        new = new.model_copy(update={"metadata": {**new.metadata, "nightly": {
+            "replaces": current.name,
+            "goodput_rate_per_s": {"current": round(comp.current.goodput.rate_per_s, 6),
+                                   "new": round(comp.new.goodput.rate_per_s, 6)},
+            "gain": None if decision.gain is None else round(decision.gain, 6),
+            "min_gain": min_gain,
+        }}})
         exports = [export_policy(new, e) for e in engines]
         policy_text = document_to_yaml(
             new, header="servetune nightly: the new scheduling policy (kind: Policy)")
@@ -411,7 +420,7 @@ def run_nightly(
         "status": status,
         "exit_code": code,
         "gain": decision.gain,
-        "files_written": files_written + ["report.md", "summary.json"],
+        "files_written": [*files_written, "report.md", *FIGURE_NAMES, "summary.json"],
         "optimizer": drop_timings(opt.info),
         "new_policy": new.knobs(),
     }
@@ -449,41 +458,31 @@ def drop_timings(value: Any) -> Any:
     return value
 
 
-def _write_infeasible(out: Path, err: InfeasibleError, current: Policy,
-                      base_summary: dict[str, Any]) -> NightlyOutcome:
-    summary = {
+def _write_infeasible(out: Path, err: InfeasibleError, comp: Comparison,
+                      base_summary: dict[str, Any], progress: Progress | None) -> NightlyOutcome:
+    """Exit 3: the report shows the policy in production alone, and says what binds."""
+    current = comp.current.policy
+    headline = (f"No policy in the search space meets the SLOs; `{current.name}` stays "
+                "(exit 3).")
+    why = (
+        "The optimizer found no policy in the search space that meets the SLO set, so no "
+        "policy or engine config was written. The line above names the condition that binds "
+        "and the best value reachable; a larger search space, a lower rate, looser SLOs or "
+        "another GPU can make it feasible. The numbers and plots below are the policy in "
+        "production on the same trace."
+    )
+    summary_extra = {
         **base_summary,
         "status": "infeasible",
         "exit_code": EXIT_INFEASIBLE,
-        "verdict": f"No policy in the search space meets the SLOs; `{current.name}` stays.",
-        "reasons": [err.message],
         "details": drop_timings(err.details),
-        "files_written": ["report.md", "summary.json"],
+        "files_written": ["report.md", *FIGURE_NAMES, "summary.json"],
     }
-    from servetune.report import json_safe
-
-    summary = json_safe(summary)
-    lines = [
-        "# servetune nightly tuning report",
-        "",
-        f"**{summary['verdict']}** (exit 3)",
-        "",
-        f"- {err.message}",
-        "",
-        "No comparison was simulated and no policy or engine config was written: the "
-        "optimizer found no policy in the search space that meets the SLO set even at "
-        "low load. The message above names the constraint that binds and the best value "
-        "reachable. A larger search space, a lower rate or another GPU can make it feasible.",
-        "",
-        "## Inputs",
-        "",
-        "| input | file |",
-        "|---|---|",
-    ]
-    lines += [f"| {k} | `{v}` |" for k, v in base_summary["inputs"].items()]
-    written = commit_files(out, [
-        ("report.md", ("\n".join(lines) + "\n").encode("utf-8")),
-        ("summary.json", summary_json_text(summary).encode("utf-8")),
-    ])
-    return NightlyOutcome(exit_code=EXIT_INFEASIBLE, status="infeasible",
-                          files=written, summary=summary)
+    _say(progress, "rendering the report and its plots")
+    report = build_report(comp, Verdict(headline, [err.message]), inputs=base_summary["inputs"],
+                          title="servetune nightly tuning report", summary_extra=summary_extra,
+                          extra_sections=[("Why no new policy", why)])
+    _say(progress, f"writing outputs to {out}")
+    written = commit_files(out, report_file_list(report))
+    return NightlyOutcome(exit_code=EXIT_INFEASIBLE, status="infeasible", files=written,
+                          summary=report.summary)

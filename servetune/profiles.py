@@ -31,3 +31,22 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
             names = ", ".join(shipped_profiles()) or "none"
             raise ServetuneError(f"{path}: no such file or shipped profile (shipped: {names})")
     return load_document(p, Profile)
+
+
+def require_kv_pool(profile: Profile, where: str | os.PathLike[str]) -> None:
+    """Fail with the memory arithmetic when a profile leaves no usable KV block (the
+    model does not fit the GPU at this utilization: vLLM refuses to start then)."""
+    if profile.kv_blocks() >= 1:
+        return
+    mem = profile.memory_summary()
+    if "gpu_memory_bytes" not in mem:
+        raise ServetuneError(f"{where}: the KV pool has no usable block")
+    gib = 2.0**30
+    raise ServetuneError(
+        f"{where}: {profile.name} leaves no KV cache: GPU memory "
+        f"{mem['gpu_memory_bytes'] / gib:.2f} GiB x {mem['gpu_memory_utilization']} - weights "
+        f"{mem['weight_bytes_per_gpu'] / gib:.2f} GiB - reserve "
+        f"{mem['activation_reserve_bytes'] / gib:.2f} GiB = "
+        f"{mem['kv_pool_bytes'] / gib:.2f} GiB; use more tensor parallelism, a GPU with more "
+        "memory, or a higher gpu_memory_utilization"
+    )

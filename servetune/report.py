@@ -2,21 +2,28 @@
 
 ``compare(...)`` simulates a *current* and a *new* policy on the same trace, at its own
 rate and at stress rates (+20 %, +50 % by default: the trace's arrivals compressed in
-time), and searches each policy's goodput (the highest arrival rate at which it meets the
-SLO set). ``build_report(...)`` turns that into the files ``write_report`` stores:
+time), searches each policy's goodput (the highest arrival rate at which it meets the
+SLO set), and runs both once more at the current policy's goodput rate, near saturation,
+where policies differ most. ``build_report(...)`` turns that into the files
+``write_report`` stores:
 
 - ``ttft_cdf.png`` and ``tpot_cdf.png``: distribution of time to first token and time per
-  output token of completed requests, current vs new, at the trace's rate and at the
-  highest stress rate;
-- ``kv_queue.png``: KV-cache utilization and waiting-queue length over simulated time;
+  output token of completed requests, current vs new, at the trace's rate and near
+  saturation;
+- ``kv_queue.png``: KV-cache utilization and waiting-queue length over simulated time, at
+  both rates;
 - ``goodput.png``: SLO attainment versus offered rate for both policies, from the goodput
   search, with each policy's goodput marked;
-- ``report.md``: the verdict, a results table, the knob changes with the reasons the
-  optimizer's models gave, the engine configs written, the plots, and a glossary;
+- ``report.md``: the verdict, a results table (per class too when the trace has several),
+  the knob changes with the reasons the optimizer's models gave, the engine configs
+  written, the plots, and a glossary;
 - ``summary.json``: the same numbers for machines.
 
 Files are deterministic: no clock readings or wall times, PNGs without a software tag, so
 the same inputs give the same bytes. Plots use matplotlib's Agg backend (no display).
+``commit_files`` stages every file in full before renaming any into place, so an
+interrupted run leaves the previous set intact. With ``new=None`` the report describes
+the current policy alone (the nightly job's infeasible case).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from servetune.schemas.slo import SLOSet
 from servetune.trace import Trace
 
 DEFAULT_STRESS = (1.2, 1.5)
+FIGURE_NAMES = ("ttft_cdf.png", "tpot_cdf.png", "kv_queue.png", "goodput.png")
 COLORS = {"current": "#4c72b0", "new": "#dd8452"}
 
 GLOSSARY = """\
@@ -83,14 +91,14 @@ class Comparison:
     engine: str
     scales: tuple[float, ...]  # 1.0 first, then the stress scales
     current: PolicyEvaluation
-    new: PolicyEvaluation
+    new: PolicyEvaluation | None  # None: the current policy alone (nothing to compare)
     # Both policies are also run at the current policy's goodput rate (near saturation),
     # where their queues and KV use differ most; None when there is no such rate.
     capacity_scale: float | None = None
 
     @property
-    def evaluations(self) -> tuple[PolicyEvaluation, PolicyEvaluation]:
-        return self.current, self.new
+    def evaluations(self) -> tuple[PolicyEvaluation, ...]:
+        return (self.current,) if self.new is None else (self.current, self.new)
 
 
 def evaluate_policy(
@@ -118,7 +126,7 @@ def evaluate_policy(
 def compare(
     trace: Trace,
     current: Policy,
-    new: Policy,
+    new: Policy | None,
     profile: Any,
     slo: SLOSet,
     *,
@@ -126,16 +134,18 @@ def compare(
     stress: Sequence[float] = DEFAULT_STRESS,
     goodput_rel_tol: float = 0.02,
 ) -> Comparison:
-    """Evaluate both policies on the same trace, rates and SLO set."""
+    """Evaluate both policies (or the current one alone when ``new`` is None) on the same
+    trace, rates and SLO set."""
     from servetune.sim import simulate
 
     scales = (1.0, *(float(s) for s in stress))
     kw = dict(engine=engine, scales=scales, goodput_rel_tol=goodput_rel_tol)
     cur = evaluate_policy("current", trace, current, profile, slo, **kw)
-    nxt = evaluate_policy("new", trace, new, profile, slo, **kw)
-    capacity = float(cur.goodput.rate_scale) or float(nxt.goodput.rate_scale) or None
+    nxt = None if new is None else evaluate_policy("new", trace, new, profile, slo, **kw)
+    capacity = (float(cur.goodput.rate_scale)
+                or (float(nxt.goodput.rate_scale) if nxt is not None else 0.0) or None)
     if capacity is not None:
-        for ev in (cur, nxt):
+        for ev in (cur,) if nxt is None else (cur, nxt):
             if capacity not in ev.runs:
                 ev.runs[capacity] = simulate(trace, ev.policy, profile, engine=engine,
                                              rate_scale=capacity)
@@ -256,10 +266,18 @@ def _single_limit(slo: SLOSet, metric: str) -> float | None:
     return values.pop() if len(values) == 1 else None
 
 
+def _second_scale(comp: Comparison) -> float:
+    """The rate the CDFs show beside the trace's own: the current policy's goodput (near
+    saturation, where policies differ), else the highest stress rate."""
+    if comp.capacity_scale is not None:
+        return comp.capacity_scale
+    return comp.scales[-1]
+
+
 def _cdf_plot(comp: Comparison, metric: str, title: str, xlabel: str) -> bytes:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    top = comp.scales[-1]
+    top = _second_scale(comp)
     shown = ((1.0, "-"),) if top == 1.0 else ((1.0, "-"), (top, ":"))
     drew = False
     for ev in comp.evaluations:
@@ -273,8 +291,9 @@ def _cdf_plot(comp: Comparison, metric: str, title: str, xlabel: str) -> bytes:
             if values.size == 0:
                 continue
             y = np.arange(1, values.size + 1) / values.size
+            rate = scale * ev.goodput.base_rate_per_s
             ax.step(values, y, where="post", linestyle=style, color=COLORS[ev.label],
-                    label=f"{ev.label} ({ev.policy.name}) at {scale:g}x rate")
+                    label=f"{ev.label} ({ev.policy.name}) at {rate:.3g} req/s")
             drew = True
     limit = _single_limit(comp.slo, metric)
     if limit is not None:
@@ -380,14 +399,17 @@ def _goodput_plot(comp: Comparison) -> bytes:
 
 def figures(comp: Comparison) -> dict[str, bytes]:
     """The report's PNG files by name."""
-    return {
-        "ttft_cdf.png": _cdf_plot(comp, "ttft_s", "Time to first token, current vs new",
+    vs = "current vs new" if comp.new is not None else "current policy"
+    figs = {
+        "ttft_cdf.png": _cdf_plot(comp, "ttft_s", f"Time to first token, {vs}",
                                   "TTFT (s, log scale)"),
-        "tpot_cdf.png": _cdf_plot(comp, "tpot_s", "Time per output token, current vs new",
+        "tpot_cdf.png": _cdf_plot(comp, "tpot_s", f"Time per output token, {vs}",
                                   "TPOT (s, log scale)"),
         "kv_queue.png": _kv_queue_plot(comp),
         "goodput.png": _goodput_plot(comp),
     }
+    assert tuple(figs) == FIGURE_NAMES
+    return figs
 
 
 # --------------------------------------------------------------------------- markdown
@@ -408,7 +430,11 @@ def _fmt(x: Any, unit: str = "", digits: int = 3) -> str:
 
 
 def _ms(x: Any) -> str:
-    return "n/a" if x is None else f"{1000.0 * float(x):.0f} ms"
+    """A latency in ms below a second, in seconds above."""
+    if x is None:
+        return "n/a"
+    x = float(x)
+    return f"{1000.0 * x:.0f} ms" if x < 1.0 else f"{x:.3g} s"
 
 
 def _pct(x: Any) -> str:
@@ -432,41 +458,77 @@ class Verdict:
 
 
 def results_table(comp: Comparison, numbers: dict[str, Any]) -> str:
-    cur, new = numbers["current"], numbers["new"]
-    rows = [
-        ("Goodput (highest rate meeting the SLOs)",
-         f"{cur['goodput_rate_per_s']:.2f} req/s", f"{new['goodput_rate_per_s']:.2f} req/s"),
-    ]
+    """One column per evaluated policy (current, and new when there is one)."""
+    evs = comp.evaluations
+    cols = [numbers[ev.label] for ev in evs]
+
+    def row(label: str, cell: Any) -> str:
+        return f"| {label} | " + " | ".join(cell(c) for c in cols) + " |"
+
+    def attainment(key: str) -> Any:
+        def cell(c: dict[str, Any]) -> str:
+            r = c["runs"][key]
+            verdict = "meets" if r["meets_slo"] else "misses"
+            return f"{_fmt(r['overall']['attainment'])} ({verdict})"
+        return cell
+
+    def at_rate(metric: str) -> Any:
+        def cell(c: dict[str, Any]) -> str:
+            d = c["runs"]["1x"]["overall"][metric]
+            return f"{_ms(d['p50'])} / {_ms(d['p99'])}"
+        return cell
+
+    lines = ["| | " + " | ".join(f"{ev.label}: `{ev.policy.name}`" for ev in evs) + " |",
+             "|---|" + "---|" * len(evs),
+             row("Goodput (highest rate meeting the SLOs)",
+                 lambda c: f"{c['goodput_rate_per_s']:.2f} req/s")]
     for scale in comp.scales:
-        key = _scale_key(scale)
-        c, n = cur["runs"][key], new["runs"][key]
         where = "trace rate" if scale == 1.0 else f"+{round(100 * (scale - 1)):d}% rate"
-        rows += [
-            (f"SLO attainment at {where} ({scale:g}x)",
-             f"{_fmt(c['overall']['attainment'])} ({'meets' if c['meets_slo'] else 'misses'})",
-             f"{_fmt(n['overall']['attainment'])} ({'meets' if n['meets_slo'] else 'misses'})"),
-        ]
-    c, n = cur["runs"]["1x"], new["runs"]["1x"]
-    rows += [
-        ("TTFT p50 / p99 at trace rate",
-         f"{_ms(c['overall']['ttft_s']['p50'])} / {_ms(c['overall']['ttft_s']['p99'])}",
-         f"{_ms(n['overall']['ttft_s']['p50'])} / {_ms(n['overall']['ttft_s']['p99'])}"),
-        ("TPOT p50 / p99 at trace rate",
-         f"{_ms(c['overall']['tpot_s']['p50'])} / {_ms(c['overall']['tpot_s']['p99'])}",
-         f"{_ms(n['overall']['tpot_s']['p50'])} / {_ms(n['overall']['tpot_s']['p99'])}"),
-        ("Output throughput at trace rate",
-         f"{_fmt(c['overall']['throughput_tok_s'], ' tok/s', 4)}",
-         f"{_fmt(n['overall']['throughput_tok_s'], ' tok/s', 4)}"),
-        ("Preemptions / shed requests at trace rate",
-         f"{c['preemptions']} / {c['shed']}", f"{n['preemptions']} / {n['shed']}"),
-        ("Mean / peak KV-cache use at trace rate",
-         f"{_pct(c['kv']['mean_util'])} / {_pct(c['kv']['peak_util'])}",
-         f"{_pct(n['kv']['mean_util'])} / {_pct(n['kv']['peak_util'])}"),
+        lines.append(row(f"SLO attainment at {where} ({scale:g}x)",
+                         attainment(_scale_key(scale))))
+    lines += [
+        row("TTFT p50 / p99 at trace rate", at_rate("ttft_s")),
+        row("TPOT p50 / p99 at trace rate", at_rate("tpot_s")),
+        row("Output throughput at trace rate",
+            lambda c: _fmt(c["runs"]["1x"]["overall"]["throughput_tok_s"], " tok/s", 4)),
+        row("Preemptions / shed requests at trace rate",
+            lambda c: f"{c['runs']['1x']['preemptions']} / {c['runs']['1x']['shed']}"),
+        row("Mean / peak KV-cache use at trace rate",
+            lambda c: f"{_pct(c['runs']['1x']['kv']['mean_util'])} / "
+                      f"{_pct(c['runs']['1x']['kv']['peak_util'])}"),
     ]
-    lines = [f"| | current: `{comp.current.policy.name}` | new: `{comp.new.policy.name}` |",
-             "|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(lines)
+
+
+def per_class_table(comp: Comparison, numbers: dict[str, Any]) -> str:
+    """Attainment and p99 latencies per request class at the trace's rate (and near
+    saturation), one row per class; empty for a single-class trace."""
+    names = list(numbers["current"]["runs"]["1x"]["per_class"])
+    if len(names) < 2:
+        return ""
+    keys = [("1x", "trace rate")]
+    if comp.capacity_scale is not None and _scale_key(comp.capacity_scale) != "1x":
+        keys.append((_scale_key(comp.capacity_scale), "current goodput rate"))
+    evs = comp.evaluations
+    head = "| class | SLO | " + " | ".join(
+        f"{ev.label} at {where}" for key, where in keys for ev in evs) + " |"
+    lines = [head, "|---|---|" + "---|" * (len(keys) * len(evs))]
+    for name in names:
+        try:
+            target = _slo_text_one(comp.slo.for_class(name))
+        except KeyError:
+            target = "n/a"
+        cells = []
+        for key, _ in keys:
+            for ev in evs:
+                c = numbers[ev.label]["runs"][key]["per_class"].get(name)
+                if c is None:
+                    cells.append("n/a")
+                    continue
+                cells.append(f"attainment {_fmt(c['attainment'])}, p99 TTFT "
+                             f"{_ms(c['ttft_s']['p99'])}, p99 TPOT {_ms(c['tpot_s']['p99'])}")
+        lines.append(f"| `{name}` | {target} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def changes_table(changes: list[dict[str, Any]]) -> str:
@@ -481,15 +543,16 @@ def changes_table(changes: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _slo_text_one(c: Any) -> str:
+    limits = ", ".join(f"{k.removesuffix('_s').upper()} <= {v:g} s"
+                       for k, v in c.limits().items())
+    judge = (f"p{c.percentile:g}" if c.percentile is not None
+             else f"{c.attainment:g} of requests")
+    return f"{limits} ({judge})"
+
+
 def _slo_text(slo: SLOSet) -> str:
-    parts = []
-    for name, c in slo.classes.items():
-        limits = ", ".join(f"{k.removesuffix('_s').upper()} <= {v:g} s"
-                           for k, v in c.limits().items())
-        judge = (f"p{c.percentile:g}" if c.percentile is not None
-                 else f"{c.attainment:g} of requests")
-        parts.append(f"class `{name}`: {limits} ({judge})")
-    return "; ".join(parts)
+    return "; ".join(f"class `{name}`: {_slo_text_one(c)}" for name, c in slo.classes.items())
 
 
 def markdown(
@@ -508,27 +571,34 @@ def markdown(
     rate = (len(tr) - 1) / tr.duration_s if tr.duration_s > 0 else 0.0
     out = [f"# {title}", "", f"**{verdict.headline}**", ""]
     out += [f"- {r}" for r in verdict.reasons]
-    out += [
-        "",
-        "## What was compared",
-        "",
-        f"Two scheduling policies for the `{comp.engine}` engine model were simulated on the "
-        f"same request trace ({len(tr)} requests over {tr.duration_s:.0f} s, "
-        f"{rate:.2f} requests/s on average) with the GPU profile `{comp.profile_name}`, "
-        f"against the SLO set `{comp.slo.name}` ({_slo_text(comp.slo)}). "
-        "The *current* policy is the one in production; the *new* one is the optimizer's "
-        "proposal. Each was replayed at the trace's own rate and at "
-        + ", ".join(f"+{round(100 * (s - 1))}%" for s in comp.scales[1:])
-        + " rate, and its goodput was searched by replaying the trace faster and slower.",
-        "",
-        "## Results",
-        "",
-        results_table(comp, numbers),
-        "",
-        "## What changed and why",
-        "",
-        changes_table(changes),
-    ]
+    stress = ", ".join(f"+{round(100 * (s - 1))}%" for s in comp.scales[1:])
+    setting = (
+        f"the request trace ({len(tr)} requests over {tr.duration_s:.0f} s, {rate:.2f} "
+        f"requests/s on average) with the GPU profile `{comp.profile_name}`, against the SLO "
+        f"set `{comp.slo.name}` ({_slo_text(comp.slo)})"
+    )
+    if comp.new is not None:
+        what = (
+            f"Two scheduling policies for the `{comp.engine}` engine model were simulated on "
+            f"{setting}. The *current* policy is the one in production; the *new* one is the "
+            "optimizer's proposal. Each was replayed at the trace's own rate and at "
+            f"{stress} rate, and its goodput was searched by replaying the trace faster and "
+            "slower."
+        )
+    else:
+        what = (
+            f"The policy in production was simulated with the `{comp.engine}` engine model on "
+            f"{setting}, at the trace's own rate and at {stress} rate, and its goodput was "
+            "searched by replaying the trace faster and slower. There is no new policy to "
+            "compare it with."
+        )
+    out += ["", "## What was compared", "", what, "", "## Results", "",
+            results_table(comp, numbers), ""]
+    classes = per_class_table(comp, numbers)
+    if classes:
+        out += ["Per request class:", "", classes]
+    if comp.new is not None:
+        out += ["## What changed and why", "", changes_table(changes)]
     if exports:
         out += ["## Engine configs", ""]
         for ex in exports:
@@ -543,8 +613,12 @@ def markdown(
     out += [
         "## Plots",
         "",
-        "Time to first token of completed requests (further left is faster; solid: trace "
-        "rate, dotted: highest stress rate; dashed black: the SLO limit):",
+        "Time to first token of completed requests (further left is faster; solid: at the "
+        "trace's rate, dotted: "
+        + ("at the current policy's goodput rate, near saturation"
+           if comp.capacity_scale is not None
+           else f"at +{round(100 * (comp.scales[-1] - 1))}% rate")
+        + "; dashed black: the SLO limit):",
         "",
         "![TTFT CDF](ttft_cdf.png)",
         "",
@@ -552,8 +626,9 @@ def markdown(
         "",
         "![TPOT CDF](tpot_cdf.png)",
         "",
-        "KV-cache utilization and waiting requests over time, at the trace's own rate and "
-        "(right) replayed at the current policy's goodput rate, where the two differ most:",
+        "KV-cache utilization and waiting requests over time, at the trace's own rate"
+        + (" and (right) replayed at the current policy's goodput rate, near saturation:"
+           if comp.capacity_scale not in (None, 1.0) else ":"),
         "",
         "![KV utilization and queue length](kv_queue.png)",
         "",
@@ -597,7 +672,8 @@ def build_report(
 ) -> ReportFiles:
     """Everything ``write_report`` stores, built in memory first."""
     numbers = comparison_numbers(comp)
-    changes = knob_changes(comp.current.policy, comp.new.policy, reasons)
+    changes = ([] if comp.new is None
+               else knob_changes(comp.current.policy, comp.new.policy, reasons))
     md = markdown(comp, numbers, verdict, changes, exports=exports, inputs=inputs, title=title,
                   extra_sections=extra_sections)
     summary: dict[str, Any] = dict(summary_extra or {})

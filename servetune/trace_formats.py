@@ -909,6 +909,11 @@ def load_trace(
     try:
         head = source.read(HEAD_BYTES)
         detected = detect_format(head, p)
+        if fmt in ("csv", "jsonl") and mapping is None:
+            raise ServetuneError(
+                f"{p}: --trace-format {fmt} needs a column mapping, e.g. --columns "
+                "arrival=ts,prompt=in,output=out"
+            )
         if fmt is None:
             fmt = detected
             if mapping is not None:

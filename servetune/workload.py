@@ -54,6 +54,7 @@ POISSON_CV_TOLERANCE = 0.01
 CHUNK = 65536
 DEFAULT_DURATION_S = 3600.0
 MAX_RATE_WINDOWS = 100_000
+MAX_BANDS = 64  # prompt-length bands (classes) --split-by prompt-quantiles may make
 MAX_SAMPLE_REQUESTS = 100_000_000  # beyond this a sample does not fit a workstation's memory
 
 
@@ -231,8 +232,11 @@ def _split_indices(
             out.append((str(name), idx, _most_common_priority(trace, idx)))
         return out
     if split in ("prompt-quantiles", "prompt_quantiles", "bands"):
-        if bands < 1:
-            raise ServetuneError(f"--bands must be >= 1 (got {bands})")
+        if not 1 <= bands <= MAX_BANDS:
+            raise ServetuneError(
+                f"--bands must be between 1 and {MAX_BANDS} (got {bands}); each band becomes "
+                "a class with its own length distributions"
+            )
         edges = np.quantile(trace.prompt_tokens, np.arange(1, bands) / bands)
         band = np.searchsorted(edges, trace.prompt_tokens, side="left")
         out = []

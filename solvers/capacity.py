@@ -7,10 +7,12 @@
    bucket, so a forecast of class rates becomes bucket rates ``lam[b,s]``.
 2. **Per-replica capacity** ``mu[t,b]``: the goodput (highest arrival rate meeting the
    SLOs, by the simulator's bisection) of one replica of type t serving only bucket b
-   under its own optimized policy. The policy comes from the optimizer
-   (:mod:`servetune.solvers.optimize`) when it is installed; otherwise (``method=
-   "candidates"``) from the best of a few candidate policies (vLLM's defaults and three
-   smaller batch/token caps), each measured by simulator goodput. Results are cached on
+   under its own optimized policy. ``method="auto"`` (the default) runs the project's
+   optimizer (:mod:`servetune.solvers.optimize`, MILP loop) on the bucket and also
+   measures a few fixed candidate policies (vLLM's defaults and three smaller batch/token
+   caps); the policy with the higher simulated goodput wins, so the plan never rests on
+   a worse policy than an obvious one. ``"optimizer"`` uses the optimizer alone,
+   ``"candidates"`` the candidates alone (fast; tests use it). Results are cached on
    disk by a hash of every input (profile, bucket pool, SLO, engine, method), in
    ``~/.cache/servetune/capacity`` unless ``SERVETUNE_CACHE_DIR`` or ``cache_dir`` says
    otherwise, so re-planning and growth sweeps skip the simulations.
@@ -820,7 +822,10 @@ def run_plan(
     # class names must line up before any simulation runs
     buckets = make_buckets(prompt_edges, output_edges)
     slices = slice_workload(workload, buckets, n_requests=sample_requests, seed=seed)
-    class_rates_for(forecast, slices.class_names, slices.class_weight)
+    try:
+        class_rates_for(forecast, slices.class_names, slices.class_weight)
+    except ServetuneError as err:
+        raise ServetuneError(f"{forecast_path}: {err.message.removeprefix('forecast: ')}") from None
     for c in slices.class_names:
         try:
             slo.for_class(c)

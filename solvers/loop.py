@@ -5,10 +5,11 @@
    simulated are cut off for good).
 2. Simulate each candidate's goodput (bracket around the model's prediction, then bisect)
    on a fixed sample of the workload.
-3. Recalibrate: compare the simulator's percentile TTFT and TPOT and its KV peak with the
-   model's prediction at the same rate, and scale the model's predictions by the
-   (geometric-mean, damped by a square root) ratio; a candidate the simulator rejected
-   at every rate stays cut.
+3. Recalibrate: scale the model's TTFT / TPOT predictions so that, for the metric the
+   simulator saw fail just above a candidate's goodput, the model's limit falls where the
+   simulator's did; other metrics move towards measured / predicted (damped); the KV
+   prediction towards the measured peak. A candidate the simulator rejected at every rate
+   stays cut.
 4. Repeat until the best simulated goodput stops improving (by more than the goodput
    search's tolerance) from one round to the next, or the MILP has nothing left, or the
    iteration / time limit is reached.
@@ -29,7 +30,7 @@ import numpy as np
 from servetune.models.fluid import Calibration, FluidModel, Knobs
 from servetune.models.policy_milp import MilpInstance, solve_policy_milp
 
-CAL_CLAMP = (0.25, 4.0)
+CAL_CLAMP = (1.0 / 32, 32.0)
 
 
 @dataclass
@@ -179,16 +180,23 @@ class LoopResult:
 def recalibrate(
     fluid: FluidModel, evaluated: list[Evaluated], base: Calibration
 ) -> Calibration:
-    """New multipliers: the old ones times the geometric mean of measured / predicted at
-    each passing candidate's goodput (clamped, so one odd run cannot swing the model)."""
-    ratios: dict[str, list[float]] = {"ttft": [], "tpot": [], "kv": []}
+    """New multipliers for the model's TTFT, TPOT and KV predictions.
+
+    For a latency metric that the simulator saw fail just above a candidate's goodput
+    (it binds in reality), the multiplier is set so that the model's prediction at the
+    simulated goodput equals the target: the model then reproduces the goodput the
+    simulator found. Otherwise the old multiplier moves half-way (in log space) towards
+    measured / predicted at the goodput, so near-saturation noise cannot swing it.
+    Geometric means over candidates; clamped."""
+    measured: dict[str, list[float]] = {"ttft": [], "tpot": [], "kv": []}
+    binding: dict[str, list[float]] = {"ttft": [], "tpot": []}
     model = fluid.with_calibration(base)
     for ev in evaluated:
         pt = ev.goodput.best_point
         if pt is None:
             continue
         pred = model.evaluate(ev.knobs, pt.rate_per_s)
-        if not pred.get("stable", False) and "ttft_q_s" not in pred:
+        if "ttft_q_s" not in pred:
             continue
         for key, value in pt.measured.items():
             if not (value and math.isfinite(value) and value > 0):
@@ -197,24 +205,37 @@ def recalibrate(
                 fam, cls = key[:4], key[5:-1]
                 p = pred[f"{fam}_q_s"].get(cls)
                 if p and p > 0 and math.isfinite(p):
-                    ratios[fam].append(value / p)
+                    measured[fam].append(value / p)
             elif key == "kv_peak_tokens":
                 p = pred.get("kv_q_tokens")
                 if p and p > 0:
-                    ratios["kv"].append(value / p)
+                    measured["kv"].append(value / p)
+        above = [q for q in ev.goodput.points if not q.meets_slo and q.rate_scale > pt.rate_scale]
+        if not above:
+            continue
+        fail = min(above, key=lambda q: q.rate_scale)
+        for cls, judged in fail.judged.items():
+            target = fluid.targets.get(cls)
+            if target is None:
+                continue
+            for fam in ("ttft", "tpot"):
+                limit = getattr(target, f"{fam}_s")
+                value = judged.get(f"p{target.q * 100:g}_{fam}_s")
+                p = pred[f"{fam}_q_s"].get(cls)
+                if limit and value is not None and value > limit and p and p > 0:
+                    binding[fam].append(limit / p)
 
-    def fit(old: float, rs: list[float]) -> float:
-        if not rs:
+    def fit(fam: str, old: float) -> float:
+        if binding.get(fam):
+            g = float(np.exp(np.mean(np.log(binding[fam]))))
+        elif measured[fam]:
+            g = float(np.exp(0.5 * np.mean(np.log(measured[fam]))))
+        else:
             return old
-        # Half a step in log space: damped, so near-saturation noise cannot swing it.
-        g = float(np.exp(0.5 * np.mean(np.log(rs))))
         return float(np.clip(old * g, *CAL_CLAMP))
 
-    return Calibration(
-        ttft=fit(base.ttft, ratios["ttft"]),
-        tpot=fit(base.tpot, ratios["tpot"]),
-        kv=fit(base.kv, ratios["kv"]),
-    )
+    return Calibration(ttft=fit("ttft", base.ttft), tpot=fit("tpot", base.tpot),
+                       kv=fit("kv", base.kv))
 
 
 def search(
@@ -223,7 +244,7 @@ def search(
     make_policy: Callable[[Knobs], Any],
     sim: Simulator,
     *,
-    k: int = 2,
+    k: int = 3,
     max_iterations: int = 4,
     time_limit_s: float = 60.0,
     rel_tol: float = 0.03,
@@ -238,6 +259,12 @@ def search(
     statuses: list[list[str]] = []
     solver_s = 0.0
     best_rates: list[float] = []
+    # Points the simulator cannot tell apart enter the MILP once (the first of each).
+    first_of: dict[tuple, int] = {}
+    for i, kn in enumerate(points):
+        first_of.setdefault(equivalence_key(kn), i)
+    reps = sorted(first_of.values())
+    unique = [points[i] for i in reps]
     converged = False
     first_instance = None
     first_status = ""
@@ -247,32 +274,40 @@ def search(
             break
         model = fluid.with_calibration(calibration)
         t0 = time.perf_counter()
-        inst = MilpInstance.build(model, points)
-        top = solve_policy_milp(inst, k=2 * k, time_limit_s=max(left * 0.5, 0.5), excluded=cut)
+        inst = MilpInstance.build(model, unique)
+        top = solve_policy_milp(inst, k=2 * k + 1, time_limit_s=max(left * 0.5, 0.5),
+                                excluded=cut)
         solver_s += time.perf_counter() - t0
         statuses.append(top.statuses)
         if first_instance is None:
             first_instance = inst
             first_status = top.statuses[0] if top.statuses else "error"
+        # Diversity: one candidate per (token budget, effective chunk cap) per round (the
+        # knobs that change what a step holds), then fill up in the MILP's order.
         chosen: list[tuple[int, Any]] = []
-        shapes: set[tuple[int, int, int]] = set()
+        shapes: set[tuple] = set()
         for idx, cand in top.solutions:
-            shape = (cand.knobs.max_num_seqs, cand.knobs.max_num_batched_tokens,
-                     cand.knobs.long_prefill_token_threshold)
-            if shape in shapes:
-                continue
-            shapes.add(shape)
-            chosen.append((idx, cand))
+            shape = equivalence_key(cand.knobs)[1:3]
+            if shape not in shapes:
+                shapes.add(shape)
+                chosen.append((idx, cand))
+        for idx, cand in top.solutions:
             if len(chosen) >= k:
                 break
+            if all(idx != j for j, _ in chosen):
+                chosen.append((idx, cand))
+        chosen = chosen[:k]
         if not chosen and top.solutions:
             chosen = [top.solutions[0]]
         new: list[Evaluated] = []
         for idx, cand in chosen:
+            if new and time.perf_counter() - started > time_limit_s:
+                break  # out of time: keep what this round has simulated
             policy = make_policy(cand.knobs)
-            start_scale = max(cand.rate_per_s, 1e-9) / sim.base_rate_per_s
+            # Start where the model points, corrected by how far off it was this round.
+            start_scale = max(cand.rate_per_s, 1e-9) * _bias(new) / sim.base_rate_per_s
             est = find_goodput(sim, policy, start_scale=start_scale, rel_tol=rel_tol)
-            ev = Evaluated(idx, cand.knobs, cand.rate_per_s, cand.binding, est, policy,
+            ev = Evaluated(reps[idx], cand.knobs, cand.rate_per_s, cand.binding, est, policy,
                            label=f"milp#{it + 1}")
             new.append(ev)
             evaluated.append(ev)
@@ -319,6 +354,23 @@ def search(
         first_instance=first_instance,
         first_status=first_status,
     )
+
+
+def _bias(evaluated: list[Evaluated]) -> float:
+    """Geometric mean of simulated / predicted goodput over the candidates so far."""
+    ratios = [e.goodput.rate_per_s / e.predicted_rate_per_s for e in evaluated
+              if e.goodput.passed and e.predicted_rate_per_s > 0]
+    return float(np.exp(np.mean(np.log(ratios)))) if ratios else 1.0
+
+
+def equivalence_key(k: Knobs) -> tuple:
+    """Knobs the simulator cannot tell apart share a key: a per-request chunk cap at or
+    above the step budget caps nothing (the budget already does)."""
+    chunk = k.long_prefill_token_threshold
+    if chunk >= k.max_num_batched_tokens:
+        chunk = 0
+    return (k.max_num_seqs, k.max_num_batched_tokens, chunk, k.kv_watermark,
+            k.max_queued_requests, k.max_queued_prompt_tokens)
 
 
 def _short(k: Knobs) -> str:

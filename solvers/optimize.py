@@ -288,7 +288,7 @@ def optimize(
     base_policy: Policy | None = None,
     progress: Callable[[str], Any] | None = None,
     compare_defaults: bool = True,
-    k: int = 2,
+    k: int = 3,
     max_iterations: int = 4,
     budget: int | None = None,
     rel_tol: float = 0.03,

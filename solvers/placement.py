@@ -5,10 +5,12 @@
    its busiest slot's per-replica rate, plus a background class at the *lowest* priority
    (``scheduling: priority``) whose requests have the jobs' length mix. The background
    rate is raised by bracketing and bisection until the interactive classes would miss
-   their SLOs or the background would stop keeping up (its throughput under 90% of what
-   is offered). Spare capacity of a slot is the background token rate of the smallest
-   measured level at or above that slot's interactive load (so it never overstates),
-   times the slot's replicas. Measurements are cached on disk like replica capacities.
+   their SLOs or the background would stop keeping up (less than 95% of the background
+   work that arrived in the first 80% of the window done by its end). The curve is made
+   non-increasing in the interactive load (the lower value wins). Spare capacity of a
+   slot is the background token rate of the smallest measured level at or above that
+   slot's interactive load (so it never overstates), times the slot's replicas.
+   Measurements are cached on disk like replica capacities.
 2. **Schedule.** Job work (tokens) goes into slots and types with the CP-SAT model of
    :mod:`servetune.models.placement_cpsat`: maximize completed value, then finish early.
    Slots are the plan's hours; the forecast repeats after its last slot, so a deadline
@@ -57,8 +59,11 @@ from servetune.trace import Trace
 
 BACKGROUND = "background"
 BACKGROUND_PRIORITY = 1_000_000  # lower value is served first: this one comes last
-KEEP_UP = 0.9
-WORK_UNITS_MAX = 4000  # the largest job becomes at most this many CP-SAT units
+KEEP_UP = 0.95  # share of the early background work that must be done by the window's end
+OFFERED_SHARE = 0.8
+MIN_WINDOW_S = 300.0
+SPARE_METHOD_VERSION = 2  # part of the cache key: bump when the measurement changes
+WORK_UNITS_MAX = 4000  # CP-SAT units of the largest job that can fit
 
 
 # ------------------------------------------------------------------------ job lengths
@@ -165,14 +170,18 @@ def interactive_slo(slo: SLOSet, class_names: Sequence[str]) -> SLOSet:
 
 @dataclass
 class JointRun:
+    """``background_offered_tokens``: tokens of the background requests that arrived in
+    the first ``OFFERED_SHARE`` of the window; ``background_done_tokens``: those of them
+    finished by the window's end. A backlog that grows leaves them unfinished."""
+
     meets_slo: bool
     attainment: float
-    background_offered_tok_s: float
-    background_done_tok_s: float
+    background_offered_tokens: float
+    background_done_tokens: float
 
     @property
     def keeps_up(self) -> bool:
-        return self.background_done_tok_s >= KEEP_UP * self.background_offered_tok_s
+        return self.background_done_tokens >= KEEP_UP * self.background_offered_tokens
 
 
 def run_joint(
@@ -193,11 +202,10 @@ def run_joint(
     tokens = (trace.prompt_tokens + trace.output_tokens).astype(float)
     status = np.asarray(res.output.status)
     finish = np.asarray(res.output.finish_s, dtype=float)
-    done = bg & (status == 0) & np.isfinite(finish)
-    span = max(duration_s, float(np.nanmax(finish)) if np.isfinite(finish).any() else duration_s)
-    offered = float(tokens[bg].sum()) / duration_s if bg.any() else 0.0
-    finished = float(tokens[done].sum()) / span if bg.any() else 0.0
-    return JointRun(ok, att, offered, finished)
+    early = bg & (trace.arrival_s <= OFFERED_SHARE * duration_s)
+    with np.errstate(invalid="ignore"):
+        done = early & (status == 0) & (finish <= duration_s)
+    return JointRun(ok, att, float(tokens[early].sum()), float(tokens[done].sum()))
 
 
 # ------------------------------------------------------------------- spare capacity
@@ -245,7 +253,8 @@ def measure_spare(
         peak_rate
     ]
     key = _hash_json({
-        "v": CACHE_VERSION, "kind": "spare", "profile": profile.model_dump(mode="json"),
+        "v": CACHE_VERSION, "kind": "spare", "method": SPARE_METHOD_VERSION,
+        "profile": profile.model_dump(mode="json"),
         "pools": {b: slices.pool_hash(b) for b in sorted(weights)}, "weights": weights,
         "levels": level_rates, "mix": [mix.prompt.tolist(), mix.output.tolist()],
         "policy": policy.model_dump(mode="json"), "slo": slo.model_dump(mode="json"),
@@ -263,7 +272,7 @@ def measure_spare(
     sims = 0
     for li, rate in enumerate(level_rates):
         interactive = {b: rate * w for b, w in weights.items()}
-        duration = interactive_requests / rate if rate > 0 else 120.0
+        duration = max(MIN_WINDOW_S, interactive_requests / rate if rate > 0 else 0.0)
         def passes(scale: float, interactive=interactive, duration=duration, li=li) -> bool:
             nonlocal sims
             sims += 1
@@ -274,6 +283,9 @@ def measure_spare(
         scale, _ = search_rate_scale(passes, start=1.0, rel_tol=0.05, min_scale=1 / 64,
                                      max_scale=512.0)
         spare.append(scale * mix.mean_tokens)  # scale x 1 req/s of background
+    # More interactive load never leaves more room: keep the curve non-increasing, taking
+    # the lower (safer) value where simulation noise says otherwise.
+    spare = [min(spare[: i + 1]) for i in range(len(spare))]
     curve = SpareCurve(gpu_type, level_rates, spare, sims)
     try:
         cdir.mkdir(parents=True, exist_ok=True)
@@ -421,8 +433,11 @@ def run_place(
         * _replicas(plan, t, h % forecast.n_slots)
         for t in types for h in range(horizon)
     }
+    # One work unit is sized so the largest job that could fit at all spans at most
+    # WORK_UNITS_MAX units (a job larger than all spare capacity cannot fit anyway).
+    total_spare = sum(spare_tok_s.values()) * slot_s
     max_work = max(j.total_tokens() for j in jobs_doc.jobs)
-    unit = max(1, math.ceil(max_work / WORK_UNITS_MAX))
+    unit = max(1, math.ceil(min(max_work, total_spare) / WORK_UNITS_MAX))
     cap = {k: int(v * slot_s // unit) for k, v in spare_tok_s.items()}
     pjobs = tuple(
         PlacementJob(
@@ -471,7 +486,7 @@ def validate_schedule(
         bg_rate = bg_tok_s / mix.mean_tokens
         interactive = load[t, fs]
         irate = sum(interactive.values())
-        duration = max(60.0, interactive_requests / irate) if irate > 0 else 120.0
+        duration = max(MIN_WINDOW_S, interactive_requests / irate if irate > 0 else 0.0)
         run = run_joint(slices, interactive, mix, bg_rate, duration, policies[t], profiles[t],
                         slo, engine=plan.engine, seed=seed + 991)
         out[t] = {

@@ -202,3 +202,31 @@ def test_long_prompts_starve_short_ttft_and_a_lane_restores_it():
     fixed = short_ttft_p99({"threshold_tokens": 4000, "max_kv_fraction": 0.5})
     assert fixed < 0.25
     assert fixed < starved / 10
+
+
+# ---- regressions found in QA ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_chunking_off_rejects_only_prompts_over_the_budget(engine):
+    # A 40-token prompt fits the 64-token budget: it runs, even though prompt + output
+    # (79 tokens in KV at the end) exceeds the budget.
+    tr = trace_of([(0, 40, 40)])
+    pol = policy(batching={"max_num_seqs": 4, "max_num_batched_tokens": 64,
+                           "enable_chunked_prefill": False})
+    out, _ = both_modes(tr, pol, kv_blocks=100, block_size=4, engine=engine)
+    assert out.status.tolist() == [0]
+    assert out.generated.tolist() == [40]
+
+
+def test_chunking_off_resumed_request_over_the_budget_is_chunked_not_stuck():
+    # B is preempted at step 11 holding 10 generated tokens; its re-prefill (20 tokens)
+    # exceeds the whole 16-token budget, so it is chunked (16 + 3) once A is done.
+    tr = trace_of([(0, 10, 30), (0, 10, 30)])
+    pol = policy(batching={"max_num_seqs": 4, "max_num_batched_tokens": 16,
+                           "enable_chunked_prefill": False})
+    out, log = both_modes(tr, pol, kv_blocks=10, block_size=4)
+    assert out.status.tolist() == [0, 0]
+    assert out.preemptions.tolist() == [0, 1]
+    resumed = [rec for rec in log if 1 in rec["admitted"]]
+    assert [rec["scheduled"] for rec in resumed] == [[[0, 1], [1, 10]], [[1, 16]]]

@@ -275,6 +275,15 @@ def test_sglang_exact_file_and_priority_convention():
     assert data["max-total-tokens"] == 1000 * 16
 
 
+def test_sglang_in_flight_cap_below_batch_width():
+    # waiting + running <= 100 with 256 seats: at most 100 run, and the waiting cap is
+    # floored at 1 (SGLang's cap counts waiting requests only)
+    policy = make_policy(batching={"max_num_seqs": 256, "max_num_batched_tokens": 4096},
+                         admission={"max_queued_requests": 100})
+    data = body(export_policy(policy, "sglang").text)
+    assert data["max-running-requests"] == 100 and data["max-queued-requests"] == 1
+
+
 def test_sglang_chunking_off_is_minus_one():
     policy = make_policy(batching={"enable_chunked_prefill": False})
     assert body(export_policy(policy, "sglang").text)["chunked-prefill-size"] == -1
@@ -501,6 +510,7 @@ def test_profile_document_gives_memory_facts():
 @given(meta=st.dictionaries(
     st.sampled_from(["gpu_memory_bytes", "weight_bytes", "gpu_memory_utilization",
                      "activation_bytes", "block_size", "kv_blocks", "weight_bytes_per_gpu",
+                     "kv_blocks_override",
                      "other"]),
     st.one_of(st.none(), st.booleans(), st.integers(-10, 10**12), st.text(max_size=5),
               st.floats(allow_nan=True, allow_infinity=True), st.lists(st.integers())),
@@ -536,3 +546,17 @@ def test_cli_profile_option_with_shipped_profile(tmp_path):
     expected = (u * total - weights - act) / (total - weights - act)
     assert data["kv_cache_config"]["free_gpu_memory_fraction"] == round(expected, 4)
     assert data["kv_cache_config"]["max_tokens"] == prof.kv_tokens()
+
+
+def test_profile_with_fixed_pool_pins_vllm_blocks():
+    from servetune.schemas.profile import MemoryBudget, Profile
+
+    profile = Profile(name="replay", memory=MemoryBudget(kv_blocks_override=101))
+    data = body(export_policy(make_policy(metadata={}), "vllm", profile=profile).text)
+    assert data["num-gpu-blocks-override"] == 101 and data["block-size"] == 16
+    assert "gpu-memory-utilization" not in data
+    # usable blocks = override - the null block; SGLang gets them in tokens
+    sg = body(export_policy(make_policy(metadata={}), "sglang", profile=profile).text)
+    assert sg["max-total-tokens"] == 100 * 16
+    with pytest.raises(ServetuneError, match="hardware and model sections"):
+        export_policy(make_policy(metadata={}), "trtllm", profile=profile)

@@ -141,6 +141,8 @@ def test_nightly_writes_new_policy(first_run):
     assert policy.batching.max_num_seqs in (64, 256)
     assert policy.batching.max_num_batched_tokens in (1024, 8192)
     assert policy.metadata["profile"]["gpu_memory_bytes"] > 0
+    assert policy.metadata["nightly"]["replaces"] == "poor"
+    assert policy.metadata["nightly"]["gain"] >= 0.02
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "new_policy_written" and summary["exit_code"] == 0
     assert summary["new"]["goodput_rate_per_s"] >= 1.02 * summary["current"]["goodput_rate_per_s"]
@@ -153,6 +155,8 @@ def test_nightly_writes_new_policy(first_run):
     assert sglang["max-running-requests"] == policy.batching.max_num_seqs
     report = (out / "report.md").read_text()
     assert "New policy written" in report and "| `batching.max_num_seqs` | 4 |" in report
+    assert all(ch["reason"].startswith("model:") for ch in summary["changes"]
+               if ch["knob"].startswith("batching."))
     for png in ("ttft_cdf.png", "tpot_cdf.png", "kv_queue.png", "goodput.png"):
         assert f"]({png})" in report
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
@@ -175,10 +179,10 @@ def test_second_run_with_new_policy_keeps_it(tiny, first_run):
     kept.mkdir()
     (kept / "policy.yaml").write_bytes((out / "policy.yaml").read_bytes())
     before = (kept / "policy.yaml").read_bytes()
-    res2 = runner.invoke(app, tiny_args(tiny, kept, kept / "policy.yaml"))
+    res2 = runner.invoke(app, tiny_args(tiny, kept, kept / "policy.yaml", "--json"))
     assert res2.exit_code == 10, res2.output
-    assert "Current policy kept" in res2.output
     summary = json.loads((kept / "summary.json").read_text())
+    assert json.loads(res2.stdout) == summary  # --json prints the summary, nothing else
     assert summary["status"] == "current_kept" and summary["exit_code"] == 10
     assert (kept / "policy.yaml").read_bytes() == before  # untouched
     assert not (kept / "vllm.yaml").exists()
@@ -225,10 +229,15 @@ def test_infeasible_slo_exits_3_with_report(tiny):
     args[args.index("--slo") + 1] = str(slo)
     res = runner.invoke(app, args)
     assert res.exit_code == 3, res.output
-    assert sorted(p.name for p in out.iterdir()) == ["report.md", "summary.json"]
+    assert {p.name for p in out.iterdir()} == {"report.md", "summary.json", "ttft_cdf.png",
+                                               "tpot_cdf.png", "kv_queue.png", "goodput.png"}
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "infeasible" and "TPOT" in summary["reasons"][0]
-    assert "TPOT" in (out / "report.md").read_text()
+    assert summary["details"]["binding"] == "tpot[default]"
+    assert "new" not in summary and "current" in summary
+    report = (out / "report.md").read_text()
+    assert "TPOT" in report and "## Why no new policy" in report
+    assert "## What changed" not in report
 
 
 def test_report_command(tiny, first_run):
@@ -245,6 +254,9 @@ def test_report_command(tiny, first_run):
     summary = json.loads((rep / "summary.json").read_text())
     first = json.loads((out / "summary.json").read_text())
     assert summary["new"]["goodput_rate_per_s"] == first["new"]["goodput_rate_per_s"]
+    # the knob table carries the fluid model's reasons (goodput and binding condition)
+    assert summary["changes"][0]["reason"].startswith("model:")
+    assert "limited by" in (rep / "report.md").read_text()
 
 
 def test_new_policy_reexports_without_profile(tiny, first_run):

@@ -134,3 +134,38 @@ def test_derive_writes_a_derived_profile(tmp_path):
     assert p.calibration.kind == "derived" and p.tensor_parallel == 8
     assert p.step_time.allreduce_s_per_token > 0
     assert any("H100" in s or "h100" in s for s in [p.calibration.source])
+
+
+# ---- regressions found in QA ---------------------------------------------------------
+
+
+def test_derive_refuses_a_model_that_does_not_fit_the_gpu(tmp_path):
+    # Llama-3.1-70B in bf16 (~131 GiB of weights) on one 48 GB L40S leaves no KV cache:
+    # vLLM would not start, so no profile is written.
+    _need_calibration()
+    out = tmp_path / "d.yaml"
+    res = runner.invoke(app, ["profile", "derive", "--measurements", str(CALIB), "--model",
+                              "llama-3.1-70b", "--gpu", "l40s", "-o", str(out)])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "leaves no KV cache" in lines[0] and "tensor parallelism" in lines[0]
+    assert not out.exists()
+
+
+def test_simulate_names_the_profile_that_leaves_no_kv_cache(tmp_path):
+    text = (SHIPPED_DIR / "h200-llama-3.1-8b.yaml").read_text()
+    prof = tmp_path / "tiny-util.yaml"
+    prof.write_text(text.replace("gpu_memory_utilization: 0.92", "gpu_memory_utilization: 0.05"))
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00.0,10,2\n")
+    policy = REPO / "configs" / "policies" / "vllm-serve-defaults.yaml"
+    res = runner.invoke(app, ["simulate", "--trace", str(trace), "--profile", str(prof),
+                              "--policy", str(policy)])
+    assert res.exit_code == 2, res.output
+    assert "tiny-util.yaml" in res.output and "leaves no KV cache" in res.output
+
+
+@pytest.mark.parametrize("command", ["fit", "derive", "check", "show", "measure"])
+def test_every_profile_command_help_has_an_example(command):
+    res = runner.invoke(app, ["profile", command, "--help"])
+    assert res.exit_code == 0 and "Example: servetune profile" in res.output

@@ -36,7 +36,7 @@ def trace():
     return from_arrays(ARRIVALS, np.array([100, 200, 300, 400]), OUTPUT_TOKENS)
 
 
-def run(ttft: list[float], tpot: float = 0.05, status=(0, 0, 0, 0)) -> SimResult:
+def run(ttft: list[float], tpot: float = 0.05, status=(0, 0, 0, 0), tr=None) -> SimResult:
     """A finished run: request i's first token at arrival + ttft[i], then 10 more tokens
     every ``tpot`` seconds."""
     ttft_a = np.array(ttft, dtype=float)
@@ -54,7 +54,7 @@ def run(ttft: list[float], tpot: float = 0.05, status=(0, 0, 0, 0)) -> SimResult
         series={"t_s": t, "kv_util": t / 8.0, "waiting": np.array([0, 1, 0, 1, 0]),
                 "running": np.array([1, 1, 2, 1, 0])},
     )
-    return SimResult(trace=trace(), output=output)
+    return SimResult(trace=tr if tr is not None else trace(), output=output)
 
 
 def gp(rate: float, points: list[tuple[float, bool, float]]) -> GoodputResult:
@@ -202,3 +202,34 @@ def test_report_with_capacity_runs():
     # two columns of panels: wider than the one-column figure
     one = build_report(comparison(), Verdict("v")).figures["kv_queue.png"]
     assert files.figures["kv_queue.png"] != one
+
+
+def test_report_of_the_current_policy_alone():
+    comp = comparison()
+    comp.new = None
+    files = build_report(comp, Verdict("Infeasible."))
+    md = files.markdown
+    assert "| | current: `current-pol` |\n|---|---|\n" in md
+    assert "| TTFT p50 / p99 at trace rate | 500 ms / 500 ms |" in md
+    assert "## What changed" not in md and "no new policy to compare" in md
+    assert "new" not in files.summary and files.summary["changes"] == []
+    assert set(files.figures) == {"ttft_cdf.png", "tpot_cdf.png", "kv_queue.png",
+                                  "goodput.png"}
+
+
+def test_per_class_rows_for_a_two_class_trace():
+    tr = from_arrays(ARRIVALS, np.array([100, 200, 300, 400]), OUTPUT_TOKENS,
+                     class_id=np.array([0, 1, 0, 1], dtype=np.int32),
+                     class_names=("chat", "batch"))
+    comp = comparison()
+    comp.trace = tr
+    # chat (requests 0 and 2) within TTFT 1 s, batch (1 and 3) not, for the current policy
+    for scale in (1.0, 1.2, 1.5):
+        comp.current.runs[scale] = run([0.5, 1.5, 0.5, 1.5], tr=tr)
+        comp.new.runs[scale] = run([0.2] * 4, tr=tr)
+    md = build_report(comp, Verdict("v")).markdown
+    assert "Per request class:" in md
+    assert ("| `chat` | TTFT <= 1 s, TPOT <= 0.1 s (0.9 of requests) | attainment 1, p99 TTFT "
+            "500 ms, p99 TPOT 50 ms | attainment 1, p99 TTFT 200 ms") in md
+    assert ("| `batch` | TTFT <= 1 s, TPOT <= 0.1 s (0.9 of requests) | attainment 0, p99 "
+            "TTFT 1.5 s") in md

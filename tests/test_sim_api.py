@@ -143,3 +143,24 @@ def test_public_api_reexports_the_engine():
     assert ENGINES == ("vllm", "sglang", "trtllm", "tgi")
     assert callable(simulate) and callable(goodput)
     assert SimResult and GoodputResult
+
+
+def test_tpot_and_throughput_count_the_tokens_max_tokens_lets_out():
+    # Request 0 has 10 output tokens in the trace but max_tokens 5: the engine stops
+    # after 5, so its TPOT is (e2e - TTFT) / 4 and it adds 5 tokens to the throughput.
+    trace = from_arrays(np.array([0.0, 0.0]), np.array([10, 10]), np.array([10, 3]),
+                        max_tokens=np.array([5, 8]))
+    output = SimpleNamespace(
+        admitted_s=np.array([0.0, 0.0]), first_token_s=np.array([1.0, 1.0]),
+        finish_s=np.array([5.0, 3.0]), preemptions=np.array([0, 0], dtype=np.int32),
+        status=np.array([0, 0], dtype=np.int8), reason=np.array([0, 0], dtype=np.int8),
+        steps=5, kv_blocks_total=10, kv_util_mean=0.1, kv_util_peak=0.2, sim_end_s=5.0,
+        series={}, step_log=None,
+    )
+    r = SimResult(trace=trace, output=output, sim_wall_s=0.0)
+    assert r.metrics.tpot_s.tolist() == [1.0, 1.0]
+    assert r.summary()["overall"]["throughput_tok_s"] == pytest.approx(8 / 5)
+    rows = list(csv.DictReader(io.StringIO(records_csv(
+        record_columns(r.trace, r.output, ())).decode())))
+    assert [row["output_tokens"] for row in rows] == ["5", "3"]
+    assert [float(row["tpot_s"]) for row in rows] == [1.0, 1.0]

@@ -216,3 +216,40 @@ def test_simulate_a_workload_with_progress(files, tmp_path, monkeypatch):
     assert len(summary["per_class"]) == 2
     assert "per class" in result.output
     assert sum(c["requests"] for c in summary["per_class"].values()) == 200
+
+
+# ---- regressions found in QA ---------------------------------------------------------
+
+
+def test_generic_csv_trace_with_a_column_mapping(files, tmp_path):
+    generic = tmp_path / "generic.csv"
+    generic.write_text("t,in,out,prio,kind,cap\n0,100,10,1,chat,5\n0.5,200,20,0,batch,50\n")
+    records = tmp_path / "r.csv"
+    args = base_args(files) + ["--records", str(records)]
+    args[2] = str(generic)
+    assert "--columns" in one_error_line(runner.invoke(app, args))
+    mapping = "arrival=t,prompt=in,output=out,priority=prio,class=kind,max_tokens=cap"
+    result = runner.invoke(app, args + ["--columns", mapping])
+    assert result.exit_code == 0, result.output
+    rows = records.read_text().splitlines()[1:]
+    assert [row.split(",")[1] for row in rows] == ["chat", "batch"]
+    assert [row.split(",")[7] for row in rows] == ["5", "20"]  # output capped by max_tokens
+    workload_args = base_args(files) + ["--columns", mapping]
+    workload_args[1:3] = ["--workload", str(tmp_path / "any.yaml")]
+    assert "--trace only" in one_error_line(runner.invoke(app, workload_args))
+
+
+@pytest.mark.parametrize("bad", ["steps-dir", "timeline-unwritable", "same-file"])
+def test_an_output_error_leaves_no_output_behind(files, tmp_path, bad):
+    out_json, records = tmp_path / "s.json", tmp_path / "r.csv"
+    args = base_args(files) + ["--json", str(out_json), "--records", str(records)]
+    if bad == "steps-dir":
+        (tmp_path / "d").mkdir()
+        args += ["--steps", str(tmp_path / "d")]
+    elif bad == "timeline-unwritable":
+        (tmp_path / "f").write_text("a file, not a folder")
+        args += ["--timeline", str(tmp_path / "f" / "t.json")]
+    else:
+        args += ["--steps", str(out_json)]
+    one_error_line(runner.invoke(app, args))
+    assert not out_json.exists() and not records.exists()

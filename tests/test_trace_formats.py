@@ -424,3 +424,10 @@ def test_a_line_longer_than_the_limit_is_an_error(tmp_path, monkeypatch):
     path = write(tmp_path, "long.csv", "a,b,c\n" + "1" * 500 + "\n")
     with pytest.raises(ServetuneError, match="longer than"):
         load_trace(path, columns="arrival=a,prompt=b,output=c")
+
+
+def test_forced_generic_format_without_columns_says_what_is_missing(tmp_path):
+    path = write(tmp_path, "azure.csv", AZURE)
+    for fmt in ("csv", "jsonl"):
+        with pytest.raises(ServetuneError, match=f"--trace-format {fmt} needs a column mapping"):
+            load_trace(path, fmt=fmt)

@@ -306,6 +306,8 @@ def test_cli_fit_bands_and_windows(tmp_path):
         ["workload", "show", "missing.yaml"],
         ["workload", "fit", "{trace}", "-o", "{out}", "--split-by", "colour"],
         ["workload", "fit", "{trace}", "-o", "{out}", "--bands", "0"],
+        ["workload", "fit", "{trace}", "-o", "{out}", "--split-by", "prompt-quantiles",
+         "--bands", "100000"],
         ["workload", "show", "{bad}", "--sample", "10"],
         ["workload", "show", "{good}", "--sample", "0"],
         ["trace", "stats", "{bad}"],

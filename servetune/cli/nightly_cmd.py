@@ -9,43 +9,51 @@ import typer
 
 from servetune.errors import ServetuneError
 
-NIGHTLY_HELP = """Re-optimize the policy on a trace and replace the current one only if better.
 
-Fits a workload to TRACE, optimizes a new policy, simulates the current and the new policy
-on the trace and at +20% and +50% rate, and compares their goodput. The new policy and its
-engine configs are written to --out-dir only when its goodput is higher by at least
---min-gain and its SLO attainment is no lower on the stress runs. report.md (with PNG
-plots) and summary.json are always written. Every file is written atomically, so an
-interrupted run leaves the previous outputs intact; the same inputs give the same files.
+def _para(text: str) -> str:
+    """One help paragraph on one line (the help renderer wraps it to the terminal)."""
+    return " ".join(text.split())
 
-\b
+
+NIGHTLY_HELP = "\n\n".join([
+    "Re-optimize the policy on a trace and replace the current one only if better.",
+    _para("""Fits a workload to TRACE, optimizes a new policy, simulates the current and
+    the new policy on the trace and at +20% and +50% rate, and compares their goodput. The
+    new policy and its engine configs are written to --out-dir only when its goodput is
+    higher by at least --min-gain and its SLO attainment is no lower on the stress runs.
+    report.md (with PNG plots) and summary.json are always written. Every file is written
+    atomically, so an interrupted run leaves the previous outputs intact; the same inputs
+    give the same files."""),
+    """\b
 Exit codes:
-   0  new policy written (policy.yaml, <engine>.yaml, report.md, *.png, summary.json)
-  10  current policy kept (report.md, *.png, summary.json)
-   2  user error (bad file or option; nothing written)
-   3  infeasible: no policy in the search space meets the SLOs (report.md, summary.json)
-
-\b
+   0  new policy written: policy.yaml, <engine>.yaml, report
+  10  current policy kept: report only
+   2  user error (bad file or option): nothing written
+   3  infeasible, no policy in the space meets the SLOs: report""",
+    _para("""The report is report.md, its plots (ttft_cdf.png, tpot_cdf.png, kv_queue.png,
+    goodput.png) and summary.json."""),
+    """\b
 Example:
   servetune nightly --trace configs/examples/azure-conv-synthetic.csv \\
       --profile gpu_profiles/h200-llama-3.1-8b.yaml \\
       --slo configs/slos/mlperf-llama-3.1-8b-server.yaml \\
-      --current configs/policies/vllm-serve-defaults.yaml --out-dir nightly/
-"""
+      --current configs/policies/vllm-serve-defaults.yaml --out-dir nightly/""",
+])
 
-REPORT_HELP = """Compare two policies on a trace: report.md with PNG plots and summary.json.
-
-Simulates CURRENT and NEW on the trace at its own rate and at +20% and +50% rate, searches
-both policies' goodput, and writes the report (TTFT/TPOT CDFs, KV utilization and queue
-length over time, goodput versus rate, the knob changes) to --out-dir.
-
-\b
+REPORT_HELP = "\n\n".join([
+    "Compare two policies on a trace: report.md with PNG plots and summary.json.",
+    _para("""Simulates CURRENT and NEW on the trace at its own rate and at +20% and +50%
+    rate, searches both policies' goodput, and writes the report (TTFT/TPOT CDFs, KV
+    utilization and queue length over time, goodput versus rate, the knob changes with the
+    fluid model's reasons) to --out-dir."""),
+    """\b
 Example:
   servetune report --trace configs/examples/azure-conv-synthetic.csv \\
       --profile gpu_profiles/h200-llama-3.1-8b.yaml \\
       --slo configs/slos/mlperf-llama-3.1-8b-server.yaml \\
-      --current configs/policies/vllm-serve-defaults.yaml --new policy.yaml --out-dir report/
-"""
+      --current configs/policies/vllm-serve-defaults.yaml --new policy.yaml \\
+      --out-dir report/""",
+])
 
 
 def _progress(text: str) -> None:

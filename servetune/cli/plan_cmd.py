@@ -294,8 +294,12 @@ def register(app: typer.Typer) -> None:
                    f"{s['value_completed']:g} of {s['value_total']:g}")
         for r in run.schedule["jobs"]:
             if r["scheduled"]:
-                typer.echo(f"  {r['id']}: done by {r['finish_s'] / 3600:.0f}:00 "
-                           f"({-r['lateness_s'] / 3600:.0f} h before its deadline)")
+                day, hour = divmod(int(r["finish_s"] // 3600), 24)
+                when = f"{hour:02d}:00" + (f" (+{day} day)" if day else "")
+                early_h = -r["lateness_s"] / 3600
+                margin = f"{early_h:.0f} h before its deadline" if early_h >= 0.5 else \
+                    "at its deadline"
+                typer.echo(f"  {r['id']}: done by {when}, {margin}")
             else:
                 typer.echo(f"  {r['id']}: NOT scheduled: {r['reason']}")
         for t, c in run.schedule["validation"].items():

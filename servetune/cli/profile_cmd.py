@@ -19,8 +19,10 @@ from servetune.errors import ServetuneError
 
 def _save(profile, output: Path) -> None:
     from servetune.profile_build import profile_header
+    from servetune.profiles import require_kv_pool
     from servetune.schemas.base import save_document
 
+    require_kv_pool(profile, f"{output} (not written)")
     save_document(profile, output, header=profile_header(profile))
 
 
@@ -66,7 +68,11 @@ def register(app: typer.Typer) -> None:
 
     group = new_group("GPU profiles: fit from measurements, check, measure, show, derive.")
 
-    @group.command("fit")
+    @group.command(
+        "fit",
+        epilog="Example: servetune profile fit --measurements ../shared/gpu_measurements/h200 "
+        "--model llama-3.1-8b -o h200-llama-3.1-8b.yaml",
+    )
     def fit_cmd(
         measurements: Path = typer.Option(..., "--measurements", "-m",
                                           help="Folder of timing CSVs (linear.csv, ...)."),
@@ -97,7 +103,11 @@ def register(app: typer.Typer) -> None:
                     f"({report.check['rows']} rows)")
         typer.echo(msg)
 
-    @group.command("derive")
+    @group.command(
+        "derive",
+        epilog="Example: servetune profile derive --measurements ../shared/gpu_measurements/h200 "
+        "--model llama-3.1-70b --gpu h100-80gb --tp 4 -o h100-llama-3.1-70b-tp4.yaml",
+    )
     def derive_cmd(
         measurements: Path = typer.Option(..., "--measurements", "-m"),
         model: str = typer.Option(..., "--model"),
@@ -116,7 +126,11 @@ def register(app: typer.Typer) -> None:
         _save(profile, output)
         typer.echo(f"wrote {output}: {profile.name}, {profile.kv_blocks():,} KV blocks")
 
-    @group.command("check")
+    @group.command(
+        "check",
+        epilog="Example: servetune profile check --profile h200-llama-3.1-8b --measured "
+        "../shared/gpu_measurements/h200/step_graph_llama-3.1-8b.csv --json",
+    )
     def check_cmd(
         profile_path: Path = typer.Option(..., "--profile", "-p", help="Profile YAML."),
         measured: Path = typer.Option(..., "--measured",
@@ -154,7 +168,7 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"{report['rows']} rows: median abs error "
                    f"{report['median_abs_pct_error']:.2f}%, max {report['max_abs_pct_error']:.2f}%")
 
-    @group.command("show")
+    @group.command("show", epilog="Example: servetune profile show h200-llama-3.1-8b --json")
     def show_cmd(
         profile_path: Path = typer.Argument(..., help="Profile YAML or shipped profile name."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -189,7 +203,9 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"{r['shape']:<34} {r['tokens']:>7} {r['step_ms']:>9.3f} "
                        f"{r['tokens_per_s']:>10.0f}")
 
-    @group.command("measure")
+    @group.command("measure", epilog="Example: servetune profile measure -o my-gpu "
+                   "--model llama-3.1-8b, then: servetune profile fit --measurements my-gpu "
+                   "--model llama-3.1-8b -o my-gpu-llama-3.1-8b.yaml")
     def measure_cmd(
         output: Path = typer.Option(..., "-o", "--output", help="Folder to write CSVs into."),
         model: list[str] = typer.Option(["llama-3.1-8b"], "--model",

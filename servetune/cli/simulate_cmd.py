@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from servetune.cli.trace_cmd import (
+    ARRIVAL_UNIT_HELP,
+    COLUMNS_HELP,
+    ON_BAD_ROW_HELP,
+    TRACE_FORMAT_HELP,
+)
 from servetune.errors import InfeasibleError, ServetuneError
 from servetune.schemas.base import load_document, write_text_atomic
 from servetune.schemas.policy import Policy
@@ -37,14 +45,39 @@ def _need_file(path: Path, option: str) -> Path:
     return path
 
 
-def load_source(trace: Path | None, workload: Path | None) -> Any:
+@dataclass(frozen=True)
+class TraceOptions:
+    """How to read --trace (the same options as ``servetune trace stats``)."""
+
+    trace_format: str | None = None
+    columns: str | None = None
+    arrival_unit: str | None = None
+    on_bad_row: str = "error"
+
+    @property
+    def given(self) -> bool:
+        return (self.trace_format, self.columns, self.arrival_unit) != (None, None, None) or (
+            self.on_bad_row != "error"
+        )
+
+
+def load_source(
+    trace: Path | None, workload: Path | None, options: TraceOptions = TraceOptions()
+) -> Any:
     """The Trace or Workload named by exactly one of --trace / --workload."""
     if (trace is None) == (workload is None):
         raise ServetuneError("give exactly one of --trace FILE or --workload W.yaml")
     if trace is not None:
-        from servetune.trace_formats import load_trace
+        from servetune.cli.trace_cmd import load_trace_cli
 
-        return load_trace(_need_file(trace, "--trace"))
+        return load_trace_cli(
+            _need_file(trace, "--trace"), options.trace_format, options.columns,
+            options.arrival_unit, options.on_bad_row,
+        )
+    if options.given:
+        raise ServetuneError(
+            "--trace-format, --columns, --arrival-unit and --on-bad-row apply to --trace only"
+        )
     from servetune.workload import load_workload
 
     assert workload is not None
@@ -53,16 +86,17 @@ def load_source(trace: Path | None, workload: Path | None) -> Any:
 
 def load_inputs(
     trace: Path | None, workload: Path | None, profile: str, policy: Path, slo: Path | None,
-    engine: str,
+    engine: str, options: TraceOptions = TraceOptions(),
 ) -> tuple[Any, Policy, Any, SLOSet | None]:
     if engine not in ENGINE_CHOICES:
         raise ServetuneError(
             f"--engine {engine!r}: unknown engine; choose one of {', '.join(ENGINE_CHOICES)}"
         )
-    source = load_source(trace, workload)
-    from servetune.profiles import load_profile
+    source = load_source(trace, workload, options)
+    from servetune.profiles import load_profile, require_kv_pool
 
     prof = load_profile(profile)
+    require_kv_pool(prof, profile)
     pol = load_document(_need_file(policy, "--policy"), Policy)
     slo_set = load_document(_need_file(slo, "--slo"), SLOSet) if slo is not None else None
     return source, pol, prof, slo_set
@@ -172,6 +206,36 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
 
 
+def check_outputs(outputs: dict[str, Path | None]) -> None:
+    """Fail before a run when an output path (option -> path) cannot be a file."""
+    seen: dict[Path, str] = {}
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        if path.is_dir():
+            raise ServetuneError(f"{path}: is a directory (given to {option}); give a file path")
+        key = path.resolve()
+        if key in seen:
+            raise ServetuneError(
+                f"{path}: given to both {seen[key]} and {option}; give each output its own file"
+            )
+        seen[key] = option
+
+
+def write_outputs(writers: list[tuple[Path, Callable[[], None]]]) -> None:
+    """Run each (path, write) in turn; if one fails, remove the files written before it,
+    so that an error leaves no partial set of outputs behind."""
+    written: list[Path] = []
+    try:
+        for path, write in writers:
+            write()
+            written.append(path)
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
+
+
 def register(app: typer.Typer) -> None:
     """Add ``simulate`` and ``goodput`` to the top-level app."""
 
@@ -205,6 +269,10 @@ def register(app: typer.Typer) -> None:
         timeline_window: str | None = typer.Option(
             None, "--timeline-window", help="START:END seconds kept in the timeline"
         ),
+        trace_format: str | None = typer.Option(None, "--trace-format", help=TRACE_FORMAT_HELP),
+        columns: str | None = typer.Option(None, "--columns", help=COLUMNS_HELP),
+        arrival_unit: str | None = typer.Option(None, "--arrival-unit", help=ARRIVAL_UNIT_HELP),
+        on_bad_row: str = typer.Option("error", "--on-bad-row", help=ON_BAD_ROW_HELP),
     ) -> None:
         """Simulate a policy serving a trace or a sampled workload.
 
@@ -220,9 +288,14 @@ def register(app: typer.Typer) -> None:
         window = parse_window(timeline_window) if timeline_window is not None else None
         if window is not None and timeline is None:
             raise ServetuneError("--timeline-window needs --timeline T.json")
+        check_outputs({"--json": json_out, "--records": records, "--steps": steps,
+                       "--timeline": timeline})
         if records is not None:
             check_records_path(records)
-        source, pol, prof, slo_set = load_inputs(trace, workload, profile, policy, slo, engine)
+        options = TraceOptions(trace_format, columns, arrival_unit, on_bad_row)
+        source, pol, prof, slo_set = load_inputs(
+            trace, workload, profile, policy, slo, engine, options
+        )
         console = Console(stderr=True)
         expected = _expected_requests(source, requests)
         show = expected >= PROGRESS_MIN_REQUESTS or (
@@ -240,16 +313,20 @@ def register(app: typer.Typer) -> None:
             result = simulate(source, pol, prof, **kwargs)
         summary = result.summary(slo_set)
         meets = result.meets_slo(slo_set) if slo_set is not None else None
-        if json_out is not None:
-            _write_json(json_out, summary)  # per-class verdicts are in per_class
+        writers: list[tuple[Path, Callable[[], None]]] = []
+        if json_out is not None:  # per-class verdicts are in per_class
+            writers.append((json_out, lambda: _write_json(json_out, summary)))
         if records is not None:
-            result.write_records(records)
+            writers.append((records, lambda: result.write_records(records)))
+        if steps is not None:
+            writers.append((steps, lambda: result.write_steps(steps)))
+        if timeline is not None:
+            writers.append((timeline, lambda: result.write_timeline(timeline, window)))
         if steps is not None or timeline is not None:
             with console.status("writing the step log / timeline"):
-                if steps is not None:
-                    result.write_steps(steps)
-                if timeline is not None:
-                    result.write_timeline(timeline, window)
+                write_outputs(writers)
+        else:
+            write_outputs(writers)
         out = Console(file=sys.stdout, width=100)
         title = f"{pol.name} on {prof.name} ({engine}{', reference' if reference else ''})"
         out.print(summary_table(summary, title))
@@ -276,6 +353,10 @@ def register(app: typer.Typer) -> None:
         reference: bool = typer.Option(False, "--reference", help="step-by-step reference mode"),
         rel_tol: float = typer.Option(0.02, "--tolerance", help="relative bisection tolerance"),
         json_out: Path | None = typer.Option(None, "--json", help="write the result JSON here"),
+        trace_format: str | None = typer.Option(None, "--trace-format", help=TRACE_FORMAT_HELP),
+        columns: str | None = typer.Option(None, "--columns", help=COLUMNS_HELP),
+        arrival_unit: str | None = typer.Option(None, "--arrival-unit", help=ARRIVAL_UNIT_HELP),
+        on_bad_row: str = typer.Option("error", "--on-bad-row", help=ON_BAD_ROW_HELP),
     ) -> None:
         """Find the highest arrival-rate scale at which a policy meets an SLO set.
 
@@ -290,7 +371,11 @@ def register(app: typer.Typer) -> None:
         seed_list = seeds_for(seeds, seed)
         if not rel_tol > 0:
             raise ServetuneError(f"--tolerance must be > 0 (got {rel_tol})")
-        source, pol, prof, slo_set = load_inputs(trace, workload, profile, policy, slo, engine)
+        check_outputs({"--json": json_out})
+        options = TraceOptions(trace_format, columns, arrival_unit, on_bad_row)
+        source, pol, prof, slo_set = load_inputs(
+            trace, workload, profile, policy, slo, engine, options
+        )
         assert slo_set is not None
         console = Console(stderr=True)
 

@@ -46,10 +46,10 @@ FILENAMES: dict[str, str] = {
 class ExportResult:
     """One engine's config: its text, what it cannot express, and its file name."""
 
-    engine: str
     text: str
     unsupported: list[str]
     filename: str
+    engine: str = ""
     notes: list[str] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)  # the emitted keys and values
     args: list[str] = field(default_factory=list)  # launcher arguments (TGI)
@@ -70,6 +70,7 @@ class MemoryFacts:
     activation_bytes: int | None = None
     block_size: int | None = None
     kv_blocks: int | None = None
+    kv_blocks_override: int | None = None  # the profile pins the pool (vLLM's override)
     source: str = ""
 
     @property
@@ -89,6 +90,7 @@ _FACT_NAMES = (
     "activation_bytes",
     "block_size",
     "kv_blocks",
+    "kv_blocks_override",
 )
 
 
@@ -101,6 +103,8 @@ def _number(value: Any) -> float | None:
         return None
     return out if math.isfinite(out) else None
 
+
+_POSITIVE = ("block_size", "gpu_memory_bytes", "kv_blocks_override")
 
 # Other spellings of the same facts (Profile.memory_summary() uses the long ones).
 _ALIASES = {
@@ -124,7 +128,7 @@ def _facts_from_mapping(data: Mapping[str, Any], source: str) -> MemoryFacts:
                 raise ServetuneError(f"{source}: {name}: must be in (0, 1] (got {raw!r})")
             values[name] = num
         else:
-            if num < 0 or (name in ("block_size", "gpu_memory_bytes") and num <= 0):
+            if num < 0 or (name in _POSITIVE and num <= 0):
                 raise ServetuneError(f"{source}: {name}: must be positive (got {raw!r})")
             values[name] = int(num)
     return MemoryFacts(source=source, **values)
@@ -221,12 +225,9 @@ def lanes_instead(policy: Policy) -> str:
     )
 
 
-def class_priority_instead(policy: Policy, engine_title: str, *, flip: bool = False) -> str:
+def class_priority_instead(policy: Policy, engine_title: str) -> str:
     """Per-class priorities travel with each request; say which value each class sends."""
-    pairs = ", ".join(
-        f"{name}={(-cp.priority if flip else cp.priority)}"
-        for name, cp in sorted(policy.classes.items())
-    )
+    pairs = ", ".join(f"{name}={cp.priority}" for name, cp in sorted(policy.classes.items()))
     return (
         f"classes.*.priority ({pairs}): {engine_title} takes priority per request, not per "
         f"class; set the request's `priority` field to these values at the gateway or client"

@@ -14,7 +14,7 @@ Mapping:
   ``disable-priority-preemption`` (the simulated policy never preempts on arrival);
 - ``admission.max_queued_requests`` caps waiting + running; SGLang's
   ``max-queued-requests`` caps the waiting queue only, so it gets the cap minus the
-  running-set cap;
+  running-set cap (and the running-set cap is at most the in-flight cap);
 - the profile -> ``mem-fraction-static`` (weights + KV share of total memory, i.e. vLLM's
   utilization minus the activation reserve) and ``max-total-tokens`` (the KV pool in
   tokens the policy was tuned for);
@@ -86,12 +86,15 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
             unsupported.append(class_priority_instead(policy, TITLE))
 
     if a.max_queued_requests is not None:
-        waiting_cap = max(1, a.max_queued_requests - b.max_num_seqs)
+        # In-flight (waiting + running) <= cap also bounds the running set by the cap.
+        running_cap = min(b.max_num_seqs, a.max_queued_requests)
+        settings["max-running-requests"] = running_cap
+        waiting_cap = max(1, a.max_queued_requests - running_cap)
         settings["max-queued-requests"] = waiting_cap
         notes.append(
             f"max-queued-requests caps the waiting queue only: set to admission."
             f"max_queued_requests ({a.max_queued_requests}) - max-running-requests "
-            f"({b.max_num_seqs}), floored at 1, so waiting + running stays within the cap"
+            f"({running_cap}), floored at 1, so waiting + running stays within the cap"
         )
 
     fraction = mem_fraction_static(facts)

@@ -50,10 +50,14 @@ def free_gpu_memory_fraction(facts: MemoryFacts) -> float:
     missing = facts.missing("gpu_memory_bytes", "weight_bytes", "gpu_memory_utilization")
     if missing:
         where = facts.source or "the policy has no metadata.profile and no --profile was given"
+        todo = (
+            "give a profile with hardware and model sections"
+            if facts.source.startswith("profile")
+            else "pass --profile P.yaml (the GPU profile the policy was tuned with)"
+        )
         raise ServetuneError(
             f"{where}: TensorRT-LLM's kv_cache_config.free_gpu_memory_fraction needs "
-            f"{', '.join(missing)}; pass --profile P.yaml (the GPU profile the policy was "
-            "tuned with)"
+            f"{', '.join(missing)}; {todo}"
         )
     total = float(facts.gpu_memory_bytes)  # type: ignore[arg-type]
     reserved = float(facts.weight_bytes) + float(facts.activation_bytes or 0)  # type: ignore[arg-type]

@@ -8,7 +8,8 @@ Mapping: ``batching.*`` -> ``max-num-seqs``, ``max-num-batched-tokens``,
 ``long-prefill-token-threshold``, ``enable-chunked-prefill``; ``scheduling`` ->
 ``scheduling-policy``; ``admission.*`` -> ``watermark``, ``scheduler-reserve-full-isl``,
 ``max-num-queued-reqs``, ``max-num-queued-tokens`` (queue caps only when set); the
-profile -> ``gpu-memory-utilization``, ``block-size``. Not expressible: long-request
+profile -> ``gpu-memory-utilization``, ``block-size`` and, when it pins the pool,
+``num-gpu-blocks-override``. Not expressible: long-request
 lanes (router rule) and per-class priorities (per-request field).
 """
 
@@ -57,6 +58,9 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
         )
     if facts.block_size is not None:
         settings["block-size"] = facts.block_size
+    if facts.kv_blocks_override is not None:
+        # The profile fixes the pool in blocks (what-if / replay profiles): pin it exactly.
+        settings["num-gpu-blocks-override"] = facts.kv_blocks_override
 
     unsupported: list[str] = []
     if policy.long_requests.enabled:

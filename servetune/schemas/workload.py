@@ -31,6 +31,9 @@ from pydantic import Field, field_validator, model_validator
 from servetune.schemas.base import Document, Strict
 
 MAX_TOKENS_BOUND = 10_000_000  # no request length beyond this is plausible; catches typos
+# No serving deployment sees a million requests a second; beyond, arrival times lose
+# their precision (a 1e300 rate makes every gap denormal), so it is a typo.
+MAX_RATE_PER_S = 1e6
 
 
 class LengthDistribution(Strict):
@@ -106,7 +109,9 @@ class Arrival(Strict):
     process: Literal["poisson", "gamma"] = Field(
         "poisson", description="poisson (exponential gaps) or gamma (gaps with the given CV)"
     )
-    rate_per_s: float = Field(gt=0, description="mean arrival rate, requests per second")
+    rate_per_s: float = Field(
+        gt=0, le=MAX_RATE_PER_S, description="mean arrival rate, requests per second"
+    )
     interarrival_cv: float = Field(
         1.0, gt=0, le=100, description="coefficient of variation of the gaps (1 for poisson)"
     )

@@ -562,10 +562,10 @@ def run_kernel(pi, pf, coef, pieces,
                         new = thresh
                     fits = True
                     if new > budget:
-                        if pi[P_CHUNKED] == 0:
+                        if pi[P_CHUNKED] == 0 and new <= pi[P_BUDGET]:
                             fits = False  # chunked prefill off: the prompt waits
                         else:
-                            new = budget
+                            new = budget  # (off: a re-prefill over the whole budget)
                     headroom = pi[P_WM]
                     if lanes:
                         if is_long[r] == 1:
@@ -664,7 +664,7 @@ def run_kernel(pi, pf, coef, pieces,
                     fits = extend + fr <= rem
                     new = extend
                     if new > budget:
-                        if pi[P_CHUNKED] == 0:
+                        if pi[P_CHUNKED] == 0 and new <= pi[P_BUDGET]:
                             fits = False
                         else:
                             new = budget

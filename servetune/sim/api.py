@@ -102,7 +102,8 @@ class SimResult:
         if self._metrics is None:
             self._metrics = M.request_metrics(
                 self.trace.arrival_s, self.output.first_token_s, self.output.finish_s,
-                self.trace.output_tokens, self.output.status, self.trace.class_ids(),
+                M.served_output_tokens(self.trace), self.output.status,
+                self.trace.class_ids(),
             )
         return self._metrics
 

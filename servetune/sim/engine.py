@@ -18,7 +18,8 @@ Semantics (``reference/engines.md``; the step loop is in :mod:`servetune.sim._ke
   ``max_num_seqs``: the whole (re-)prefill's blocks plus those that in-flight prefills
   still need must fit with ``kv_watermark`` headroom when ``reserve_full_prompt``
   (else only this chunk's). With ``enable_chunked_prefill`` off, a prompt that does not
-  fit the remaining budget waits and blocks the queue.
+  fit the remaining budget waits and blocks the queue (a resumed request whose re-prefill
+  exceeds the whole budget is chunked: vLLM's own config check rules that case out).
 - **sglang** (2.2, 2.3): a step is a prefill batch when one can be formed (the chunked
   request first, then admissions in queue order whose re-prefill plus
   ``min(max_tokens - generated, 4096) * new_token_ratio`` fits the free KV tokens less
@@ -290,16 +291,17 @@ def run_engine(
     if eng in (K.E_TRTLLM, K.E_TGI):
         resv = _blocks(prompt + declared - 1, bs)
         reject[resv + headroom > total] = REASON_RESERVATION
-        max_extend = prompt
-    else:
-        max_extend = final_kv
     if eng == K.E_SGLANG:
         worst = prompt + np.minimum(declared, out - 1 + SGLANG_CLIP_MAX_NEW_TOKENS)
         reject[worst > total * bs] = REASON_RESERVATION
     if not b.enable_chunked_prefill:
-        first_chunk = max_extend
+        # Only the prompt's first chunk must fit the budget (engines.md 1.1). A resumed
+        # request's re-prefill (prompt + generated) may exceed it: vLLM then requires
+        # max_num_batched_tokens >= max_model_len, so it cannot happen there, and the
+        # kernel chunks such a re-prefill instead of blocking the queue forever.
+        first_chunk = prompt
         if eng == K.E_VLLM and b.long_prefill_token_threshold > 0:
-            first_chunk = np.minimum(max_extend, b.long_prefill_token_threshold)
+            first_chunk = np.minimum(prompt, b.long_prefill_token_threshold)
         reject[first_chunk > b.max_num_batched_tokens] = REASON_BUDGET
     if lanes:
         reject[(is_long == 1) & (lane_blocks > m_kv)] = REASON_LANE

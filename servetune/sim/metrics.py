@@ -24,11 +24,15 @@ Everything here is a pure function of numpy arrays: ``arrival_s``, ``first_token
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from servetune.errors import ServetuneError
 from servetune.schemas.slo import ClassSLO, SLOSet
+
+if TYPE_CHECKING:
+    from servetune.trace import Trace
 
 STATUS_COMPLETED = 0
 STATUS_SHED = 1
@@ -41,6 +45,15 @@ METRICS = ("ttft_s", "tpot_s", "e2e_s")
 # Stands in for "never" (a shed or rejected request) in percentile-mode judgement: finite, so
 # numpy's linear interpolation stays well defined, and larger than any limit a user can set.
 _NEVER_S = 1e30
+
+
+def served_output_tokens(trace: Trace) -> np.ndarray:
+    """Output tokens each request generates when served: its ``output_tokens``, capped by
+    its ``max_tokens`` where the trace has that column (the engine stops there)."""
+    out = np.asarray(trace.output_tokens, dtype=np.int64)
+    if trace.max_tokens is None:
+        return out
+    return np.minimum(out, np.maximum(np.asarray(trace.max_tokens, dtype=np.int64), 1))
 
 
 @dataclass(frozen=True, eq=False)

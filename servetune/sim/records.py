@@ -2,7 +2,8 @@
 
 One row per request, in trace order: ``request_id`` (the trace row), ``class``,
 ``arrival_s``, ``admitted_s``, ``first_token_s``, ``finish_s`` (empty/null when not
-reached), ``prompt_tokens``, ``output_tokens``, ``preemptions``, ``status`` (completed,
+reached), ``prompt_tokens``, ``output_tokens`` (capped by ``max_tokens`` where the trace
+has it: the tokens a served request generates), ``preemptions``, ``status`` (completed,
 shed, rejected), ``reason`` (why a request was shed or rejected; empty otherwise) and the
 derived ``ttft_s``, ``tpot_s``, ``e2e_s``. Floats are written in Python's shortest
 round-trip form, so a CSV reads back to the exact simulated values and the same run gives
@@ -21,7 +22,7 @@ import numpy as np
 
 from servetune.errors import ServetuneError
 from servetune.schemas.base import write_bytes_atomic
-from servetune.sim.metrics import STATUS_NAMES, request_metrics
+from servetune.sim.metrics import STATUS_NAMES, request_metrics, served_output_tokens
 
 COLUMNS = (
     "request_id",
@@ -43,8 +44,9 @@ COLUMNS = (
 
 def record_columns(trace: Any, output: Any, reasons: tuple[str, ...]) -> dict[str, np.ndarray]:
     """The record table as named columns (numpy arrays; strings as object arrays)."""
+    served = served_output_tokens(trace)
     m = request_metrics(
-        trace.arrival_s, output.first_token_s, output.finish_s, trace.output_tokens,
+        trace.arrival_s, output.first_token_s, output.finish_s, served,
         output.status, trace.class_ids(),
     )
     names = np.asarray(trace.class_names, dtype=object)
@@ -64,7 +66,7 @@ def record_columns(trace: Any, output: Any, reasons: tuple[str, ...]) -> dict[st
         "first_token_s": np.asarray(output.first_token_s, dtype=np.float64),
         "finish_s": np.asarray(output.finish_s, dtype=np.float64),
         "prompt_tokens": np.asarray(trace.prompt_tokens, dtype=np.int64),
-        "output_tokens": np.asarray(trace.output_tokens, dtype=np.int64),
+        "output_tokens": served,
         "preemptions": np.asarray(output.preemptions, dtype=np.int64),
         "status": status_names[np.asarray(output.status, dtype=np.int64)],
         "reason": reason_col,
