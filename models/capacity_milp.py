@@ -30,6 +30,10 @@ Constraints
     static_count:  n[t,s] = n[t,s-1] for s >= 1                (static option)
 Objective
     cost mode:    minimize  sum_{t,s} price[t] hours n[t,s]
+                            + eps sum_{b,t,s} hours f[b,t,s] lam[b,s] / mu[t,b]
+                  (eps = 1e-6 x the lowest price: among plans of equal cost, route each
+                  request where it uses the least capacity, which also makes the routing
+                  unique where idle replicas would leave it arbitrary)
     budget mode:  maximize  sum_{b,s} hours lam[b,s] sum_t f[b,t,s]   (requests served)
 
 In cost mode without the static option no constraint links two slots, so the model
@@ -173,7 +177,12 @@ def build_model(inst: CapacityInstance, *, budget_mode: bool = False) -> pyo.Con
         # A tiny cost term picks the cheapest of equally-serving plans.
         m.objective = pyo.Objective(expr=served - 1e-7 * cost, sense=pyo.maximize)
     else:
-        m.objective = pyo.Objective(expr=cost, sense=pyo.minimize)
+        eps = 1e-6 * min(inst.price.values())
+        used_capacity = sum(
+            m.hours * m.f[b, t, s] * m.lam[b, s] / m.mu[t, b]
+            for b in m.B for t in m.T for s in m.S if inst.mu[t, b] > 0
+        )
+        m.objective = pyo.Objective(expr=cost + eps * used_capacity, sense=pyo.minimize)
     return m
 
 

@@ -51,6 +51,9 @@ ARRIVAL_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 CHUNK_BYTES = 4 << 20
 MAX_FIELD_BYTES = 64
 MAX_TOKENS = 1e9  # a token count above this is a corrupt value, not a request
+# Arrivals spread over more than ~30 years are a wrong unit or a corrupt value; beyond,
+# float64 seconds also lose the sub-millisecond resolution step times need.
+MAX_SPAN_S = 1e9
 HEAD_BYTES = 1 << 16
 MAX_HEADER_BYTES = 1 << 20
 MAX_LINE_BYTES = 64 << 20
@@ -281,6 +284,12 @@ class _Rows:
             extra = f"; {notices[-1]}" if notices else ""
             raise ServetuneError(f"{self.path}: no requests in the file{extra}")
         arrival = self.arrival.result()
+        span = float(arrival.max() - arrival.min())
+        if span > MAX_SPAN_S:
+            raise ServetuneError(
+                f"{self.path}: arrivals span {span:.3g} s (over {MAX_SPAN_S / 3.156e7:.0f} "
+                "years); check the arrival column and its unit (--arrival-unit ms, us or ns)"
+            )
         prompt = self.prompt.result()
         output = self.output.result()
         optional: dict[str, Any] = {"source": source_name, "notices": tuple(notices)}

@@ -28,6 +28,13 @@ def length_summary(tokens: np.ndarray) -> dict[str, float]:
     return out
 
 
+def gap_cv(gaps: np.ndarray) -> float:
+    """Coefficient of variation (population std / mean) of positive-mean gaps, computed on
+    the gaps in units of their mean: scale-free, so huge or tiny gaps cannot overflow or
+    underflow the squares."""
+    return float((gaps / float(gaps.mean())).std())
+
+
 def rate_and_cv(arrival_s: np.ndarray) -> tuple[float, float]:
     """Mean rate (rows-1)/span and the inter-arrival CV; (0, 0) with under two rows or no span."""
     n = len(arrival_s)
@@ -36,9 +43,7 @@ def rate_and_cv(arrival_s: np.ndarray) -> tuple[float, float]:
     span = float(arrival_s[-1] - arrival_s[0])
     if span <= 0:
         return 0.0, 0.0
-    gaps = np.diff(arrival_s)
-    mean_gap = float(gaps.mean())
-    return (n - 1) / span, float(gaps.std() / mean_gap)
+    return (n - 1) / span, gap_cv(np.diff(arrival_s))
 
 
 def trace_stats(trace: Trace) -> dict[str, Any]:

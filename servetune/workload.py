@@ -38,6 +38,7 @@ from servetune.errors import ServetuneError
 from servetune.schemas.base import (
     document_from_data,
     format_validation_error,
+    load_document,
     parse_yaml_text,
     write_text_atomic,
 )
@@ -49,11 +50,15 @@ from servetune.schemas.workload import (
     WorkloadClass,
 )
 from servetune.trace import Trace, from_arrays
+from servetune.trace_stats import gap_cv
 
 POISSON_CV_TOLERANCE = 0.01
 CHUNK = 65536
 DEFAULT_DURATION_S = 3600.0
 MAX_RATE_WINDOWS = 100_000
+# A rate scale outside this range makes arrival times degenerate (all equal, or beyond
+# any horizon); goodput's search stays within 1/1024 .. 1024.
+MIN_RATE_SCALE, MAX_RATE_SCALE = 1e-6, 1e6
 MAX_BANDS = 64  # prompt-length bands (classes) --split-by prompt-quantiles may make
 MAX_SAMPLE_REQUESTS = 100_000_000  # beyond this a sample does not fit a workstation's memory
 
@@ -197,7 +202,7 @@ def _fit_arrival(
     gaps = np.diff(t)
     cv = 1.0
     if len(gaps) >= 2 and gaps.mean() > 0:
-        cv = float(gaps.std() / gaps.mean())
+        cv = gap_cv(gaps)
     cv = min(max(round(cv, 4), 0.01), 100.0)
     if abs(cv - 1.0) <= POISSON_CV_TOLERANCE:
         return Arrival(process="poisson", rate_per_s=rate, interarrival_cv=1.0, windows=windows)
@@ -248,6 +253,18 @@ def _split_indices(
             out.append((f"prompt-{lo}-{hi}", idx, 0))
         return out
     raise ServetuneError(f"unknown split {split!r}; use class or prompt-quantiles")
+
+
+def check_rate_scale(rate_scale: float, what: str = "--rate-scale") -> None:
+    """Fail unless ``rate_scale`` is a number in [MIN_RATE_SCALE, MAX_RATE_SCALE]."""
+    if not (
+        isinstance(rate_scale, int | float)
+        and MIN_RATE_SCALE <= rate_scale <= MAX_RATE_SCALE
+    ):
+        raise ServetuneError(
+            f"{what} must be a number from {MIN_RATE_SCALE:g} to {MAX_RATE_SCALE:g} "
+            f"(got {rate_scale})"
+        )
 
 
 def fit_workload(
@@ -384,8 +401,7 @@ def sample_trace(
         raise ServetuneError(f"number of requests to sample must be >= 1 (got {n_requests})")
     if duration_s is not None and not (duration_s > 0 and math.isfinite(duration_s)):
         raise ServetuneError(f"sampling duration must be > 0 seconds (got {duration_s})")
-    if not (rate_scale > 0 and math.isfinite(rate_scale)):
-        raise ServetuneError(f"rate scale must be > 0 (got {rate_scale})")
+    check_rate_scale(rate_scale, "rate scale")
     if n_requests is None and duration_s is None:
         duration_s = workload.duration_s or DEFAULT_DURATION_S
     expected = (
@@ -484,21 +500,7 @@ def save_workload(
 
 def load_workload(path: str | os.PathLike[str]) -> Workload:
     """Load and validate a Workload YAML file."""
-    p = os.fspath(path)
-    try:
-        with open(p, "rb") as fh:
-            raw = fh.read()
-    except FileNotFoundError:
-        raise ServetuneError(f"{p}: file not found") from None
-    except IsADirectoryError:
-        raise ServetuneError(f"{p}: is a directory, expected a Workload YAML file") from None
-    except OSError as exc:
-        raise ServetuneError(f"{p}: cannot read ({exc.strerror})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ServetuneError(f"{p}: not UTF-8 text; expected a Workload YAML file") from None
-    return workload_from_yaml_text(text, p)
+    return load_document(path, Workload)
 
 
 def workload_from_yaml_text(text: str, source: str) -> Workload:

@@ -90,9 +90,14 @@ def find_goodput(
     min_scale: float = 1.0 / 256,
     max_scale: float = 256.0,
     max_sims: int = 14,
+    prune_at: float | None = None,
 ) -> GoodputEstimate:
     """Bracket the goodput around ``start_scale`` with steps that grow (x factor, then
-    squared each time), then bisect geometrically to ``rel_tol``."""
+    squared each time), then bisect geometrically to ``rel_tol``.
+
+    With ``prune_at`` (the best scale found so far elsewhere), the search stops as soon
+    as a failing scale at or below it is known: this policy cannot beat that one, so its
+    exact goodput does not matter (branch and bound); its estimate is then a lower bound."""
     points: list[SimPoint] = []
     seen: dict[float, bool] = {}
 
@@ -128,9 +133,13 @@ def find_goodput(
                 lo = cand
                 break
             hi = cand
+            if prune_at is not None and hi <= prune_at:
+                break
             step *= step
     if lo is not None and hi is not None:
         while hi / lo > 1.0 + rel_tol and len(points) < max_sims:
+            if prune_at is not None and hi <= prune_at:
+                break
             mid = math.sqrt(lo * hi)
             if passes(mid):
                 lo = mid
@@ -306,7 +315,10 @@ def search(
             policy = make_policy(cand.knobs)
             # Start where the model points, corrected by how far off it was this round.
             start_scale = max(cand.rate_per_s, 1e-9) * _bias(new) / sim.base_rate_per_s
-            est = find_goodput(sim, policy, start_scale=start_scale, rel_tol=rel_tol)
+            leader = max((e for e in evaluated if e.goodput.passed),
+                         key=lambda e: e.goodput.rate_scale, default=None)
+            est = find_goodput(sim, policy, start_scale=start_scale, rel_tol=rel_tol,
+                               prune_at=leader.goodput.rate_scale if leader else None)
             ev = Evaluated(reps[idx], cand.knobs, cand.rate_per_s, cand.binding, est, policy,
                            label=f"milp#{it + 1}")
             new.append(ev)

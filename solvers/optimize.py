@@ -539,8 +539,10 @@ def _try_lanes(
     except ValueError as exc:
         info["message"] = f"lane policy rejected: {exc}"
         return best, info, lanes_s
+    # It must beat the best: a failure at the best's own rate ends the search.
     est: GoodputEstimate = find_goodput(
-        sim, policy, start_scale=best.goodput.rate_scale, rel_tol=rel_tol
+        sim, policy, start_scale=best.goodput.rate_scale, rel_tol=rel_tol,
+        prune_at=best.goodput.rate_scale,
     )
     ev = Evaluated(best.index, best.knobs, best.predicted_rate_per_s, best.binding, est, policy,
                    label="lanes")

@@ -16,9 +16,11 @@
    Slots are the plan's hours; the forecast repeats after its last slot, so a deadline
    may fall on the next day. A job's window starts at its release rounded up to a slot
    start and ends at its deadline rounded down to a slot end.
-3. **Validation.** For each type, the slot with the most background work is simulated
-   with both loads (interactive at that slot's rate, background at the scheduled rate);
-   the schedule reports whether the interactive SLOs hold there.
+3. **Validation.** For each type, the slots with the most background work are simulated
+   with both loads (interactive at that slot's rate, background at the scheduled rate).
+   Where the interactive SLOs break or the background falls behind, that type's spare
+   capacity is lowered (x 0.7) and the schedule solved again; the schedule reports the
+   checks and whether all passed.
 """
 
 from __future__ import annotations
@@ -62,7 +64,11 @@ BACKGROUND_PRIORITY = 1_000_000  # lower value is served first: this one comes l
 KEEP_UP = 0.95  # share of the early background work that must be done by the window's end
 OFFERED_SHARE = 0.8
 MIN_WINDOW_S = 300.0
-SPARE_METHOD_VERSION = 2  # part of the cache key: bump when the measurement changes
+SPARE_METHOD_VERSION = 3  # part of the cache key: bump when the measurement changes
+MAX_PLACE_ROUNDS = 5
+SPARE_HEADROOM = 0.9  # plan background work to at most this share of the measured room
+SPARE_DERATE = 0.7
+BUSIEST_SLOTS = 2  # slots with the most background work simulated per type
 WORK_UNITS_MAX = 4000  # CP-SAT units of the largest job that can fit
 
 
@@ -282,7 +288,8 @@ def measure_spare(
 
         scale, _ = search_rate_scale(passes, start=1.0, rel_tol=0.05, min_scale=1 / 64,
                                      max_scale=512.0)
-        spare.append(scale * mix.mean_tokens)  # scale x 1 req/s of background
+        # scale x 1 req/s of background, less a margin: the search stops at the edge
+        spare.append(SPARE_HEADROOM * scale * mix.mean_tokens)
     # More interactive load never leaves more room: keep the curve non-increasing, taking
     # the lower (safer) value where simulation noise says otherwise.
     spare = [min(spare[: i + 1]) for i in range(len(spare))]
@@ -438,7 +445,6 @@ def run_place(
     total_spare = sum(spare_tok_s.values()) * slot_s
     max_work = max(j.total_tokens() for j in jobs_doc.jobs)
     unit = max(1, math.ceil(min(max_work, total_spare) / WORK_UNITS_MAX))
-    cap = {k: int(v * slot_s // unit) for k, v in spare_tok_s.items()}
     pjobs = tuple(
         PlacementJob(
             id=j.id,
@@ -450,17 +456,43 @@ def run_place(
         )
         for j in jobs_doc.jobs
     )
-    inst = PlacementInstance(types=types, n_slots=horizon, cap=cap, jobs=pjobs)
-    sol = solve_placement(inst, time_limit_s=time_limit_s)
-
-    checks = validate_schedule(plan, slices, load, mix, sol, unit, policies, profiles, slo,
-                               forecast.n_slots, interactive_requests, seed) if validate else {}
+    # Solve, then simulate the busiest placed slots with both loads; a type whose
+    # interactive SLOs break there gets its spare capacity lowered and the model is
+    # solved again (the slot mix can differ from the averaged mix the curve measured).
+    scale = {t: 1.0 for t in types}
+    checks: dict[str, Any] = {}
+    rounds = 0
+    while True:
+        rounds += 1
+        cap = {(t, h): int(v * scale[t] * slot_s // unit) for (t, h), v in spare_tok_s.items()}
+        inst = PlacementInstance(types=types, n_slots=horizon, cap=cap, jobs=pjobs)
+        sol = solve_placement(inst, time_limit_s=time_limit_s)
+        if not validate:
+            break
+        checks = validate_schedule(plan, slices, load, mix, sol, unit, policies, profiles, slo,
+                                   forecast.n_slots, interactive_requests, seed)
+        failing = [t for t, c in checks.items()
+                   if not (c["meets_slo"] and c["background_keeps_up"])]
+        if not failing or rounds >= MAX_PLACE_ROUNDS:
+            break
+        for t in failing:
+            scale[t] *= SPARE_DERATE
+        if progress:
+            progress(f"round {rounds}: lower the spare capacity of {', '.join(failing)}")
+    spare_tok_s = {(t, h): v * scale[t] for (t, h), v in spare_tok_s.items()}
     base_out = out_path.parent if out_path is not None else Path.cwd()
     inputs = {
         name: {"path": _rel(p, base_out), "sha256": file_sha256(p)}
         for name, p in (("jobs", jobs_path), ("plan", plan_path), ("forecast", forecast_path))
     }
-    schedule = schedule_document(jobs_doc, inst, sol, unit, slot_s, spare_tok_s, checks,
+    validation = {
+        "validated": bool(validate) and all(
+            c["meets_slo"] and c["background_keeps_up"] for c in checks.values()
+        ),
+        "rounds": rounds,
+        "per_type": checks,
+    }
+    schedule = schedule_document(jobs_doc, inst, sol, unit, slot_s, spare_tok_s, validation,
                                  inputs, name=f"{jobs_doc.name}-{plan.name}")
     timings = {"spare_s": spare_s, "solver_s": sol.solver_s,
                "total_s": time.perf_counter() - t_start}
@@ -472,37 +504,54 @@ def validate_schedule(
     sol: PlacementSolution, unit: int, policies: dict, profiles: dict, slo: SLOSet,
     n_forecast_slots: int, interactive_requests: int, seed: int,
 ) -> dict[str, dict[str, Any]]:
-    """Simulate, per type, the slot with the most background work, with both loads."""
+    """Simulate, per type, the slots with the most background work, with both loads;
+    report the first that breaks the interactive SLOs, else the busiest."""
     work: dict[tuple[str, int], int] = {}
     for p in sol.jobs.values():
         for (t, s), u in p.work.items():
             work[t, s] = work.get((t, s), 0) + u
     out: dict[str, dict[str, Any]] = {}
     for t in sorted({t for t, _s in work}):
-        s = max((s for tt, s in work if tt == t), key=lambda s: (work[t, s], -s))
-        fs = s % n_forecast_slots
-        n = _replicas(plan, t, fs)
-        bg_tok_s = work[t, s] * unit / plan.slot_s / n
-        bg_rate = bg_tok_s / mix.mean_tokens
-        interactive = load[t, fs]
-        irate = sum(interactive.values())
-        duration = max(MIN_WINDOW_S, interactive_requests / irate if irate > 0 else 0.0)
-        run = run_joint(slices, interactive, mix, bg_rate, duration, policies[t], profiles[t],
-                        slo, engine=plan.engine, seed=seed + 991)
-        out[t] = {
-            "slot": s,
-            "interactive_rate_per_s": _r(irate, 4),
-            "background_tok_s": _r(bg_tok_s, 1),
-            "meets_slo": run.meets_slo,
-            "attainment": _r(run.attainment, 4),
-            "background_keeps_up": run.keeps_up,
-        }
+        slots = sorted((s for tt, s in work if tt == t), key=lambda s: (-work[t, s], s))
+        for s in slots[:BUSIEST_SLOTS]:
+            row = _check_slot(plan, slices, load, mix, work, unit, policies, profiles, slo,
+                              n_forecast_slots, interactive_requests, seed, t, s)
+            ok = row["meets_slo"] and row["background_keeps_up"]
+            if t not in out or not ok:
+                out[t] = row
+            if not ok:
+                break
     return out
+
+
+def _check_slot(
+    plan: CapacityPlan, slices: WorkloadSlices, load: dict, mix: JobMix, work: dict,
+    unit: int, policies: dict, profiles: dict, slo: SLOSet, n_forecast_slots: int,
+    interactive_requests: int, seed: int, t: str, s: int,
+) -> dict[str, Any]:
+    fs = s % n_forecast_slots
+    n = _replicas(plan, t, fs)
+    bg_tok_s = work[t, s] * unit / plan.slot_s / n
+    bg_rate = bg_tok_s / mix.mean_tokens
+    interactive = load[t, fs]
+    irate = sum(interactive.values())
+    duration = max(MIN_WINDOW_S, interactive_requests / irate if irate > 0 else 0.0)
+    run = run_joint(slices, interactive, mix, bg_rate, duration, policies[t], profiles[t],
+                    slo, engine=plan.engine, seed=seed + 991)
+    return {
+        "slot": s,
+        "interactive_rate_per_s": _r(irate, 4),
+        "background_tok_s": _r(bg_tok_s, 1),
+        "meets_slo": run.meets_slo,
+        "attainment": _r(run.attainment, 4),
+        "background_keeps_up": run.keeps_up,
+    }
 
 
 def schedule_document(
     jobs_doc: Jobs, inst: PlacementInstance, sol: PlacementSolution, unit: int, slot_s: float,
-    spare_tok_s: dict[tuple[str, int], float], checks: dict[str, Any], inputs: dict[str, Any],
+    spare_tok_s: dict[tuple[str, int], float], validation: dict[str, Any],
+    inputs: dict[str, Any],
     *, name: str,
 ) -> dict[str, Any]:
     rows = []
@@ -551,6 +600,6 @@ def schedule_document(
         "spare_tok_s": {
             t: [_r(spare_tok_s[t, h], 1) for h in range(inst.n_slots)] for t in inst.types
         },
-        "validation": checks,
+        "validation": validation,
         "solver": {"status": sol.status, "objective_value": sol.value},
     }

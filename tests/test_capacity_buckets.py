@@ -105,3 +105,32 @@ def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert C.default_cache_dir() == tmp_path / "c"
     monkeypatch.delenv(C.CACHE_ENV)
     assert C.default_cache_dir() == Path.home() / ".cache" / "servetune" / "capacity"
+
+
+def test_capacity_cache_hit_and_damaged_entry(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(C, "CANDIDATE_BATCHING", ((64, 2048),))
+    profile = document_from_data({
+        "apiVersion": "servetune/v1", "kind": "Profile", "name": "tiny",
+        "memory": {"kv_blocks_override": 500},
+        "step_time": {"fixed_s": 0.01, "gemm_pieces": [[0.0, 5.0e-5]]},
+    }, __import__("servetune.schemas.profile", fromlist=["Profile"]).Profile, "p.yaml")
+    slo = document_from_data({
+        "apiVersion": "servetune/v1", "kind": "SLOSet",
+        "classes": {"default": {"ttft_s": 2.0, "tpot_s": 0.2, "percentile": 90}},
+    }, __import__("servetune.schemas.slo", fromlist=["SLOSet"]).SLOSet, "s.yaml")
+    slices = C.slice_workload(_workload({"default": 1.0}), C.make_buckets((512,), (128,)),
+                              n_requests=2000)
+    b = slices.names[0]
+    first = C.replica_capacity(profile, slices, b, slo, method="candidates", n_requests=200,
+                               cache_dir=tmp_path)
+    assert not first.cached and first.simulations > 0 and first.rate_per_s > 0
+    second = C.replica_capacity(profile, slices, b, slo, method="candidates", n_requests=200,
+                                cache_dir=tmp_path)
+    assert second.cached and second.rate_per_s == first.rate_per_s
+    assert second.policy == first.policy
+    # a damaged entry is recomputed, not trusted
+    (entry,) = tmp_path.glob("*.json")
+    entry.write_text("{not json")
+    third = C.replica_capacity(profile, slices, b, slo, method="candidates", n_requests=200,
+                               cache_dir=tmp_path)
+    assert not third.cached and third.rate_per_s == first.rate_per_s

@@ -175,3 +175,21 @@ def test_same_inputs_same_plan() -> None:
     inst = _random_instance(random.Random(3), 3, 4)
     a, b = solve_capacity(inst), solve_capacity(inst)
     assert a.replicas == b.replicas and a.routing == b.routing
+
+
+def test_min_count_and_static() -> None:
+    # min 2 replicas of `a` in every slot, already paid for, take what they can.
+    # Slot 0: a serves 8 req/s of short; b covers 2 short + 2 long: 2/3 + 1 -> 2.
+    # Slot 1: a serves all 4 short (1 replica-eq) and 0.5 long (the other 1); b takes
+    # the other 0.5 long: 0.25 -> 1. Long on `a` costs 4x the capacity it costs on `b`.
+    sol = solve_capacity(_inst(n_min={"a": 2, "b": 0}))
+    assert sol.replicas[("a", 0)] == 2 and sol.replicas[("a", 1)] == 2
+    assert sol.replicas[("b", 0)] == 2 and sol.replicas[("b", 1)] == 1
+    # static: the same replicas in both slots, sized for the busier one. 5 x b ($5 per
+    # slot) ties with 3 x b + 1 x a (b: long + 6 short, a: 4 short), which uses less
+    # capacity (4 replica-eq instead of 4.33), so the tie-break picks it.
+    sol = solve_capacity(_inst(static=True))
+    for t in ("a", "b"):
+        assert sol.replicas[(t, 0)] == sol.replicas[(t, 1)]
+    assert sol.replicas[("b", 0)] == 3 and sol.replicas[("a", 0)] == 1
+    assert sol.cost == pytest.approx(10.0)

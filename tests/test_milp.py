@@ -114,3 +114,31 @@ def test_milp_matches_enumeration_on_random_instances(ttft, tpot, kv_blocks, see
     else:
         assert out.statuses == ["optimal"]
         assert out.solutions[0][1].rate_per_s == pytest.approx(best, rel=1e-6)
+
+
+def test_per_class_flows_and_targets():
+    import numpy as np
+    from optimizer_fixtures import STEP
+    from servetune.models.fluid import ClassLoad, FluidModel, LoadModel, Platform, Target
+
+    rng = np.random.default_rng(2)
+    chat = ClassLoad.from_samples("chat", 0.8, rng.integers(50, 1500, 3000),
+                                  rng.integers(20, 400, 3000))
+    docs = ClassLoad.from_samples("docs", 0.2, rng.integers(4000, 30000, 3000),
+                                  rng.integers(50, 300, 3000))
+    load = LoadModel((chat, docs), 4.0)
+    targets = {"chat": Target(ttft_s=0.5, tpot_s=0.05, q=0.99),
+               "docs": Target(ttft_s=10.0, tpot_s=0.2, q=0.9)}
+    fm = FluidModel(load, Platform(STEP, 60_000, 16), targets)
+    points = knobs_grid(SMALL_SPACE)
+    inst = MilpInstance.build(fm, points)
+    m = build_model(inst, rate_min=1e-3)
+    assert set(m.C) == {"chat", "docs"}
+    out = solve_policy_milp(inst, k=1)
+    idx, cand = out.solutions[0]
+    best = _brute(fm, points)[0][0]
+    assert cand.rate_per_s == pytest.approx(best, rel=1e-6)
+    assert cand.binding.endswith("[chat]") or cand.binding in ("budget", "seats", "kv_memory")
+    # The chat class's tighter TTFT binds before the docs class's looser one.
+    lims = fm.limits(points[idx])
+    assert lims["ttft[chat]"].x_max <= lims["ttft[docs]"].x_max

@@ -215,3 +215,27 @@ def test_job_documents_fail_only_with_servetune_errors(data):
         document_from_data(data, OptimizeJob, "job.yaml")
     except ServetuneError as err:
         assert err.message.startswith("job.yaml")
+
+
+def test_returned_policy_passes_the_simulator_at_its_goodput(tmp_path):
+    from servetune.solvers.optimize import optimize
+
+    from servetune.profiles import load_profile
+    from servetune.schemas.slo import SLOSet
+    from servetune.schemas.workload import Workload
+    from servetune.sim import simulate
+    from servetune.sim.api import prepare_trace
+
+    workload = load_document(WORKLOAD, Workload)
+    profile = load_profile(PROFILE)
+    slo = load_document(SLO, SLOSet)
+    space = load_document(_space(tmp_path), SearchSpace)
+    res = optimize(workload, profile, slo, space, n_requests=300, seed=3,
+                   compare_defaults=False)
+    assert res.summary["converged"] is True
+    sample = prepare_trace(workload, seed=3, n_requests=300)
+    scale = res.policy.metadata["simulated"]["rate_scale"]
+    run = simulate(sample, res.policy, profile, rate_scale=scale)
+    assert run.meets_slo(slo)
+    for ev in res.evaluated:  # everything the loop simulated
+        assert ev.goodput.rate_per_s <= res.summary["goodput_rate_per_s"] + 1e-9

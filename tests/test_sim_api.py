@@ -120,8 +120,8 @@ def test_prepare_trace_replay_options():
     # duration_s cuts in simulated (scaled) seconds: arrivals 0, 0.5, ..., 2.5 < 3.
     assert len(prepare_trace(trace, rate_scale=2.0, duration_s=3.0)) == 6
     assert len(prepare_trace(trace, n_requests=3, rate_scale=0.5, duration_s=100)) == 3
-    for bad in ({"rate_scale": 0}, {"rate_scale": float("nan")}, {"n_requests": 0},
-                {"duration_s": -1.0}):
+    for bad in ({"rate_scale": 0}, {"rate_scale": float("nan")}, {"rate_scale": 1e300},
+                {"rate_scale": 1e-300}, {"n_requests": 0}, {"duration_s": -1.0}):
         with pytest.raises(ServetuneError):
             prepare_trace(trace, **bad)
     with pytest.raises(ServetuneError, match="Trace or a Workload"):

@@ -108,3 +108,17 @@ def test_engine_default_knobs():
     assert baselines.VLLM_DEFAULTS == Knobs(1024, 8192)
     sg = baselines.sglang_default_knobs(909_072)
     assert sg.max_num_seqs == 4096 and sg.max_num_batched_tokens == 8192
+
+
+def test_find_goodput_prunes_a_policy_that_cannot_beat_the_leader():
+    k = Knobs(64, 1024)
+    full = find_goodput(ThresholdSim({k: 2.0 * 5.0}), make_policy(k), start_scale=4.0)
+    sim = ThresholdSim({k: 2.0 * 5.0})
+    pruned = find_goodput(sim, make_policy(k), start_scale=4.0, prune_at=3.0)
+    # 4.0 and 3.2 fail above the leader's 3.0; 2.048 (steps grow 1.25, 1.5625) fails below it.
+    assert [p.rate_scale for p in pruned.points] == pytest.approx([4.0, 3.2, 4.0 / 1.25**3])
+    assert not pruned.passed and len(pruned.points) < len(full.points)
+    # A policy that beats the leader is searched to the end.
+    better = find_goodput(ThresholdSim({k: 5.0 * 5.0}), make_policy(k), start_scale=4.0,
+                          prune_at=3.0, rel_tol=0.02)
+    assert 5.0 / 1.02 <= better.rate_scale <= 5.0

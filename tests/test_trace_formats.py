@@ -431,3 +431,26 @@ def test_forced_generic_format_without_columns_says_what_is_missing(tmp_path):
     for fmt in ("csv", "jsonl"):
         with pytest.raises(ServetuneError, match=f"--trace-format {fmt} needs a column mapping"):
             load_trace(path, fmt=fmt)
+
+
+def test_interarrival_cv_survives_extreme_spans():
+    # Gaps of 1e200 s square to inf: the CV must still be the scale-free 0.5, so
+    # `trace stats --json` never prints Infinity.
+    from servetune.trace import from_arrays
+    from servetune.trace_stats import trace_stats
+
+    for scale in (1e200, 1e-200):
+        arrival = np.array([0.0, 1.0, 4.0, 5.0, 8.0]) * scale
+        stats = trace_stats(from_arrays(arrival, np.ones(5, int), np.ones(5, int)))
+        assert stats["interarrival_cv"] == pytest.approx(0.5)
+        json.dumps(stats, allow_nan=False)
+
+
+def test_arrivals_over_decades_are_a_unit_error_not_a_trace(tmp_path):
+    # ns epoch timestamps read as seconds: a 1-hour trace would span 3.6e12 "seconds",
+    # where float64 arrival times cannot resolve one engine step.
+    path = write(tmp_path, "ns.csv", "ts,p,o\n1700000000000000000,5,2\n1700003600000000000,5,2\n")
+    with pytest.raises(ServetuneError, match=r"ns.csv: arrivals span .* years.*--arrival-unit"):
+        load_trace(path, columns="arrival=ts,prompt=p,output=o")
+    trace = load_trace(path, columns="arrival=ts,prompt=p,output=o", arrival_unit="ns")
+    assert trace.duration_s == pytest.approx(3600.0)

@@ -182,8 +182,11 @@ def test_sampling_rejections():
         sample_trace(w, n_requests=0)
     with pytest.raises(ServetuneError, match="duration"):
         sample_trace(w, duration_s=-1)
-    with pytest.raises(ServetuneError, match="rate scale"):
-        sample_trace(w, n_requests=5, rate_scale=0)
+    for bad_scale in (0, 1e-300, 1e300, float("inf")):
+        with pytest.raises(ServetuneError, match="rate scale"):
+            sample_trace(w, n_requests=5, rate_scale=bad_scale)
+    with pytest.raises(ServetuneError, match="rate_per_s.*less than or equal to 1000000"):
+        _workload({"a": _cls(1e300)})
     tiny = _workload({"a": _cls(1e-6)})
     with pytest.raises(ServetuneError, match="no requests"):
         sample_trace(tiny, duration_s=1.0)

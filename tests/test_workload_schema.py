@@ -178,6 +178,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 positive = st.floats(min_value=1e-9, max_value=1e9, allow_nan=False, allow_infinity=False)
+rates = st.floats(min_value=1e-9, max_value=1e6, allow_nan=False, allow_infinity=False)
 
 
 @st.composite
@@ -194,7 +195,7 @@ def workloads(draw) -> Workload:
     for name in draw(st.lists(st.text(min_size=1, max_size=6).filter(str.strip), min_size=1,
                               max_size=3, unique=True)):
         cv = draw(st.one_of(st.just(1.0), st.floats(0.01, 100)))
-        arrival = {"process": "poisson" if cv == 1.0 else "gamma", "rate_per_s": draw(positive),
+        arrival = {"process": "poisson" if cv == 1.0 else "gamma", "rate_per_s": draw(rates),
                    "interarrival_cv": cv}
         if draw(st.booleans()):
             arrival["windows"] = {"window_s": draw(positive), "rate_multipliers": draw(

@@ -302,7 +302,7 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"  {r['id']}: done by {when}, {margin}")
             else:
                 typer.echo(f"  {r['id']}: NOT scheduled: {r['reason']}")
-        for t, c in run.schedule["validation"].items():
+        for t, c in run.schedule["validation"]["per_type"].items():
             typer.echo(f"  check {t} slot {c['slot']}: interactive SLOs "
                        f"{'hold' if c['meets_slo'] else 'MISSED'} with background")
         typer.echo(f"wrote {output}")

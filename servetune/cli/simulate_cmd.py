@@ -20,10 +20,10 @@ from rich.console import Console
 from rich.table import Table
 
 from servetune.cli.trace_cmd import (
-    ARRIVAL_UNIT_HELP,
-    COLUMNS_HELP,
-    ON_BAD_ROW_HELP,
-    TRACE_FORMAT_HELP,
+    ArrivalUnitOption,
+    ColumnsOption,
+    OnBadRowOption,
+    TraceFormatOption,
 )
 from servetune.errors import InfeasibleError, ServetuneError
 from servetune.schemas.base import load_document, write_text_atomic
@@ -269,10 +269,10 @@ def register(app: typer.Typer) -> None:
         timeline_window: str | None = typer.Option(
             None, "--timeline-window", help="START:END seconds kept in the timeline"
         ),
-        trace_format: str | None = typer.Option(None, "--trace-format", help=TRACE_FORMAT_HELP),
-        columns: str | None = typer.Option(None, "--columns", help=COLUMNS_HELP),
-        arrival_unit: str | None = typer.Option(None, "--arrival-unit", help=ARRIVAL_UNIT_HELP),
-        on_bad_row: str = typer.Option("error", "--on-bad-row", help=ON_BAD_ROW_HELP),
+        trace_format: TraceFormatOption = None,
+        columns: ColumnsOption = None,
+        arrival_unit: ArrivalUnitOption = None,
+        on_bad_row: OnBadRowOption = "error",
     ) -> None:
         """Simulate a policy serving a trace or a sampled workload.
 
@@ -353,10 +353,10 @@ def register(app: typer.Typer) -> None:
         reference: bool = typer.Option(False, "--reference", help="step-by-step reference mode"),
         rel_tol: float = typer.Option(0.02, "--tolerance", help="relative bisection tolerance"),
         json_out: Path | None = typer.Option(None, "--json", help="write the result JSON here"),
-        trace_format: str | None = typer.Option(None, "--trace-format", help=TRACE_FORMAT_HELP),
-        columns: str | None = typer.Option(None, "--columns", help=COLUMNS_HELP),
-        arrival_unit: str | None = typer.Option(None, "--arrival-unit", help=ARRIVAL_UNIT_HELP),
-        on_bad_row: str = typer.Option("error", "--on-bad-row", help=ON_BAD_ROW_HELP),
+        trace_format: TraceFormatOption = None,
+        columns: ColumnsOption = None,
+        arrival_unit: ArrivalUnitOption = None,
+        on_bad_row: OnBadRowOption = "error",
     ) -> None:
         """Find the highest arrival-rate scale at which a policy meets an SLO set.
 

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -31,6 +31,16 @@ ARRIVAL_UNIT_HELP = (
     "(default: s for numbers, datetime for text)."
 )
 ON_BAD_ROW_HELP = "error (default): stop at the first bad row; skip: drop bad rows and count them."
+
+# The options every command that reads a trace file takes (use as parameter annotations).
+TraceFormatOption = Annotated[
+    str | None, typer.Option("--trace-format", help=TRACE_FORMAT_HELP)
+]
+ColumnsOption = Annotated[str | None, typer.Option("--columns", help=COLUMNS_HELP)]
+ArrivalUnitOption = Annotated[
+    str | None, typer.Option("--arrival-unit", help=ARRIVAL_UNIT_HELP)
+]
+OnBadRowOption = Annotated[str, typer.Option("--on-bad-row", help=ON_BAD_ROW_HELP)]
 
 
 @contextmanager
@@ -116,10 +126,10 @@ def register(app: typer.Typer) -> None:
     def stats(
         file: Path = typer.Argument(..., help="Trace file (optionally .gz)."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-        trace_format: str | None = typer.Option(None, "--trace-format", help=TRACE_FORMAT_HELP),
-        columns: str | None = typer.Option(None, "--columns", help=COLUMNS_HELP),
-        arrival_unit: str | None = typer.Option(None, "--arrival-unit", help=ARRIVAL_UNIT_HELP),
-        on_bad_row: str = typer.Option("error", "--on-bad-row", help=ON_BAD_ROW_HELP),
+        trace_format: TraceFormatOption = None,
+        columns: ColumnsOption = None,
+        arrival_unit: ArrivalUnitOption = None,
+        on_bad_row: OnBadRowOption = "error",
     ) -> None:
         """Request count, span, mean rate, burstiness and prompt/output length statistics."""
         from servetune.trace_stats import per_class_stats, trace_stats

@@ -12,10 +12,10 @@ from rich.console import Console
 from rich.table import Table
 
 from servetune.cli.trace_cmd import (
-    ARRIVAL_UNIT_HELP,
-    COLUMNS_HELP,
-    ON_BAD_ROW_HELP,
-    TRACE_FORMAT_HELP,
+    ArrivalUnitOption,
+    ColumnsOption,
+    OnBadRowOption,
+    TraceFormatOption,
     load_trace_cli,
     stats_table,
 )
@@ -102,10 +102,10 @@ def register(app: typer.Typer) -> None:
             None, "--rate-windows", help="Fit a piecewise-constant rate over windows of S seconds."
         ),
         name: str | None = typer.Option(None, "--name", help="Workload name (default: file stem)."),
-        trace_format: str | None = typer.Option(None, "--trace-format", help=TRACE_FORMAT_HELP),
-        columns: str | None = typer.Option(None, "--columns", help=COLUMNS_HELP),
-        arrival_unit: str | None = typer.Option(None, "--arrival-unit", help=ARRIVAL_UNIT_HELP),
-        on_bad_row: str = typer.Option("error", "--on-bad-row", help=ON_BAD_ROW_HELP),
+        trace_format: TraceFormatOption = None,
+        columns: ColumnsOption = None,
+        arrival_unit: ArrivalUnitOption = None,
+        on_bad_row: OnBadRowOption = "error",
     ) -> None:
         """Fit a Workload to a trace: classes, arrival process, length distributions."""
         from servetune.workload import fit_workload, save_workload

@@ -252,6 +252,69 @@ def _release(r, pi, si, held, is_long, lane_blocks, resv):
 
 
 @jit
+def _preempt(v, vp, pi, si, comp, held, in_prefill, npre, prio, is_long, lane_blocks, resv,
+             run, hk0, hid0, hk1, hid1, ev):
+    """Recompute-preempt (SGLang: retract) running request ``v`` at running position
+    ``vp``: free its blocks, drop its computed tokens, requeue it at the front."""
+    _release(v, pi, si, held, is_long, lane_blocks, resv)
+    comp[v] = 0
+    in_prefill[v] = 0
+    npre[v] += 1
+    _enqueue(v, True, pi, si, prio, is_long, hk0, hid0, hk1, hid1)
+    nrun = si[S_NRUN]
+    for q in range(vp, nrun - 1):
+        run[q] = run[q + 1]
+    si[S_NRUN] = nrun - 1
+    if pi[P_LOG] == 1:
+        _event(ev, si, EV_PREEMPT, v, 0)
+
+
+@jit
+def _admission_headroom(r, pi, si, is_long, lane_blocks):
+    """Blocks a waiting request must leave free when admitted: the watermark, plus (for a
+    short request) what the long lane's reserve still lacks; -1 when its lane has no seat
+    or KV share left for it."""
+    headroom = pi[P_WM]
+    if pi[P_LANES] == 1:
+        if is_long[r] == 1:
+            if si[S_LONG_N] + 1 > pi[P_MSEQ] or si[S_LONG_LANE] + lane_blocks[r] > pi[P_MKV]:
+                return -1
+        else:
+            spare = pi[P_RSEQ] - si[S_LONG_N]
+            if spare < 0:
+                spare = 0
+            if si[S_NRUN] + 1 + spare > pi[P_MAX_SEQS]:
+                return -1
+            spare = pi[P_RKV] - si[S_LONG_HELD]
+            if spare > 0:
+                headroom += spare
+    return headroom
+
+
+@jit
+def _admit(r, lane, nblocks, t, pi, si, hk0, hid0, hk1, hid1, run, held, is_long,
+           lane_blocks, resv, in_prefill, admitted_s, ev):
+    """Move the head of waiting ``lane`` (request ``r``) to the end of the running list
+    with ``nblocks`` blocks allocated."""
+    if lane == 0:
+        si[S_H0] = _heap_pop(hk0, hid0, si[S_H0])
+    else:
+        si[S_H1] = _heap_pop(hk1, hid1, si[S_H1])
+    run[si[S_NRUN]] = r
+    si[S_NRUN] += 1
+    _alloc(r, nblocks, pi, si, held, is_long)
+    if pi[P_LANES] == 1 and is_long[r] == 1:
+        si[S_LONG_N] += 1
+        si[S_LONG_LANE] += lane_blocks[r]
+    si[S_RESV_SUM] += resv[r]
+    in_prefill[r] = 1
+    if admitted_s[r] != admitted_s[r]:  # nan: first admission
+        admitted_s[r] = t
+    if pi[P_LOG] == 1:
+        _event(ev, si, EV_ADMIT, r, 0)
+
+
+@jit
 def _series_add(ser, sf, t0, t1, kv, waiting, running):
     """Add a step's time-weighted values to the coarse series (bins double when full)."""
     if t1 <= t0:
@@ -514,17 +577,9 @@ def run_kernel(pi, pf, coef, pieces,
                                 sched_n[q2] = sched_n[q2 + 1]
                             nsched -= 1
                             break
-                    _release(v, pi, si, held, is_long, lane_blocks, resv)
-                    comp[v] = 0
-                    in_prefill[v] = 0
-                    npre[v] += 1
-                    _enqueue(v, True, pi, si, prio, is_long, hk0, hid0, hk1, hid1)
-                    for q in range(vp, nrun - 1):
-                        run[q] = run[q + 1]
-                    si[S_NRUN] = nrun - 1
+                    _preempt(v, vp, pi, si, comp, held, in_prefill, npre, prio, is_long,
+                             lane_blocks, resv, run, hk0, hid0, hk1, hid1, ev)
                     preempted = True
-                    if log:
-                        _event(ev, si, EV_PREEMPT, v, 0)
                     if v == r:
                         ok = False
                         break
@@ -566,23 +621,11 @@ def run_kernel(pi, pf, coef, pieces,
                             fits = False  # chunked prefill off: the prompt waits
                         else:
                             new = budget  # (off: a re-prefill over the whole budget)
-                    headroom = pi[P_WM]
-                    if lanes:
-                        if is_long[r] == 1:
-                            if (si[S_LONG_N] + 1 > pi[P_MSEQ]
-                                    or si[S_LONG_LANE] + lane_blocks[r] > pi[P_MKV]):
-                                fits = False
-                        else:
-                            spare = pi[P_RSEQ] - si[S_LONG_N]
-                            if spare < 0:
-                                spare = 0
-                            if si[S_NRUN] + 1 + spare > max_seqs:
-                                fits = False
-                            spare = pi[P_RKV] - si[S_LONG_HELD]
-                            if spare > 0:
-                                headroom += spare
+                    headroom = _admission_headroom(r, pi, si, is_long, lane_blocks)
                     chunk_blocks = _blocks(new, bs)
-                    if engine == E_VLLM:
+                    if headroom < 0:
+                        fits = False
+                    elif engine == E_VLLM:
                         if pi[P_RESERVE_FULL] == 1:
                             need_check = _blocks(target, bs) + owed
                         else:
@@ -599,29 +642,15 @@ def run_kernel(pi, pf, coef, pieces,
                                 blocked1 = True
                             continue
                         break  # strict head-of-line blocking
-                    if lane == 0:
-                        si[S_H0] = _heap_pop(hk0, hid0, si[S_H0])
-                    else:
-                        si[S_H1] = _heap_pop(hk1, hid1, si[S_H1])
-                    run[si[S_NRUN]] = r
-                    si[S_NRUN] += 1
-                    _alloc(r, chunk_blocks, pi, si, held, is_long)
-                    if lanes and is_long[r] == 1:
-                        si[S_LONG_N] += 1
-                        si[S_LONG_LANE] += lane_blocks[r]
-                    si[S_RESV_SUM] += resv[r]
-                    in_prefill[r] = 1
+                    _admit(r, lane, chunk_blocks, t, pi, si, hk0, hid0, hk1, hid1, run, held,
+                           is_long, lane_blocks, resv, in_prefill, admitted_s, ev)
                     if pi[P_RESERVE_FULL] == 1 and engine == E_VLLM:
                         owed += _blocks(target, bs) - chunk_blocks
-                    if admitted_s[r] != admitted_s[r]:  # nan: first admission
-                        admitted_s[r] = t
                     sched_r[nsched] = r
                     sched_n[nsched] = new
                     nsched += 1
                     budget -= new
                     nadm += 1
-                    if log:
-                        _event(ev, si, EV_ADMIT, r, 0)
         else:
             # SGLang: a prefill batch when one can be formed (chunked continuation first,
             # then admissions under the new_token_ratio reservation), else a decode batch.
@@ -668,23 +697,9 @@ def run_kernel(pi, pf, coef, pieces,
                             fits = False
                         else:
                             new = budget
-                    headroom = pi[P_WM]
-                    if lanes:
-                        if is_long[r] == 1:
-                            if (si[S_LONG_N] + 1 > pi[P_MSEQ]
-                                    or si[S_LONG_LANE] + lane_blocks[r] > pi[P_MKV]):
-                                fits = False
-                        else:
-                            spare = pi[P_RSEQ] - si[S_LONG_N]
-                            if spare < 0:
-                                spare = 0
-                            if si[S_NRUN] + 1 + spare > max_seqs:
-                                fits = False
-                            spare = pi[P_RKV] - si[S_LONG_HELD]
-                            if spare > 0:
-                                headroom += spare
+                    headroom = _admission_headroom(r, pi, si, is_long, lane_blocks)
                     eb = _blocks(extend, bs)
-                    if total - si[S_USED] - eb < headroom:
+                    if headroom < 0 or total - si[S_USED] - eb < headroom:
                         fits = False
                     if not fits:
                         if lanes:
@@ -694,28 +709,16 @@ def run_kernel(pi, pf, coef, pieces,
                                 blocked1 = True
                             continue
                         break
-                    if lane == 0:
-                        si[S_H0] = _heap_pop(hk0, hid0, si[S_H0])
-                    else:
-                        si[S_H1] = _heap_pop(hk1, hid1, si[S_H1])
-                    run[si[S_NRUN]] = r
-                    si[S_NRUN] += 1
-                    _alloc(r, eb, pi, si, held, is_long)  # whole re-prefill allocated now
-                    if lanes and is_long[r] == 1:
-                        si[S_LONG_N] += 1
-                        si[S_LONG_LANE] += lane_blocks[r]
-                    in_prefill[r] = 1
+                    # the whole re-prefill is allocated at admission
+                    _admit(r, lane, eb, t, pi, si, hk0, hid0, hk1, hid1, run, held, is_long,
+                           lane_blocks, resv, in_prefill, admitted_s, ev)
                     rem -= eb * bs + fr
-                    if admitted_s[r] != admitted_s[r]:
-                        admitted_s[r] = t
                     sched_r[nsched] = r
                     sched_n[nsched] = new
                     nsched += 1
                     budget -= new
                     nadm += 1
                     prefill_step = True
-                    if log:
-                        _event(ev, si, EV_ADMIT, r, 0)
                     if new < extend:
                         si[S_CHUNKED_REQ] = r
                         break
@@ -738,18 +741,10 @@ def run_kernel(pi, pf, coef, pieces,
                             vp = q
                     v = run[vp]
                     need -= _blocks(comp[v] + 1, bs) - held[v]
-                    _release(v, pi, si, held, is_long, lane_blocks, resv)
-                    comp[v] = 0
-                    in_prefill[v] = 0
-                    npre[v] += 1
-                    _enqueue(v, True, pi, si, prio, is_long, hk0, hid0, hk1, hid1)
-                    for q in range(vp, nrun - 1):
-                        run[q] = run[q + 1]
-                    si[S_NRUN] = nrun - 1
+                    _preempt(v, vp, pi, si, comp, held, in_prefill, npre, prio, is_long,
+                             lane_blocks, resv, run, hk0, hid0, hk1, hid1, ev)
                     retracted = True
                     preempted = True
-                    if log:
-                        _event(ev, si, EV_PREEMPT, v, 0)
                 if retracted:
                     if si[S_NRUN] > 0:
                         decoded = 0

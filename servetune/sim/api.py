@@ -27,6 +27,7 @@ from servetune.sim.goodput import GoodputResult, goodput_search
 from servetune.sim.records import write_records
 from servetune.sim.timeline import Window, build_timeline, write_timeline
 from servetune.trace import Trace
+from servetune.workload import check_rate_scale
 
 ENGINE_NAMES = ("vllm", "sglang", "trtllm", "tgi")
 
@@ -50,8 +51,7 @@ def prepare_trace(
     A Trace is replayed: its first ``n_requests`` rows, time-compressed by ``rate_scale``,
     then cut to arrivals before ``duration_s`` (simulated seconds). A Workload is sampled with
     ``seed`` for ``n_requests`` and/or ``duration_s`` at ``rate_scale`` times its rates."""
-    if not (isinstance(rate_scale, int | float) and rate_scale > 0 and math.isfinite(rate_scale)):
-        raise ServetuneError(f"--rate-scale must be a number > 0 (got {rate_scale})")
+    check_rate_scale(rate_scale)
     if n_requests is not None and n_requests < 1:
         raise ServetuneError(f"--requests must be >= 1 (got {n_requests})")
     if duration_s is not None and not (duration_s > 0 and math.isfinite(duration_s)):
