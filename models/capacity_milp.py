@@ -273,7 +273,8 @@ def _solve_by_slot(inst: CapacityInstance, time_limit_s: float) -> CapacitySolut
             part = solve_capacity(_slot_instance(inst, s), time_limit_s=time_limit_s)
         except InfeasibleError as err:
             if err.details.get("binding") == "count_limit":
-                raise _explain_infeasible(inst, time_limit_s) from None
+                raise _explain_infeasible(_slot_instance(inst, s), time_limit_s,
+                                          slot_index=s) from None
             raise
         statuses.append(part.status)
         secs += part.solver_s
@@ -296,8 +297,11 @@ def _check(inst: CapacityInstance) -> None:
             )
 
 
-def _explain_infeasible(inst: CapacityInstance, time_limit_s: float) -> InfeasibleError:
-    """Re-solve maximizing the served rate within the limits, and name what binds."""
+def _explain_infeasible(
+    inst: CapacityInstance, time_limit_s: float, *, slot_index: int | None = None
+) -> InfeasibleError:
+    """Re-solve maximizing the served rate within the limits, and name what binds.
+    ``slot_index`` names the slot when ``inst`` is one slot cut from a larger plan."""
     relaxed = CapacityInstance(**{**inst.__dict__, "budget": None})
     m = build_model(relaxed, budget_mode=True)
     status, _ = _solve(m, time_limit_s)
@@ -318,6 +322,8 @@ def _explain_infeasible(inst: CapacityInstance, time_limit_s: float) -> Infeasib
     if worst is None:
         worst = (0.0, 0, inst.buckets[0])
     gap, s, b = worst
+    if slot_index is not None:
+        s = slot_index
     limits = [
         f"{t}: max {inst.n_max[t]} replicas"
         for t in inst.types

@@ -9,6 +9,7 @@ Parameters
     r[j]       first slot job j may use (its release, rounded up to a slot start)
     d[j]       last slot job j may use (its deadline, rounded down to a slot end)
     v[j]       value of completing job j by its deadline (integer, scaled)
+    w[j]       weight of job j's finish time (>= 1; higher for higher-priority jobs)
     pre[j]     job j may pause between slots and move between types
 Variables
     x[j,t,s]   in Z>=0   work of job j done on type t in slot s (only for r[j] <= s <= d[j])
@@ -26,8 +27,9 @@ Constraints
                     sum_t x[j,t,s] >= act[j,s]  (a started job keeps working until done)
 Objective (lexicographic, two solves)
     1. maximize  sum_j v[j] done[j]                      (completed value)
-    2. with that value fixed, minimize  sum_j fin[j]   (total lateness fin - d of the
-       completed jobs, since d is fixed: finish as early as the value allows)
+    2. with that value fixed, minimize  sum_j w[j] fin[j]   (weighted lateness fin - d
+       of the completed jobs, d being fixed: finish as early as the value allows, the
+       higher-priority jobs first)
 
 Jobs left out are explained by :func:`explain_unplaced` (window shorter than a slot,
 more work than the spare capacity in the window, no contiguous run long enough, or
@@ -50,6 +52,7 @@ class PlacementJob:
     deadline_slot: int  # last usable slot (inclusive); < release_slot = empty window
     value: int
     preemptible: bool = True
+    weight: int = 1
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,7 @@ def solve_placement(inst: PlacementInstance, *, time_limit_s: float = 20.0) -> P
         fin = v["fin"][j.id]
         # Not done: fin is free; pin it to its lower bound so it does not count.
         m.Add(fin == v["fin_lo"][j.id]).OnlyEnforceIf(v["done"][j.id].Not())
-    m.Minimize(sum(v["fin"].values()))
+    m.Minimize(sum(j.weight * v["fin"][j.id] for j in inst.jobs))
     solver2 = _solver(time_limit_s / 2)
     st2 = solver2.Solve(m)
     if st2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):

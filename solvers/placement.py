@@ -445,6 +445,9 @@ def run_place(
     total_spare = sum(spare_tok_s.values()) * slot_s
     max_work = max(j.total_tokens() for j in jobs_doc.jobs)
     unit = max(1, math.ceil(min(max_work, total_spare) / WORK_UNITS_MAX))
+    # Finish-time weights from priority (lower value first): the most urgent class of
+    # jobs weighs as many times as there are priority levels, the least urgent once.
+    levels_p = sorted({j.priority for j in jobs_doc.jobs})
     pjobs = tuple(
         PlacementJob(
             id=j.id,
@@ -453,6 +456,7 @@ def run_place(
             deadline_slot=math.floor(j.deadline_s / slot_s + 1e-9) - 1,
             value=max(1, round(j.value * 1000)),
             preemptible=j.preemptible,
+            weight=len(levels_p) - levels_p.index(j.priority),
         )
         for j in jobs_doc.jobs
     )

@@ -138,3 +138,11 @@ def test_deterministic() -> None:
     a = solve_placement(_hand_instance())
     b = solve_placement(_hand_instance())
     assert {k: v.work for k, v in a.jobs.items()} == {k: v.work for k, v in b.jobs.items()}
+
+
+def test_priority_weight_orders_finish() -> None:
+    # two equal jobs, room for one per slot: the heavier weight (higher priority) goes first
+    cap = {("a", 0): 2, ("a", 1): 2}
+    jobs = (PlacementJob("low", 2, 0, 1, 1, weight=1), PlacementJob("high", 2, 0, 1, 1, weight=2))
+    sol = solve_placement(PlacementInstance(("a",), 2, cap, jobs))
+    assert sol.jobs["high"].finish_slot == 0 and sol.jobs["low"].finish_slot == 1

@@ -242,7 +242,9 @@ class Job(Strict):
     release_s: float = Field(0.0, ge=0, description="earliest start, seconds from midnight")
     deadline_s: float = Field(gt=0, description="must finish by, seconds from midnight")
     value: float = Field(1.0, gt=0, description="worth of completing the job by its deadline")
-    priority: int = Field(0, description="order among background jobs (lower is served first)")
+    priority: int = Field(
+        0, description="among schedules of equal value, lower-priority-value jobs finish first"
+    )
     preemptible: bool = Field(True, description="may pause between slots and move GPU types")
 
     @model_validator(mode="after")
