@@ -24,7 +24,7 @@ Constraints
                    sum_t f[b,t,s] <= 1             (budget mode: some may be left unserved)
     load_cap[t,s]: sum_b f[b,t,s] lam[b,s] / mu[t,b] <= headroom (n[t,s] - spare used[t,s])
     unusable:      f[b,t,s] = 0 where mu[t,b] = 0
-    count_max:     n[t,s] <= n_max[t];   count_min: n[t,s] >= n_min[t]
+    count limits:  n_min[t] <= n[t,s] <= n_max[t]   (as bounds of n)
     used_link:     n[t,s] <= n_cap used[t,s]  (n_cap: n_max or an upper bound on need)
     budget_cap:    sum_{t,s} price[t] hours n[t,s] <= budget   (budget mode)
     static_count:  n[t,s] = n[t,s-1] for s >= 1                (static option)
@@ -35,6 +35,7 @@ Objective
                   request where it uses the least capacity, which also makes the routing
                   unique where idle replicas would leave it arbitrary)
     budget mode:  maximize  sum_{b,s} hours lam[b,s] sum_t f[b,t,s]   (requests served)
+                            - 1e-7 x cost  (the cheapest of equally-serving plans)
 
 In cost mode without the static option no constraint links two slots, so the model
 splits into one small MILP per slot; :func:`solve_capacity` solves them one by one (the

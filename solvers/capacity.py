@@ -17,11 +17,13 @@
    ``~/.cache/servetune/capacity`` unless ``SERVETUNE_CACHE_DIR`` or ``cache_dir`` says
    otherwise, so re-planning and growth sweeps skip the simulations.
 3. **Plan, then validate.** The MILP of :mod:`servetune.models.capacity_milp` picks
-   replicas and routing. Each GPU type is then simulated as one replica at its busiest
-   slot's per-replica load, with the requests routed to it (a Poisson mix of its buckets)
-   and the policy of its dominant bucket. A type that misses the SLOs has its capacity
-   coefficients lowered (x ``derate``) and the MILP is solved again, until every type in
-   the plan meets the SLOs in simulation.
+   replicas and routing. Each GPU type is then simulated as one replica at its planned
+   per-replica load, with the requests routed to it (a Poisson mix of its buckets) and
+   the policy of its dominant bucket, in every slot whose bucket mix differs (for each
+   distinct mix, its busiest slot; busiest first, stopping at the first miss). Where a
+   type misses the SLOs, the capacity coefficients of the buckets routed to it there are
+   lowered (x ``derate``) and the MILP is solved again, until every type in the plan
+   meets the SLOs in simulation.
 4. **Comparison.** The same loop restricted to each single GPU type gives the cheapest
    single-type plan; a growth sweep re-plans at each load multiplier.
 """
@@ -337,6 +339,11 @@ def replica_capacity(
             rate, policy, sims = _optimized(trace, profile, slo, engine, optimize, seed)
         except InfeasibleError:
             pass  # no policy in the optimizer's space meets the SLOs on this bucket
+        except (ServetuneError, TypeError, KeyError) as exc:
+            if method == "optimizer":
+                raise ServetuneError(f"capacity of {getattr(profile, 'name', '?')} on bucket "
+                                     f"{bucket}: the optimizer failed: {exc}") from None
+            # auto: the candidates below still give a measured capacity
     if "candidates" in used:
         # The optimizer's answer competes with the fixed candidates: both are measured
         # by simulated goodput, and the plan should rest on the better one.
@@ -538,9 +545,12 @@ def plan_capacity(
             break
         if rounds >= max_rounds:
             break
-        for t in failing:
-            for b in slices.names:
-                mu[t, b] *= derate
+        # Lower the coefficients of the buckets the failing slot routed to that type.
+        for c in checks:
+            if not c.meets_slo:
+                for b in slices.names:
+                    if sol.routing.get((b, c.gpu_type, c.slot), 0.0) > 0:
+                        mu[c.gpu_type, b] *= derate
     return PlanResult(inst, sol, dict(capacity), type_policy, checks, rounds, validated,
                       solver_s, sim_s, history)
 
@@ -732,7 +742,8 @@ def plan_document(
             "per_type": _per_type_checks(result.checks),
         },
         "solver": {"status": sol.status, "headroom": inst.headroom,
-                   "redundancy": fleet.redundancy, "scaling": fleet.scaling},
+                   "redundancy": fleet.redundancy, "scaling": fleet.scaling,
+                   "budget_usd": inst.budget, "served_share": _r(sol.served_share, 4)},
     }
 
 
@@ -883,16 +894,24 @@ def run_plan(
                          name=f"{fleet.name}-{forecast.name}")
     rows: list[dict[str, Any]] = []
     for g in sweep or ():
-        res_g = plan_capacity(fleet, forecast, slo, slices, profiles, capacity, growth=g, **kw)
         single_g = single_type_plans(fleet, forecast, slo, slices, profiles, capacity,
                                      growth=g, **kw)
         best_g = best_single(single_g)
+        try:
+            res_g = plan_capacity(fleet, forecast, slo, slices, profiles, capacity, growth=g,
+                                  **kw)
+        except InfeasibleError as err:  # one scenario beyond the limits: say so, go on
+            rows.append({"growth": g, "feasible": False, "reason": err.message})
+            if progress:
+                progress(f"growth x{g:g}: infeasible: {err.message}")
+            continue
         scale = 24.0 / (forecast.n_slots * forecast.slot_s / 3600.0)
+        if best_g is not None and best_g[1]["cost"] < res_g.solution.cost:
+            res_g = best_g[1]["result"]  # as for the main plan: never a dearer mix
         mixed = res_g.solution.cost * scale
-        if best_g is not None and best_g[1]["cost"] * scale < mixed:
-            mixed = best_g[1]["cost"] * scale
         row = {
             "growth": g,
+            "feasible": True,
             "daily_usd": _r(mixed, 2),
             "peak_gpus": {
                 t: max(res_g.solution.replicas[t, s] for s in range(forecast.n_slots))

@@ -47,9 +47,12 @@ from servetune.solvers.capacity import (
     WorkloadSlices,
     _hash_json,
     _r,
+    _rel,
     class_rates_for,
     default_cache_dir,
     file_sha256,
+    make_buckets,
+    slice_workload,
 )
 
 from servetune.errors import InfeasibleError, ServetuneError
@@ -354,8 +357,6 @@ def run_place(
     progress: Progress | None = None,
 ) -> PlacementRun:
     """Everything ``servetune place`` does, as a function."""
-    from servetune.solvers.capacity import _rel, make_buckets, slice_workload
-
     from servetune.profiles import load_profile
     from servetune.schemas.base import load_document
     from servetune.workload import load_workload
@@ -394,7 +395,10 @@ def run_place(
     if missing:
         raise ServetuneError(f"{plan_path}: buckets: {missing[0]} no longer matches the "
                              "workload; run `servetune plan` again")
-    class_rates_for(forecast, slices.class_names, slices.class_weight)
+    try:
+        class_rates_for(forecast, slices.class_names, slices.class_weight)
+    except ServetuneError as err:
+        raise ServetuneError(f"{forecast_path}: {err.message.removeprefix('forecast: ')}") from None
     profiles = {}
     for i, g in enumerate(plan.gpu_types):
         p = Path(g.profile)
@@ -498,6 +502,11 @@ def run_place(
     }
     schedule = schedule_document(jobs_doc, inst, sol, unit, slot_s, spare_tok_s, validation,
                                  inputs, name=f"{jobs_doc.name}-{plan.name}")
+    if plan.solver.get("scaling", "hourly") == "hourly" and not sol.value:
+        schedule["note"] = (
+            "the plan scales replicas with the load (scaling: hourly), which leaves little "
+            "room; plan with scaling: static (reserved GPUs) to keep the night for jobs"
+        )
     timings = {"spare_s": spare_s, "solver_s": sol.solver_s,
                "total_s": time.perf_counter() - t_start}
     return PlacementRun(schedule, sol, inst, timings)

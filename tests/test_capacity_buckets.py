@@ -6,12 +6,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from servetune.solvers import capacity as C
 
 from servetune.errors import ServetuneError
 from servetune.schemas.base import document_from_data
 from servetune.schemas.fleet import Forecast
+from servetune.schemas.profile import Profile
+from servetune.schemas.slo import SLOSet
 from servetune.schemas.workload import Workload
-from servetune.solvers import capacity as C
 
 
 def _workload(classes: dict[str, float]) -> Workload:
@@ -113,11 +115,11 @@ def test_capacity_cache_hit_and_damaged_entry(tmp_path: Path, monkeypatch) -> No
         "apiVersion": "servetune/v1", "kind": "Profile", "name": "tiny",
         "memory": {"kv_blocks_override": 500},
         "step_time": {"fixed_s": 0.01, "gemm_pieces": [[0.0, 5.0e-5]]},
-    }, __import__("servetune.schemas.profile", fromlist=["Profile"]).Profile, "p.yaml")
+    }, Profile, "p.yaml")
     slo = document_from_data({
         "apiVersion": "servetune/v1", "kind": "SLOSet",
         "classes": {"default": {"ttft_s": 2.0, "tpot_s": 0.2, "percentile": 90}},
-    }, __import__("servetune.schemas.slo", fromlist=["SLOSet"]).SLOSet, "s.yaml")
+    }, SLOSet, "s.yaml")
     slices = C.slice_workload(_workload({"default": 1.0}), C.make_buckets((512,), (128,)),
                               n_requests=2000)
     b = slices.names[0]
@@ -134,3 +136,42 @@ def test_capacity_cache_hit_and_damaged_entry(tmp_path: Path, monkeypatch) -> No
     third = C.replica_capacity(profile, slices, b, slo, method="candidates", n_requests=200,
                                cache_dir=tmp_path)
     assert not third.cached and third.rate_per_s == first.rate_per_s
+
+
+def test_auto_keeps_the_better_of_optimizer_and_candidates(tmp_path: Path, monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from servetune.schemas.policy import Policy
+
+    monkeypatch.setattr(C, "CANDIDATE_BATCHING", ((64, 2048),))
+    profile = document_from_data({
+        "apiVersion": "servetune/v1", "kind": "Profile", "name": "tiny",
+        "memory": {"kv_blocks_override": 500},
+        "step_time": {"fixed_s": 0.01, "gemm_pieces": [[0.0, 5.0e-5]]},
+    }, Profile, "p.yaml")
+    slo = document_from_data({
+        "apiVersion": "servetune/v1", "kind": "SLOSet",
+        "classes": {"default": {"ttft_s": 2.0, "tpot_s": 0.2, "percentile": 90}},
+    }, SLOSet, "s.yaml")
+    slices = C.slice_workload(_workload({"default": 1.0}), C.make_buckets((512,), (128,)),
+                              n_requests=2000)
+    b = slices.names[0]
+    calls = []
+
+    def fake_optimize(rate):
+        def optimize(trace, prof, s, **kw):
+            calls.append(kw)
+            return SimpleNamespace(policy=Policy(name="from-optimizer"),
+                                   summary={"goodput_rate_per_s": rate, "simulations": 7})
+        return optimize
+
+    monkeypatch.setattr(C, "_optimizer", lambda: fake_optimize(1e-3))
+    low = C.replica_capacity(profile, slices, b, slo, n_requests=200, cache_dir=tmp_path / "a")
+    assert low.method == "optimizer+candidates" and low.policy.name.startswith("candidate")
+    assert low.rate_per_s > 1e-3 and calls and calls[0]["n_requests"] == 200
+    monkeypatch.setattr(C, "_optimizer", lambda: fake_optimize(1e6))
+    high = C.replica_capacity(profile, slices, b, slo, n_requests=200, cache_dir=tmp_path / "b")
+    assert high.policy.name == "from-optimizer" and high.rate_per_s == 1e6
+    only = C.replica_capacity(profile, slices, b, slo, method="optimizer", n_requests=200,
+                              cache_dir=tmp_path / "c")
+    assert only.method == "optimizer" and only.simulations == 7

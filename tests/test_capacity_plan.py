@@ -237,3 +237,26 @@ def test_place_deadline_before_release_exits_3(inputs, tmp_path: Path) -> None:
     assert r.exit_code == 3, r.output
     assert "jobs.0 (eval): deadline_s 21600 is not after release_s 30000" in r.output
     assert not (tmp_path / "s.yaml").exists()
+
+
+def test_budget_mode_serves_what_it_can(inputs, tmp_path: Path) -> None:
+    out = tmp_path / "plan.yaml"
+    r = runner.invoke(app, _plan_args(inputs, out, "--budget", "3.5"))
+    assert r.exit_code == 0, r.output
+    plan = yaml.safe_load(out.read_text())
+    assert plan["cost"]["total_usd"] <= 3.5 + 1e-9
+    assert 0 < plan["solver"]["served_share"] < 1
+    assert "budget $3.50: serves" in r.output
+
+
+def test_growth_beyond_the_limits_is_reported_not_fatal(inputs, tmp_path: Path) -> None:
+    fleet = yaml.safe_load(inputs["fleet"].read_text())
+    fleet["gpu_types"][0]["max_gpus"] = 4
+    inputs["fleet"].write_text(yaml.safe_dump(fleet))
+    out = tmp_path / "plan.yaml"
+    r = runner.invoke(app, _plan_args(inputs, out, "--growth", "1,50"))
+    assert r.exit_code == 0, r.output
+    sweep = yaml.safe_load(out.read_text())["growth_sweep"]
+    assert sweep[0]["feasible"] is True
+    assert sweep[1]["feasible"] is False and "count limit too low" in sweep[1]["reason"]
+    assert "growth x50: infeasible: capacity plan: count limit too low" in r.output

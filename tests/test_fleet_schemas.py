@@ -172,3 +172,20 @@ def test_jobs_fuzz_fails_cleanly(field: str, value) -> None:
         document_from_data(d, Jobs, "fuzz.yaml")
     except ServetuneError as err:
         assert err.message.startswith("fuzz.yaml") and "\n" not in err.message
+
+
+@settings(max_examples=60, deadline=None)
+@given(rates=st.lists(st.one_of(st.floats(allow_nan=True), st.integers(-3, 3), st.text(max_size=3)),
+                      max_size=26),
+       growth=st.lists(st.floats(allow_nan=True), max_size=3))
+def test_forecast_fuzz_fails_cleanly(rates, growth) -> None:
+    d = _forecast()
+    d["classes"]["default"]["rate_per_s"] = rates
+    d["growth"] = growth
+    try:
+        fc = document_from_data(d, Forecast, "fuzz.yaml")
+    except ServetuneError as err:
+        assert err.message.startswith("fuzz.yaml") and "\n" not in err.message
+    else:  # accepted: then it is a usable day of rates
+        assert fc.n_slots == 24 and all(r >= 0 for r in fc.class_rates()["default"])
+        assert all(g > 0 for g in fc.growth)

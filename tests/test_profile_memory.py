@@ -118,3 +118,11 @@ def test_shipped_profiles_load_and_state_their_pool():
             assert p.calibration.assumptions, name
         else:
             assert p.calibration.kind == "measured" and p.calibration.files, name
+
+
+@pytest.mark.parametrize("blocks", [0, 1])
+def test_override_below_two_blocks_says_why(blocks):
+    data = {"apiVersion": "servetune/v1", "kind": "Profile", "name": "x",
+            "memory": {"kv_blocks_override": blocks}, "step_time": {"constant_s": 0.01}}
+    with pytest.raises(ServetuneError, match="kv_blocks_override.*null block"):
+        document_from_data(data, Profile, "p.yaml")

@@ -253,3 +253,11 @@ def test_an_output_error_leaves_no_output_behind(files, tmp_path, bad):
         args += ["--steps", str(out_json)]
     one_error_line(runner.invoke(app, args))
     assert not out_json.exists() and not records.exists()
+
+
+def test_a_timeline_window_after_the_run_says_so(files, tmp_path):
+    args = base_args(files) + ["--timeline", str(tmp_path / "t.json"),
+                               "--timeline-window", "5000:6000"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "after the run ended" in result.stderr

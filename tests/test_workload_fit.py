@@ -313,6 +313,7 @@ def test_cli_fit_bands_and_windows(tmp_path):
          "--bands", "100000"],
         ["workload", "show", "{bad}", "--sample", "10"],
         ["workload", "show", "{good}", "--sample", "0"],
+        ["workload", "show", "{good}", "--rate-scale", "2"],
         ["trace", "stats", "{bad}"],
         ["trace", "stats", "{trace}", "--on-bad-row", "maybe"],
     ],

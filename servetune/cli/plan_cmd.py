@@ -126,12 +126,13 @@ def write_plan_report(plan: dict[str, Any], folder: Path) -> list[Path]:
     written.append(folder / "replicas_over_day.png")
     fig.savefig(written[-1], dpi=110)
     plt.close(fig)
-    sweep = plan.get("growth_sweep") or []
+    sweep = [r for r in plan.get("growth_sweep") or [] if r.get("feasible", True)]
     if sweep:
         fig, ax = plt.subplots(figsize=(7, 4))
         g = [r["growth"] for r in sweep]
         ax.plot(g, [r["daily_usd"] for r in sweep], "o-", label="mixed fleet")
-        ax.plot(g, [r["best_single_daily_usd"] for r in sweep], "s--",
+        ax.plot(g, [r["best_single_daily_usd"] if r["best_single_daily_usd"] is not None
+                    else float("nan") for r in sweep], "s--",
                 label="best single type")
         ax.set_xlabel("load growth (x forecast)")
         ax.set_ylabel("cost per day ($)")
@@ -178,6 +179,10 @@ def _plan_lines(plan: dict[str, Any]) -> list[str]:
         f"plan: ${cost['daily_usd']:,.2f}/day (peak ${cost['peak_hourly_usd']:,.2f}/h), "
         f"peak GPUs " + ", ".join(f"{t} {n}" for t, n in peak.items()),
     ]
+    solver = plan.get("solver", {})
+    if solver.get("budget_usd") is not None:
+        lines.append(f"budget ${solver['budget_usd']:,.2f}: serves "
+                     f"{100 * solver['served_share']:.1f}% of the forecast requests")
     single = plan.get("single_type", {})
     if "best" in single:
         b = single["best"]
@@ -187,6 +192,9 @@ def _plan_lines(plan: dict[str, Any]) -> list[str]:
     lines.append(f"validated in simulation: {'yes' if v['validated'] else 'NO'} "
                  f"after {v['rounds']} round(s)")
     for r in plan.get("growth_sweep", []):
+        if not r.get("feasible", True):
+            lines.append(f"growth x{r['growth']:g}: infeasible: {r['reason']}")
+            continue
         gpus = ", ".join(f"{t} {n}" for t, n in r["peak_gpus"].items() if n)
         lines.append(f"growth x{r['growth']:g}: ${r['daily_usd']:,.2f}/day, peak GPUs {gpus}; "
                      f"best single {r['best_single']} ${r['best_single_daily_usd'] or 0:,.2f}"
@@ -210,7 +218,9 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
         report: Path | None = typer.Option(None, "--report", help="Folder for plots."),
         growth: str | None = typer.Option(
-            None, "--growth", help="What-if load multipliers, e.g. 1,1.5,2,4 (one line each)."
+            None, "--growth",
+            help="What-if load multipliers, e.g. 1,1.5,2,4 (one line each); 'forecast' uses "
+            "the forecast file's growth list.",
         ),
         cache_dir: Path | None = typer.Option(
             None, "--cache-dir",
@@ -245,7 +255,13 @@ def register(app: typer.Typer) -> None:
             )
         if budget is not None and not budget > 0:
             raise ServetuneError(f"--budget must be > 0 dollars (got {budget})")
-        sweep = _floats(growth, "--growth") if growth else None
+        if growth == "forecast":
+            from servetune.schemas.base import load_document
+            from servetune.schemas.fleet import Forecast
+
+            sweep = list(load_document(forecast, Forecast).growth)
+        else:
+            sweep = _floats(growth, "--growth") if growth else None
         run = run_plan(
             workload, forecast, fleet, slo, out_path=output, sweep=sweep, cache_dir=cache_dir,
             engine=engine, method=method, prompt_edges=_ints(prompt_edges, "--prompt-edges"),
@@ -305,4 +321,6 @@ def register(app: typer.Typer) -> None:
         for t, c in run.schedule["validation"]["per_type"].items():
             typer.echo(f"  check {t} slot {c['slot']}: interactive SLOs "
                        f"{'hold' if c['meets_slo'] else 'MISSED'} with background")
+        if "note" in run.schedule:
+            typer.echo(f"note: {run.schedule['note']}")
         typer.echo(f"wrote {output}")

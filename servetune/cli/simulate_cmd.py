@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -236,24 +236,39 @@ def write_outputs(writers: list[tuple[Path, Callable[[], None]]]) -> None:
         raise
 
 
+# Options both commands take (parameter annotations).
+ProfileOption = Annotated[
+    str, typer.Option("--profile", help="GPU profile YAML (or shipped name)")
+]
+PolicyOption = Annotated[Path, typer.Option("--policy", help="Policy YAML")]
+TraceOption = Annotated[Path | None, typer.Option("--trace", help="trace file to replay")]
+WorkloadOption = Annotated[
+    Path | None, typer.Option("--workload", help="Workload YAML to sample")
+]
+EngineOption = Annotated[str, typer.Option("--engine", help="vllm | sglang | trtllm | tgi")]
+RequestsOption = Annotated[
+    int | None, typer.Option("--requests", help="trace: replay the first N; workload: sample N")
+]
+DurationOption = Annotated[
+    float | None,
+    typer.Option("--duration", help="only arrivals in the first S simulated seconds"),
+]
+
+
 def register(app: typer.Typer) -> None:
     """Add ``simulate`` and ``goodput`` to the top-level app."""
 
     @app.command("simulate")
     def simulate_command(
-        profile: str = typer.Option(..., "--profile", help="GPU profile YAML (or shipped name)"),
-        policy: Path = typer.Option(..., "--policy", help="Policy YAML"),
-        trace: Path | None = typer.Option(None, "--trace", help="trace file to replay"),
-        workload: Path | None = typer.Option(None, "--workload", help="Workload YAML to sample"),
-        engine: str = typer.Option("vllm", "--engine", help="vllm | sglang | trtllm | tgi"),
+        profile: ProfileOption,
+        policy: PolicyOption,
+        trace: TraceOption = None,
+        workload: WorkloadOption = None,
+        engine: EngineOption = "vllm",
         rate_scale: float = typer.Option(1.0, "--rate-scale", help="arrival-rate multiplier"),
         seed: int = typer.Option(0, "--seed", help="sampling seed (workloads)"),
-        requests: int | None = typer.Option(
-            None, "--requests", help="trace: replay the first N; workload: sample N"
-        ),
-        duration: float | None = typer.Option(
-            None, "--duration", help="only arrivals in the first S simulated seconds"
-        ),
+        requests: RequestsOption = None,
+        duration: DurationOption = None,
         reference: bool = typer.Option(
             False, "--reference", help="step-by-step reference mode (slow; for checking)"
         ),
@@ -327,6 +342,12 @@ def register(app: typer.Typer) -> None:
                 write_outputs(writers)
         else:
             write_outputs(writers)
+        end_s = float(result.output.sim_end_s)
+        if window is not None and window[0] >= end_s:
+            console.print(
+                f"servetune: note: --timeline-window starts at {window[0]:g} s, after the run "
+                f"ended ({end_s:.1f} s): the timeline has no steps", highlight=False,
+            )
         out = Console(file=sys.stdout, width=100)
         title = f"{pol.name} on {prof.name} ({engine}{', reference' if reference else ''})"
         out.print(summary_table(summary, title))
@@ -336,20 +357,16 @@ def register(app: typer.Typer) -> None:
 
     @app.command("goodput")
     def goodput_command(
-        profile: str = typer.Option(..., "--profile", help="GPU profile YAML (or shipped name)"),
-        policy: Path = typer.Option(..., "--policy", help="Policy YAML"),
+        profile: ProfileOption,
+        policy: PolicyOption,
         slo: Path = typer.Option(..., "--slo", help="SLO set YAML"),
-        trace: Path | None = typer.Option(None, "--trace", help="trace file to replay"),
-        workload: Path | None = typer.Option(None, "--workload", help="Workload YAML to sample"),
-        engine: str = typer.Option("vllm", "--engine", help="vllm | sglang | trtllm | tgi"),
+        trace: TraceOption = None,
+        workload: WorkloadOption = None,
+        engine: EngineOption = "vllm",
         seed: int = typer.Option(0, "--seed", help="first sampling seed (workloads)"),
         seeds: int = typer.Option(3, "--seeds", help="number of seeds per point (workloads)"),
-        requests: int | None = typer.Option(
-            None, "--requests", help="trace: replay the first N; workload: sample N"
-        ),
-        duration: float | None = typer.Option(
-            None, "--duration", help="only arrivals in the first S simulated seconds"
-        ),
+        requests: RequestsOption = None,
+        duration: DurationOption = None,
         reference: bool = typer.Option(False, "--reference", help="step-by-step reference mode"),
         rel_tol: float = typer.Option(0.02, "--tolerance", help="relative bisection tolerance"),
         json_out: Path | None = typer.Option(None, "--json", help="write the result JSON here"),

@@ -143,7 +143,9 @@ def register(app: typer.Typer) -> None:
             None, "--sample", help="Sample N requests and print their statistics."
         ),
         seed: int = typer.Option(0, "--seed", help="Seed for --sample."),
-        rate_scale: float = typer.Option(1.0, "--rate-scale", help="Multiply every rate."),
+        rate_scale: float = typer.Option(
+            1.0, "--rate-scale", help="Multiply every rate of the --sample."
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     ) -> None:
         """Show a workload's classes, or sample it and show the sample's statistics."""
@@ -152,6 +154,11 @@ def register(app: typer.Typer) -> None:
 
         workload = load_workload(path)
         console = Console()
+        if sample is None and rate_scale != 1.0:
+            raise ServetuneError(
+                "--rate-scale applies to the sampled requests; add --sample N (e.g. --sample "
+                "100000) to see the statistics at that rate"
+            )
         if sample is None:
             if as_json:
                 typer.echo(json.dumps(class_stats_json(workload)))

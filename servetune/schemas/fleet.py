@@ -4,12 +4,17 @@
   model), its hourly price per GPU (with the source of the price), the GPUs one replica
   uses (its tensor-parallel degree), and optional limits on how many GPUs may be used.
   Fleet-wide: the utilization headroom (plan each type to at most this share of its
-  simulated capacity) and whether every type in use carries one spare replica (N+1).
+  simulated capacity), whether every type in use carries one spare replica (N+1), and
+  the scaling: ``hourly`` (replicas follow the load, as with on-demand GPUs) or
+  ``static`` (the same replicas all day, as with reserved GPUs; the night then leaves
+  room for background jobs).
 - ``Forecast``: per request class, the arrival rate over the day (24 hourly slots) or
   one peak rate, plus optional growth factors for what-if studies.
 - ``Jobs``: background work (evaluations, synthetic data): per job its volume (a request
   count, or a token volume with its length distribution), release time, deadline, value,
   priority, and whether it may be paused and resumed.
+
+``CapacityPlan`` is what ``servetune plan`` writes and ``servetune place`` reads.
 
 Times are seconds from midnight of the forecast day; a deadline after 86,400 s falls on
 the next day (the forecast repeats).
@@ -174,7 +179,8 @@ class Forecast(Document):
         min_length=1, description="per workload class (or `default` for a one-class workload)"
     )
     growth: list[float] = Field(
-        default_factory=lambda: [1.0], description="load multipliers for what-if scenarios"
+        default_factory=lambda: [1.0],
+        description="load multipliers for what-if scenarios (`servetune plan --growth forecast`)",
     )
 
     @field_validator("growth")

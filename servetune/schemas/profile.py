@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from servetune import memory
 from servetune.errors import ServetuneError
@@ -76,8 +76,18 @@ class MemoryBudget(Strict):
     )
     block_size: int = Field(16, ge=1, description="tokens per KV block (16 on CUDA)")
     kv_blocks_override: int | None = Field(
-        None, ge=2, description="as vLLM's num_gpu_blocks_override; usable = override - 1"
+        None, description="as vLLM's num_gpu_blocks_override; usable = override - 1"
     )
+
+    @field_validator("kv_blocks_override")
+    @classmethod
+    def _leaves_a_block(cls, blocks: int | None) -> int | None:
+        if blocks is not None and blocks < 2:
+            raise ValueError(
+                f"must be >= 2: vLLM keeps one block back as its null block, so {blocks} "
+                "leaves no usable KV block"
+            )
+        return blocks
 
 
 class CalibrationFile(Strict):
