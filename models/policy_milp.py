@@ -50,11 +50,11 @@ Objective
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyomo.environ as pyo
 from servetune.models.fluid import FluidModel, Knobs, Limit
-from servetune.solvers.drivers import TopK, top_k_highs
 
 # The smallest goodput worth returning, as a share of the workload's rate.
 RATE_MIN_SHARE = 1e-3
@@ -184,8 +184,10 @@ def build_model(inst: MilpInstance, *, rate_min: float, excluded: set[int] = fro
     return m
 
 
-def _decode(inst: MilpInstance):
-    def decode(m) -> tuple[int, Candidate]:
+def decoder(inst: MilpInstance) -> Callable[[pyo.ConcreteModel], tuple[int, Candidate]]:
+    """Read a solved model back: the chosen point p (z[p] = 1) and its prediction."""
+
+    def decode(m: pyo.ConcreteModel) -> tuple[int, Candidate]:
         p = max(m.P, key=lambda p: pyo.value(m.z[p]))
         lims = inst.limits[p]
         binding = min(lims.values(), key=lambda lim: (lim.x_max, lim.name)).name
@@ -195,27 +197,16 @@ def _decode(inst: MilpInstance):
             steps_per_s=float(pyo.value(m.steps[p])),
             binding=binding,
         )
+
     return decode
 
 
-def solve_policy_milp(
-    inst: MilpInstance,
-    *,
-    k: int = 3,
-    time_limit_s: float = 10.0,
-    rate_min: float | None = None,
-    excluded: set[int] = frozenset(),
-) -> TopK:
-    """The best ``k`` candidates by predicted goodput (no-good cuts between solves).
-    Each solution is ``(point index, Candidate)``. ``rate_min`` defaults to 0.1% of the
-    workload's own rate (well above the solver's feasibility tolerance)."""
-    if rate_min is None:
-        rate_min = RATE_MIN_SHARE * max(inst.rate_scale, 1e-3)
-    model = build_model(inst, rate_min=rate_min, excluded=set(excluded))
-    return top_k_highs(
-        model,
-        k,
-        binaries=lambda m: [m.z[p] for p in m.P],
-        decode=_decode(inst),
-        time_limit_s=time_limit_s,
-    )
+def choice_binaries(m: pyo.ConcreteModel) -> list:
+    """The z[p] binaries (what a no-good cut between top-k solves ranges over)."""
+    return [m.z[p] for p in m.P]
+
+
+def default_rate_min(inst: MilpInstance) -> float:
+    """rate_min: 0.1% of the workload's own rate (well above the solver's feasibility
+    tolerance)."""
+    return RATE_MIN_SHARE * max(inst.rate_scale, 1e-3)

@@ -389,8 +389,11 @@ def _find_column(header: list[str], name: str, role: str, path: str) -> int:
     lowered = [h.lower() for h in header]
     if name.lower() in lowered:
         return lowered.index(name.lower())
+    hint = ""
+    if len(header) == 1 and any(sep in header[0] for sep in (";", "\t", "|")):
+        hint = " (servetune reads comma-separated CSV; convert the separators to commas)"
     raise ServetuneError(
-        f"{path}: no column {name!r} for {role}; the header has {', '.join(header)}"
+        f"{path}: no column {name!r} for {role}; the header has {', '.join(header)}{hint}"
     )
 
 

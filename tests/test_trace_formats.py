@@ -454,3 +454,9 @@ def test_arrivals_over_decades_are_a_unit_error_not_a_trace(tmp_path):
         load_trace(path, columns="arrival=ts,prompt=p,output=o")
     trace = load_trace(path, columns="arrival=ts,prompt=p,output=o", arrival_unit="ns")
     assert trace.duration_s == pytest.approx(3600.0)
+
+
+def test_semicolon_separated_file_gets_a_separator_hint(tmp_path):
+    path = write(tmp_path, "semi.csv", "ts;p;o\n0;1;1\n")
+    with pytest.raises(ServetuneError, match="no column 'ts'.*comma-separated"):
+        load_trace(path, columns="arrival=ts,prompt=p,output=o")
