@@ -28,8 +28,10 @@ from pathlib import Path
 
 import highspy
 import numpy as np
-from servetune.models.capacity_milp import CapacityInstance, solve_capacity
-from servetune.models.placement_cpsat import PlacementInstance, PlacementJob, solve_placement
+from servetune.models.capacity_milp import CapacityInstance
+from servetune.models.placement_cpsat import PlacementInstance, PlacementJob
+from servetune.solvers.capacity import solve_capacity
+from servetune.solvers.placement import solve_placement
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,10 @@ Two runs per workload x SLO set:
 2. the comparison on a reduced space (seqs 32..1024 x tokens 512..16384 x chunk cap
    0/512/2048: 105 valid points) and a 2000-request sample, where the exhaustive grid
    (every point, goodput by bracketing and bisection) is affordable: milp, grid, random
-   and Optuna (when installed) with milp's simulation budget, and the vLLM defaults.
+   and Optuna (when installed) with milp's simulation budget, the vLLM defaults, and
+   SGLang's defaults (``baselines.sglang_default_knobs``) in the simulator's SGLang
+   admission model. Every simulator, like ``optimize``'s, samples longer at rates where
+   the base sample would span less than ``min_window_s`` (TTFT target / 3%).
    The fluid model's goodput prediction is compared with the grid's simulated goodput
    point by point (its error is reported).
 
@@ -65,7 +68,7 @@ def main() -> None:
     from servetune.models.fluid import FluidModel, LoadModel, Platform, knobs_grid, targets_for
     from servetune.solvers import baselines
     from servetune.solvers.loop import find_goodput
-    from servetune.solvers.optimize import TraceSimulator, optimize
+    from servetune.solvers.optimize import TraceSimulator, min_window_s, optimize
 
     from servetune.errors import InfeasibleError
     from servetune.profiles import load_profile
@@ -146,25 +149,39 @@ def main() -> None:
             def make_policy(k, base=base):
                 return apply_knobs(base, k.as_dotted())
 
-            sim = TraceSimulator(sample, profile, slo)
+            window = min_window_s(slo, 0.03)
+
+            def simulator(engine="vllm", sample=sample, workload=workload, slo=slo,
+                          window=window):
+                # As optimize does: longer samples of the same source at high rates.
+                return TraceSimulator(sample, profile, slo, engine=engine, source=workload,
+                                      seed=0, min_window_s=window)
+
+            sim = simulator()
             t0 = time.perf_counter()
             grid = baselines.grid_search(points, make_policy, sim, rel_tol=0.03)
             res["grid"] = {"goodput_rate_per_s": grid.goodput_rate_per_s,
                            "simulations": grid.simulations,
                            "wall_s": time.perf_counter() - t0}
             if res.get("defaults", {}).get("goodput_rate_per_s") is None:
-                dsim = TraceSimulator(sample, profile, slo)
+                dsim = simulator()
                 d = find_goodput(dsim, make_policy(baselines.VLLM_DEFAULTS), start_scale=1.0,
                                  factor=2.0, rel_tol=0.03)
                 res["defaults"] = {"goodput_rate_per_s": d.rate_per_s,
                                    "simulations": dsim.simulations}
-            rsim = TraceSimulator(sample, profile, slo)
+            # SGLang's defaults, in the simulator's SGLang admission model.
+            ssim = simulator("sglang")
+            sg = find_goodput(ssim, make_policy(baselines.sglang_default_knobs(ssim.kv_tokens)),
+                              start_scale=1.0, factor=2.0, rel_tol=0.03)
+            res["sglang-defaults"] = {"goodput_rate_per_s": sg.rate_per_s,
+                                      "simulations": ssim.simulations}
+            rsim = simulator()
             t0 = time.perf_counter()
             rnd = baselines.random_search(points, make_policy, rsim, budget=budget, seed=0)
             res["random"] = {"goodput_rate_per_s": rnd.goodput_rate_per_s,
                              "simulations": rnd.simulations, "wall_s": time.perf_counter() - t0}
             if baselines.optuna_available():
-                osim = TraceSimulator(sample, profile, slo)
+                osim = simulator()
                 opt = baselines.optuna_search(REDUCED, points, make_policy, osim, budget=budget,
                                               seed=0)
                 res["optuna"] = {"goodput_rate_per_s": opt.goodput_rate_per_s,
@@ -223,7 +240,7 @@ def render_table(data: dict) -> str:
                 f"| {name} | {case['slo']} | vLLM defaults, 3000 req | "
                 f"{_fmt(full['defaults_goodput_rate_per_s'])} | | "
                 f"{full['defaults_simulations']} | |")
-        for method in ("milp", "grid", "random", "optuna", "defaults"):
+        for method in ("milp", "grid", "random", "optuna", "defaults", "sglang-defaults"):
             r = red.get(method, {})
             if "skipped" in r:
                 out.append(f"| {name} | {case['slo']} | {method} (reduced) | skipped | | | |")
@@ -231,8 +248,10 @@ def render_table(data: dict) -> str:
             g = r.get("goodput_rate_per_s")
             rel = f"{100 * g / grid:.1f}%" if g is not None and grid > 0 else "-"
             label = "infeasible (exit 3)" if "infeasible" in r else _fmt(g)
+            shown = {"defaults": "vLLM defaults", "sglang-defaults": "SGLang defaults"}.get(
+                method, method)
             out.append(
-                f"| {name} | {case['slo']} | {method} (reduced) | {label} | {rel} | "
+                f"| {name} | {case['slo']} | {shown} (reduced) | {label} | {rel} | "
                 f"{r.get('simulations', '-')} | {_fmt(r.get('wall_s'))} |")
     return "\n".join(out)
 

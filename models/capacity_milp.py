@@ -38,12 +38,12 @@ Objective
                             - 1e-7 x cost  (the cheapest of equally-serving plans)
 
 In cost mode without the static option no constraint links two slots, so the model
-splits into one small MILP per slot; :func:`solve_capacity` solves them one by one (the
-same optimum, and far faster than one model with every slot).
+splits into one small MILP per slot; :func:`servetune.solvers.capacity.solve_capacity`
+solves them one by one (the same optimum, and far faster than one model with every slot).
 
 Cost mode can be infeasible only through count limits (or a bucket no type can serve);
-then :func:`solve_capacity` re-solves in budget mode without a budget to find the
-largest servable share and reports which slot, bucket and limits bind.
+then the solver re-solves in budget mode without a budget to find the largest servable
+share, and :func:`served_gaps` names the slot and bucket left unserved.
 """
 
 from __future__ import annotations
@@ -187,40 +187,10 @@ def build_model(inst: CapacityInstance, *, budget_mode: bool = False) -> pyo.Con
     return m
 
 
-def _solve(m: pyo.ConcreteModel, time_limit_s: float) -> tuple[str, float]:
-    import time
-
-    t0 = time.perf_counter()
-    status = _solve_once(m, time_limit_s, presolve=True)
-    if status not in ("optimal", "feasible", "infeasible", "no_solution"):
-        # HiGHS occasionally ends a MIP with an "unknown" model status; presolve off
-        # settles it (the model is small), so try once more before giving up.
-        status = _solve_once(m, time_limit_s, presolve=False)
-    return status, time.perf_counter() - t0
-
-
-def _solve_once(m: pyo.ConcreteModel, time_limit_s: float, *, presolve: bool) -> str:
-    solver = pyo.SolverFactory("appsi_highs")
-    solver.config.time_limit = time_limit_s
-    solver.highs_options = {"mip_rel_gap": 1e-9, "random_seed": 0,
-                            "presolve": "on" if presolve else "off"}
-    res = solver.solve(m, load_solutions=False)
-    tc = res.solver.termination_condition
-    if tc == pyo.TerminationCondition.optimal:
-        solver.load_vars()
-        return "optimal"
-    if tc in (pyo.TerminationCondition.infeasible, pyo.TerminationCondition.infeasibleOrUnbounded):
-        return "infeasible"
-    if tc == pyo.TerminationCondition.maxTimeLimit:
-        try:
-            solver.load_vars()
-        except Exception:  # no incumbent at the limit
-            return "no_solution"
-        return "feasible"
-    return str(tc)
-
-
-def _extract(inst: CapacityInstance, m: pyo.ConcreteModel, status: str, secs: float):
+def extract_solution(
+    inst: CapacityInstance, m: pyo.ConcreteModel, status: str, secs: float
+) -> CapacitySolution:
+    """Read the solved model's values back into a :class:`CapacitySolution`."""
     replicas = {(t, s): int(round(pyo.value(m.n[t, s]))) for t in inst.types
                 for s in range(inst.n_slots)}
     routing: dict[tuple[str, str, int], float] = {}
@@ -237,56 +207,16 @@ def _extract(inst: CapacityInstance, m: pyo.ConcreteModel, status: str, secs: fl
     return CapacitySolution(status, replicas, routing, cost, share, secs)
 
 
-def solve_capacity(inst: CapacityInstance, *, time_limit_s: float = 30.0) -> CapacitySolution:
-    """Solve the planning MILP. Cost mode unless ``inst.budget`` is set. Raises
-    InfeasibleError naming the binding slot, bucket and count limits when the forecast
-    cannot be served within the limits."""
-    _check(inst)
-    budget_mode = inst.budget is not None
-    if not budget_mode and not inst.static and inst.n_slots > 1:
-        return _solve_by_slot(inst, time_limit_s)
-    m = build_model(inst, budget_mode=budget_mode)
-    status, secs = _solve(m, time_limit_s)
-    if status in ("optimal", "feasible"):
-        return _extract(inst, m, status, secs)
-    if status != "infeasible" or budget_mode:
-        raise InfeasibleError(
-            f"capacity plan: solver ended with status {status} within {time_limit_s:.0f} s; "
-            "raise the time limit or coarsen the buckets",
-            details={"status": status},
-        )
-    raise _explain_infeasible(inst, time_limit_s)
-
-
-def _slot_instance(inst: CapacityInstance, s: int) -> CapacityInstance:
+def slot_instance(inst: CapacityInstance, s: int) -> CapacityInstance:
+    """Slot ``s`` of ``inst`` as an instance of its own (one slot, numbered 0)."""
     return CapacityInstance(**{
         **inst.__dict__, "n_slots": 1,
         "lam": {(b, 0): inst.lam[b, s] for b in inst.buckets},
     })
 
 
-def _solve_by_slot(inst: CapacityInstance, time_limit_s: float) -> CapacitySolution:
-    replicas: dict[tuple[str, int], int] = {}
-    routing: dict[tuple[str, str, int], float] = {}
-    statuses, secs = [], 0.0
-    for s in range(inst.n_slots):
-        try:
-            part = solve_capacity(_slot_instance(inst, s), time_limit_s=time_limit_s)
-        except InfeasibleError as err:
-            if err.details.get("binding") == "count_limit":
-                raise _explain_infeasible(_slot_instance(inst, s), time_limit_s,
-                                          slot_index=s) from None
-            raise
-        statuses.append(part.status)
-        secs += part.solver_s
-        replicas.update({(t, s): n for (t, _s), n in part.replicas.items()})
-        routing.update({(b, t, s): f for (b, t, _s), f in part.routing.items()})
-    cost = sum(inst.price[t] * inst.hours * n for (t, _s), n in replicas.items())
-    status = "optimal" if all(x == "optimal" for x in statuses) else "feasible"
-    return CapacitySolution(status, replicas, routing, cost, 1.0, secs)
-
-
-def _check(inst: CapacityInstance) -> None:
+def check_servable(inst: CapacityInstance) -> None:
+    """Raise InfeasibleError when a bucket with traffic has no type that can serve it."""
     for b in inst.buckets:
         if all(inst.mu[t, b] <= 0 for t in inst.types) and any(
             inst.lam[b, s] > 0 for s in range(inst.n_slots)
@@ -298,49 +228,17 @@ def _check(inst: CapacityInstance) -> None:
             )
 
 
-def _explain_infeasible(
-    inst: CapacityInstance, time_limit_s: float, *, slot_index: int | None = None
-) -> InfeasibleError:
-    """Re-solve maximizing the served rate within the limits, and name what binds.
-    ``slot_index`` names the slot when ``inst`` is one slot cut from a larger plan."""
-    relaxed = CapacityInstance(**{**inst.__dict__, "budget": None})
-    m = build_model(relaxed, budget_mode=True)
-    status, _ = _solve(m, time_limit_s)
-    if status not in ("optimal", "feasible"):
-        return InfeasibleError(
-            "capacity plan: infeasible even without serving everything; check min_gpus "
-            "against max_gpus",
-            details={"binding": "count_limits"},
-        )
-    sol = _extract(relaxed, m, status, 0.0)
-    worst = None  # (unserved req/s, slot, bucket)
+def served_gaps(
+    inst: CapacityInstance, sol: CapacitySolution
+) -> list[tuple[float, int, str]]:
+    """(unserved req/s, slot, bucket) for every bucket and slot a budget-mode solution
+    leaves partly unserved, largest first (ties: earliest slot, then bucket order)."""
+    gaps = []
     for s in range(inst.n_slots):
-        for b in inst.buckets:
+        for i, b in enumerate(inst.buckets):
             served = sum(sol.routing.get((b, t, s), 0.0) for t in inst.types)
             gap = inst.lam[b, s] * (1.0 - served)
-            if gap > 1e-6 and (worst is None or gap > worst[0] + 1e-9):
-                worst = (gap, s, b)
-    if worst is None:
-        worst = (0.0, 0, inst.buckets[0])
-    gap, s, b = worst
-    if slot_index is not None:
-        s = slot_index
-    limits = [
-        f"{t}: max {inst.n_max[t]} replicas"
-        for t in inst.types
-        if inst.n_max.get(t) is not None and inst.mu[t, b] > 0
-    ]
-    limit_text = ", ".join(limits) if limits else "the count limits"
-    return InfeasibleError(
-        f"capacity plan: count limit too low: slot {s} leaves {gap:.3g} req/s of bucket {b} "
-        f"unserved with {limit_text} (all at their limit); raise max_gpus, add a GPU type, "
-        f"or lower the forecast",
-        details={
-            "binding": "count_limit",
-            "slot": s,
-            "bucket": b,
-            "unserved_rate_per_s": gap,
-            "served_share": sol.served_share,
-            "limits": {t: inst.n_max.get(t) for t in inst.types},
-        },
-    )
+            if gap > 1e-6:
+                gaps.append((gap, s, i, b))
+    gaps.sort(key=lambda g: (-round(g[0], 9), g[1], g[2]))
+    return [(g, s, b) for g, s, _i, b in gaps]

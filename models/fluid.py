@@ -9,7 +9,10 @@ and quantiles, and the profile's step-time coefficients (``servetune.steptime``)
   read, ``W = x E[P^2] / 2`` prefill attention pairs (a prompt's chunks always add up to
   ``P^2/2`` pairs, however it is chunked);
 - mean step time ``t(x) = max_k (c0_k + c1_k x)`` (the step-time model is affine in ``x``
-  except for the convex piecewise-linear GEMM term), steps per second ``1/t`` and arrival
+  except for the convex piecewise-linear GEMM term ``g``; decode rows take ``g`` and
+  prefill tokens its steepest slope, since a mean step mixes decode-only steps on the
+  memory-bound floor with compute-bound prefill steps: :meth:`FluidModel.step_pieces`),
+  steps per second ``1/t`` and arrival
   rate ``lambda = x / t(x)``, which increases with ``x``; so the sustainable rate of a
   policy is ``x* / t(x*)`` with ``x*`` the largest ``x`` that meets every condition below;
 - running set ``N = x (O - 1 + prefill steps)`` (Little's law in steps), its Poisson
@@ -27,10 +30,14 @@ and quantiles, and the profile's step-time coefficients (``servetune.steptime``)
   ``ceil(P_q / min(L, M - D))`` steps (``L`` = ``long_prefill_token_threshold``) plus
   its own causal attention, ``P_q^2 / 2`` pairs;
 - TPOT: a request's TPOT is the mean of its decode steps; its high quantile is the time of a
-  step that carries ``D`` decodes and a high quantile of the per-step prefill tokens,
-  ``Tp + z_q sqrt(x E[P^2] max(1, ca^2))`` (compound renewal counts: Poisson variance
-  times the index of dispersion), capped by the budget (as Sarathi-Serve bounds a step's
-  chunk by the TPOT target);
+  step that carries ``D`` decodes and ``Tp + z sqrt(x E[P min(P, c)] max(1, ca^2))``
+  prefill tokens (compound renewal counts: Poisson variance times the index of
+  dispersion; a prompt adds at most a chunk ``c = min(L, M - D)`` to each of its steps),
+  capped by the budget (as Sarathi-Serve bounds a step's chunk by the TPOT target). The
+  mean of ``O - 1`` steps correlated over ``tau = max(1, (ca^2 + cs^2)/2) / (1 - rho)``
+  steps (the prefill queue's relaxation time) has the noise of ``(O - 1) / tau``
+  independent ones, so ``z`` is the q-quantile of that averaged noise over the class's
+  outputs (:func:`tpot_noise_quantiles`), not the per-step ``Phi^-1(q)``;
 - stability: ``T < M`` (demand per step below what one step serves), seats and KV.
 
 Every condition is non-decreasing in ``x``, so each gives a largest ``x``
@@ -71,6 +78,40 @@ DEFAULT_CAPACITY_QUANTILE = 0.99
 
 def normal_quantile(q: float) -> float:
     return NormalDist().inv_cdf(min(max(q, 1e-12), 1 - 1e-12))
+
+
+# Correlation times (steps) at which the TPOT noise quantile is tabulated.
+_TPOT_TAU = np.geomspace(1.0, 1024.0, 21)
+_erfc = np.frompyfunc(math.erfc, 1, 1)
+
+
+def tpot_noise_quantiles(cls: ClassLoad, q: float, bins: int = 200) -> np.ndarray:
+    """``z(tau)`` on the grid ``_TPOT_TAU``: a share ``1 - q`` of the class's requests see
+    a mean step time above ``mean + z sd`` (``sd``: one step's), when step loads are
+    correlated over ``tau`` steps.
+
+    A request's TPOT is the mean of its ``O - 1`` decode steps; with loads correlated over
+    ``tau`` steps that mean has the noise of ``m = max(1, (O - 1) / tau)`` independent
+    steps, ``sd / sqrt(m)``. So ``z`` solves ``E_O[1 - Phi(z sqrt(m))] = 1 - q`` over the
+    class's outputs of two or more tokens (one-token outputs have no TPOT): long outputs
+    average prefill bursts out, unless the bursts last as long as the requests."""
+    mids = (np.arange(bins) + 0.5) / bins
+    outputs = np.interp(mids, _Q_TABLE, np.asarray(cls.output_table, dtype=np.float64))
+    decode_steps = np.maximum(outputs[outputs >= 2.0] - 1.0, 1.0)
+    z_step = normal_quantile(q)
+    if len(decode_steps) == 0:
+        return np.full(len(_TPOT_TAU), z_step)
+    root_m = np.sqrt(np.maximum(decode_steps[None, :] / _TPOT_TAU[:, None], 1.0))
+    lo = np.zeros(len(_TPOT_TAU))
+    hi = np.full(len(_TPOT_TAU), z_step)  # the share above z_step sqrt(m) is <= 1 - q
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        share = np.mean(0.5 * _erfc(mid[:, None] * root_m / math.sqrt(2.0)).astype(float),
+                        axis=1)
+        above = share > 1.0 - q
+        lo = np.where(above, mid, lo)
+        hi = np.where(above, hi, mid)
+    return hi
 
 
 def poisson_quantile_cf(mean: np.ndarray | float, q: float) -> np.ndarray | float:
@@ -402,6 +443,30 @@ class FluidModel:
         self.ca2 = ld.mean(lambda c: c.interarrival_cv**2)
         self.cs2 = max(self.prompt_sq / self.prompt_mean**2 - 1.0, 0.0)
         self.coef, self.pieces = self.platform.step_time.as_arrays()
+        # The prompt-length mixture (quantile midpoints of every class, weighted by share)
+        # for E[P min(P, c)], the per-step prefill variance under a chunk size c.
+        mids = (np.arange(_N_MOMENT_BINS) + 0.5) / _N_MOMENT_BINS
+        self._prompts = np.concatenate(
+            [np.interp(mids, _Q_TABLE, np.asarray(c.prompt_table, dtype=np.float64))
+             for c in ld.classes])
+        weights = np.concatenate([np.full(len(mids), c.share) for c in ld.classes])
+        self._prompt_w = weights / weights.sum()
+        table_sq = float(np.sum(self._prompt_w * self._prompts**2))
+        self._prompt_sq_scale = self.prompt_sq / table_sq if table_sq > 0 else 1.0
+        self.tpot_z = {
+            c.name: tpot_noise_quantiles(c, self.targets[c.name].q)
+            for c in ld.classes if c.name in self.targets
+        }
+
+    def prompt_chunked_sq(self, chunk) -> np.ndarray:
+        """``E[P min(P, c)]`` for chunk sizes ``c`` (vectorised): a prompt of ``P``
+        tokens adds ``min(P, c)`` tokens to each of about ``P / c`` steps, so this is the
+        per-arrival variance of the prefill tokens one step carries (``E[P^2]`` when a
+        prompt fits one chunk)."""
+        c = np.asarray(chunk, dtype=np.float64)
+        p = self._prompts[:, None]
+        out = np.sum(self._prompt_w[:, None] * p * np.minimum(p, c.reshape(1, -1)), axis=0)
+        return (self._prompt_sq_scale * out).reshape(c.shape)
 
     def with_calibration(self, calibration: Calibration) -> FluidModel:
         return replace(self, calibration=calibration)
@@ -422,7 +487,16 @@ class FluidModel:
         )
 
     def step_pieces(self) -> list[tuple[float, float]]:
-        """Mean step time as ``max_k (c0_k + c1_k x)``: one (c0, c1) per GEMM piece."""
+        """Mean step time as ``max_k (c0_k + c1_k x)``: one (c0, c1) per GEMM piece.
+
+        Steps are not all alike: most carry only decodes (``x (O - 1)`` rows, on the
+        GEMM's memory-bound floor) and some also carry prefill chunks, whose tokens are
+        compute-bound. Taking the GEMM at the *mean* token count would put the prefill
+        tokens on the floor too (Jensen: the mean of a convex cost exceeds the cost at the
+        mean), so prefill tokens are charged the steepest GEMM slope ``b_max`` and the
+        decode rows the piecewise form: ``max_k (a_k + b_k x (O - 1)) + b_max x P``. Since
+        every slope is at most ``b_max``, this bounds each step's GEMM from above, and is
+        exact when decodes sit on the floor and prefill fills its share of the budget."""
         c = self.coef
         if c[COEF_CONSTANT] > 0:
             return [(float(c[COEF_CONSTANT]), 0.0)]
@@ -431,8 +505,11 @@ class FluidModel:
             + c[COEF_DECODE_SEQ] * self.decode_rows + c[COEF_PREFILL_PAIR] * self.pairs
             + c[COEF_LM_ROW] * self.output_mean
         )
+        b_max = float(max(b for _, b in self.pieces))
+        prefill = b_max * self.prompt_mean
         return [
-            (float(c[COEF_FIXED] + a), float(b * self.tokens + linear)) for a, b in self.pieces
+            (float(c[COEF_FIXED] + a), float(b * self.decode_rows + prefill + linear))
+            for a, b in self.pieces
         ]
 
     def mean_step_s(self, x) -> np.ndarray:
@@ -492,7 +569,10 @@ class FluidModel:
         tpot: dict[str, np.ndarray] = {}
         # Prompt tokens arriving per step: compound renewal counts, whose variance is the
         # Poisson one times the index of dispersion ca^2 (bursty traffic fills steps).
-        sd_prefill = np.sqrt(np.maximum(x * self.prompt_sq * max(1.0, self.ca2), 0.0))
+        # A prompt is split into chunks of at most `chunk` tokens per step (the room the
+        # budget leaves, or the per-request cap), which caps its share of one step.
+        sd_prefill = np.sqrt(np.maximum(
+            x * self.prompt_chunked_sq(chunk) * max(1.0, self.ca2), 0.0))
         pairs_per_token = self.pairs / self.prompt_mean
         context_per_row = self.context / max(self.decode_rows, 1e-9)
         for cls in self.load.classes:
@@ -521,7 +601,14 @@ class FluidModel:
             ttft[cls.name] = cal.ttft * (
                 wait_q * step + steps_q * pf_step + own_attention + 0.5 * step
             )
-            z = normal_quantile(q)
+            # A request's TPOT averages its decode steps; step loads stay correlated
+            # for about the prefill queue's relaxation time, Kingman's variability
+            # factor (ca^2 + cs^2) / 2 over 1 - rho steps (bursts last longer).
+            burst = max(1.0, 0.5 * (self.ca2 + self.cs2))
+            tau = np.clip(burst / np.maximum(1.0 - rho, 1e-9), 1.0, _TPOT_TAU[-1])
+            z_tab = self.tpot_z.get(cls.name)
+            z = (np.interp(np.log(tau), np.log(_TPOT_TAU), z_tab) if z_tab is not None
+                 else normal_quantile(q))
             hi_prefill = np.minimum(room, prefill + z * sd_prefill)
             hi_tokens = decode + hi_prefill
             tpot[cls.name] = cal.tpot * self.step_seconds(

@@ -44,7 +44,6 @@ from typing import Any
 
 import numpy as np
 from servetune.models.fluid import ClassLoad, FluidModel, Knobs, poisson_quantile
-from servetune.solvers.drivers import SolveOutcome, SolveStatus, solve_cpsat
 
 DEFAULT_THRESHOLDS = (2048, 4096, 8192, 16384, 32768, 65536)
 _MIDS = (np.arange(800) + 0.5) / 800
@@ -207,18 +206,48 @@ def feasible(inst: LaneInstance, h: int, r: int, m: int, R: int, Mk: int) -> boo
     )
 
 
-def solve_lanes(
-    inst: LaneInstance, *, time_limit_s: float = 5.0, seed: int = 0
-) -> SolveOutcome:
-    """CP-SAT over the lane sizes; the outcome's ``solution`` is a :class:`LaneChoice`."""
+@dataclass
+class LaneModel:
+    """The CP-SAT model of one instance, and how to read a solution back."""
+
+    model: Any  # ortools.sat.python.cp_model.CpModel
+    u: dict[int, Any]
+    r: Any
+    m: Any
+    R: Any
+    Mk: Any
+    inst: LaneInstance
+
+    def decode(self, solver: Any) -> LaneChoice:
+        """The chosen threshold and lane sizes from a solved ``CpSolver``."""
+        h = next(i for i in sorted(self.u) if solver.Value(self.u[i]))
+        return LaneChoice(
+            threshold_tokens=self.inst.thresholds[h].threshold,
+            reserved_seqs=int(solver.Value(self.r)),
+            max_seqs=int(solver.Value(self.m)),
+            reserved_kv_blocks=int(solver.Value(self.R)),
+            max_kv_blocks=int(solver.Value(self.Mk)),
+            total_kv_blocks=self.inst.total_kv_blocks,
+        )
+
+    def objective_of(self, choice: LaneChoice) -> float:
+        """The objective of a decoded choice in :func:`objective_value`'s units."""
+        h = next(i for i, t in enumerate(self.inst.thresholds)
+                 if t.threshold == choice.threshold_tokens)
+        return objective_value(self.inst, h, choice.reserved_seqs, choice.max_seqs,
+                               choice.reserved_kv_blocks, choice.max_kv_blocks)
+
+
+NO_USABLE_THRESHOLD = "no threshold both splits off long requests and keeps short TTFT"
+
+
+def build_model(inst: LaneInstance) -> LaneModel | None:
+    """The CP-SAT model, named as in the module docstring; ``None`` when no threshold is
+    usable (the model would be infeasible by ``usable`` alone)."""
     from ortools.sat.python import cp_model
 
-    usable = inst.usable()
-    if not usable:
-        return SolveOutcome(
-            SolveStatus.INFEASIBLE,
-            message="no threshold both splits off long requests and keeps short TTFT",
-        )
+    if not inst.usable():
+        return None
     B, K = inst.max_num_seqs, inst.kv_blocks
     th = inst.thresholds
     model = cp_model.CpModel()
@@ -227,18 +256,18 @@ def solve_lanes(
     m = model.NewIntVar(0, B, "m")
     R = model.NewIntVar(0, K, "R")
     Mk = model.NewIntVar(0, K, "Mk")
-    model.AddExactlyOne(u.values())
+    model.AddExactlyOne(u.values())  # one_threshold
     for i, t in enumerate(th):
         if not t.short_ttft_ok:
-            model.Add(u[i] == 0)
-    model.Add(m >= sum(t.long_seats_q * u[i] for i, t in enumerate(th)))
-    model.Add(Mk >= sum(t.long_blocks_q * u[i] for i, t in enumerate(th)))
-    model.Add(r >= 1)
+            model.Add(u[i] == 0)  # usable
+    model.Add(m >= sum(t.long_seats_q * u[i] for i, t in enumerate(th)))  # long_seats
+    model.Add(Mk >= sum(t.long_blocks_q * u[i] for i, t in enumerate(th)))  # long_kv
+    model.Add(r >= 1)  # reserve_one
     model.Add(R >= sum(t.one_long_blocks * u[i] for i, t in enumerate(th)))
-    model.Add(r <= m)
+    model.Add(r <= m)  # nested
     model.Add(R <= Mk)
-    model.Add(m + sum(t.short_seats_q * u[i] for i, t in enumerate(th)) <= B)
-    model.Add(Mk + sum(t.short_blocks_q * u[i] for i, t in enumerate(th)) <= K)
+    model.Add(m + sum(t.short_seats_q * u[i] for i, t in enumerate(th)) <= B)  # short_seats
+    model.Add(Mk + sum(t.short_blocks_q * u[i] for i, t in enumerate(th)) <= K)  # short_kv
     # Integer objective: scale so the size terms dominate the rank tie-break exactly as
     # in objective_value (multiply through by B * K * (n + 1)).
     n = len(th)
@@ -248,19 +277,4 @@ def solve_lanes(
         scale_seats * (m + r) + scale_blocks * (Mk + R)
         - sum(B * K * (i + 1) * u[i] for i in range(n))
     )
-    outcome, solver = solve_cpsat(model, time_limit_s=time_limit_s, seed=seed)
-    if outcome.status.has_solution:
-        h = next(i for i in range(n) if solver.Value(u[i]))
-        outcome.solution = LaneChoice(
-            threshold_tokens=th[h].threshold,
-            reserved_seqs=int(solver.Value(r)),
-            max_seqs=int(solver.Value(m)),
-            reserved_kv_blocks=int(solver.Value(R)),
-            max_kv_blocks=int(solver.Value(Mk)),
-            total_kv_blocks=inst.total_kv_blocks,
-        )
-        outcome.objective = objective_value(
-            inst, h, outcome.solution.reserved_seqs, outcome.solution.max_seqs,
-            outcome.solution.reserved_kv_blocks, outcome.solution.max_kv_blocks,
-        )
-    return outcome
+    return LaneModel(model, u, r, m, R, Mk, inst)

@@ -25,7 +25,7 @@ Constraints
     non-preemptible j: sum_t on[j,t] = done[j];  x[j,t,s] <= W[j] on[j,t];
                     sum_s start[j,s] <= 1;  act[j,s] <= act[j,s-1] + start[j,s];
                     sum_t x[j,t,s] >= act[j,s]  (a started job keeps working until done)
-Objective (lexicographic, two solves)
+Objective (lexicographic, two solves by :func:`servetune.solvers.placement.solve_placement`)
     1. maximize  sum_j v[j] done[j]                      (completed value)
     2. with that value fixed, minimize  sum_j w[j] fin[j]   (weighted lateness fin - d
        of the completed jobs, d being fixed: finish as early as the value allows, the
@@ -38,7 +38,7 @@ crowded out by more valuable jobs).
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
@@ -133,51 +133,41 @@ def build_model(inst: PlacementInstance) -> tuple[cp_model.CpModel, dict]:
     return m, {"x": x, "done": done, "act": act, "fin": fin, "fin_lo": fin_lo, "value": value}
 
 
-def _solver(time_limit_s: float) -> cp_model.CpSolver:
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = 1  # deterministic
-    solver.parameters.random_seed = 0
-    return solver
-
-
-def solve_placement(inst: PlacementInstance, *, time_limit_s: float = 20.0) -> PlacementSolution:
-    """Maximize completed value, then minimize total finish slot (lateness)."""
-    t0 = time.perf_counter()
-    m, v = build_model(inst)
+def add_value_objective(m: cp_model.CpModel, v: dict) -> None:
+    """Stage 1: maximize the completed value."""
     m.Maximize(v["value"])
-    solver = _solver(time_limit_s / 2)
-    st = solver.Solve(m)
-    if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        # Every job may be left out, so the model is always feasible; no incumbent
-        # means the time limit was too short.
-        raise RuntimeError(f"placement: CP-SAT status {solver.StatusName(st)}")
-    best_value = int(round(solver.ObjectiveValue()))
-    status = "optimal" if st == cp_model.OPTIMAL else "feasible"
-    # Stage 2: keep the value, finish early. Hint with stage 1's answer.
+
+
+def add_finish_objective(
+    m: cp_model.CpModel, v: dict, inst: PlacementInstance, best_value: int,
+    hint: Callable[[cp_model.IntVar], int],
+) -> None:
+    """Stage 2: keep stage 1's value and finish early (weighted finish slots).
+    ``hint`` gives stage 1's value of a variable, to start the search from its answer."""
     m.ClearObjective()
     m.Add(v["value"] >= best_value)
     for var in list(v["x"].values()) + list(v["done"].values()) + list(v["act"].values()):
-        m.AddHint(var, solver.Value(var))
+        m.AddHint(var, hint(var))
     for j in inst.jobs:
         fin = v["fin"][j.id]
         # Not done: fin is free; pin it to its lower bound so it does not count.
         m.Add(fin == v["fin_lo"][j.id]).OnlyEnforceIf(v["done"][j.id].Not())
     m.Minimize(sum(j.weight * v["fin"][j.id] for j in inst.jobs))
-    solver2 = _solver(time_limit_s / 2)
-    st2 = solver2.Solve(m)
-    if st2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        solver = solver2
-        if st2 != cp_model.OPTIMAL:
-            status = "feasible"
+
+
+def decode_solution(
+    inst: PlacementInstance, v: dict, value_of: Callable[[cp_model.IntVar], int],
+    status: str, solver_s: float,
+) -> PlacementSolution:
+    """Read a solved model back into a :class:`PlacementSolution`."""
     jobs: dict[str, JobPlacement] = {}
     total_finish = 0
     for j in inst.jobs:
-        d = bool(solver.Value(v["done"][j.id]))
+        d = bool(value_of(v["done"][j.id]))
         work = {
-            (t, s): int(solver.Value(var))
+            (t, s): int(value_of(var))
             for (jid, t, s), var in v["x"].items()
-            if jid == j.id and solver.Value(var) > 0
+            if jid == j.id and value_of(var) > 0
         }
         fin = max((s for (_t, s) in work), default=None) if d else None
         if fin is not None:
@@ -185,7 +175,7 @@ def solve_placement(inst: PlacementInstance, *, time_limit_s: float = 20.0) -> P
         ordered = dict(sorted(work.items(), key=lambda kv: (kv[0][1], kv[0][0])))
         jobs[j.id] = JobPlacement(j.id, d, fin, ordered)
     value = sum(j.value for j in inst.jobs if jobs[j.id].done)
-    return PlacementSolution(status, value, total_finish, jobs, time.perf_counter() - t0)
+    return PlacementSolution(status, value, total_finish, jobs, solver_s)
 
 
 def explain_unplaced(inst: PlacementInstance, sol: PlacementSolution, job_id: str) -> str:

@@ -41,6 +41,7 @@ from servetune.report import (
     ReportFiles,
     Verdict,
     build_report,
+    check_out_dir,
     commit_files,
     compare,
     report_file_list,
@@ -56,6 +57,9 @@ EXIT_CODES = {
     2: "user error (bad input file or option)",
     EXIT_INFEASIBLE: "infeasible: no policy in the search space meets the SLOs",
 }
+# Fewer requests than this make the goodput search meaningless: a p99 over fewer than 100
+# requests is their maximum, and a handful of requests "meets" any SLO at any rate.
+MIN_TRACE_REQUESTS = 100
 # Attainments are shares of requests; this absorbs float noise only, never one request.
 ATTAINMENT_TOLERANCE = 1e-9
 
@@ -156,6 +160,12 @@ def load_inputs(trace_path: Path, profile_path: Path, slo_path: Path) -> tuple[A
     from servetune.trace_formats import load_trace
 
     trace = load_trace(trace_path)
+    if len(trace) < MIN_TRACE_REQUESTS:
+        raise ServetuneError(
+            f"{trace_path}: only {len(trace)} requests; comparing policies needs at least "
+            f"{MIN_TRACE_REQUESTS} (a p99 over fewer is just the slowest request); give a "
+            "longer trace window"
+        )
     profile = load_profile(profile_path)
     slo = load_document(slo_path, SLOSet)
     return trace, profile, slo
@@ -346,8 +356,7 @@ def run_nightly(
     trace_path, profile_path, slo_path, current_path = (
         Path(trace_path), Path(profile_path), Path(slo_path), Path(current_path))
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ServetuneError(f"--out-dir {out}: exists and is not a directory")
+    check_out_dir(out, "--out-dir")
 
     _say(progress, f"loading {trace_path.name}, {profile_path.name}, {slo_path.name}")
     trace, profile, slo = load_inputs(trace_path, profile_path, slo_path)

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from servetune.errors import ServetuneError
+from servetune.schemas.base import FILE_MODE
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
 from servetune.trace import Trace
@@ -231,16 +232,18 @@ def _finite(x: Any) -> float | None:
 # --------------------------------------------------------------------------- plots
 
 
-def _figure_bytes(fig: Any) -> bytes:
+def figure_bytes(fig: Any, dpi: int = 100) -> bytes:
+    """The figure as PNG bytes (no software-version stamp, so the same plot gives the
+    same bytes), and the figure closed."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
+    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
     import matplotlib.pyplot as plt
 
     plt.close(fig)
     return buf.getvalue()
 
 
-def _pyplot():
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -275,7 +278,7 @@ def _second_scale(comp: Comparison) -> float:
 
 
 def _cdf_plot(comp: Comparison, metric: str, title: str, xlabel: str) -> bytes:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     top = _second_scale(comp)
     shown = ((1.0, "-"),) if top == 1.0 else ((1.0, "-"), (top, ":"))
@@ -308,7 +311,7 @@ def _cdf_plot(comp: Comparison, metric: str, title: str, xlabel: str) -> bytes:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    return _figure_bytes(fig)
+    return figure_bytes(fig)
 
 
 def _series(res: Any) -> dict[str, np.ndarray]:
@@ -317,7 +320,7 @@ def _series(res: Any) -> dict[str, np.ndarray]:
 
 
 def _kv_queue_plot(comp: Comparison) -> bytes:
-    plt = _pyplot()
+    plt = pyplot()
     columns = [(1.0, "at the trace's rate")]
     if comp.capacity_scale is not None and comp.capacity_scale != 1.0:
         rate = comp.capacity_scale * comp.current.goodput.base_rate_per_s
@@ -348,7 +351,7 @@ def _kv_queue_plot(comp: Comparison) -> bytes:
             ax.grid(True, alpha=0.3)
             ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    return _figure_bytes(fig)
+    return figure_bytes(fig)
 
 
 def _target_attainment(slo: SLOSet) -> float | None:
@@ -361,7 +364,7 @@ def _target_attainment(slo: SLOSet) -> float | None:
 
 
 def _goodput_plot(comp: Comparison) -> bytes:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for ev in comp.evaluations:
         pts = sorted(ev.goodput.points, key=lambda p: p["rate_per_s"])
@@ -394,7 +397,7 @@ def _goodput_plot(comp: Comparison) -> bytes:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
-    return _figure_bytes(fig)
+    return figure_bytes(fig)
 
 
 def figures(comp: Comparison) -> dict[str, bytes]:
@@ -705,13 +708,7 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _stage_one(folder: Path, name: str, data: bytes, mode: int) -> Path:
+def _stage_one(folder: Path, name: str, data: bytes) -> Path:
     """Write ``data`` to a new temporary file in ``folder`` (same file system as the
     target, so the later rename is atomic)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
@@ -720,11 +717,44 @@ def _stage_one(folder: Path, name: str, data: bytes, mode: int) -> Path:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
+        os.chmod(tmp, FILE_MODE)  # mkstemp makes 0600; give the usual file mode
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return Path(tmp)
+
+
+def _file_in_the_way(p: Path) -> Path | None:
+    """The nearest existing path at or above ``p`` when it is not a folder, else None."""
+    for candidate in (p, *p.parents):
+        if candidate.exists():
+            return None if candidate.is_dir() else candidate
+    return None
+
+
+def check_out_dir(path: str | os.PathLike[str], option: str) -> None:
+    """Fail early, before any work, when ``path`` cannot become an output folder: it is a
+    file, or a file stands where one of its parent folders would go."""
+    p = Path(path)
+    blocker = _file_in_the_way(p)
+    if blocker is not None:
+        where = "" if blocker == p else f" ({blocker} is a file)"
+        raise ServetuneError(
+            f"{option} {p}: not a folder{where}; give a folder path (it is created when missing)"
+        )
+
+
+def check_out_file(path: str | os.PathLike[str], option: str) -> None:
+    """Fail early when ``path`` cannot be written as a file: it is a folder, or a file
+    stands where one of its parent folders would go."""
+    p = Path(path)
+    if p.is_dir():
+        raise ServetuneError(f"{option} {p}: is a folder; give a file path")
+    blocker = _file_in_the_way(p.parent)
+    if blocker is not None:
+        raise ServetuneError(
+            f"{option} {p}: {blocker} is a file, not a folder; choose another path"
+        )
 
 
 def commit_files(out_dir: str | os.PathLike[str], files: Sequence[tuple[str, bytes]]
@@ -736,15 +766,15 @@ def commit_files(out_dir: str | os.PathLike[str], files: Sequence[tuple[str, byt
     finished run, ``summary.json``, last). An error or interrupt while staging removes the
     temporary files and touches no previous output."""
     out = Path(out_dir)
+    check_out_dir(out, "output folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ServetuneError(f"{out}: cannot create the output folder ({exc.strerror})") from None
-    mode = 0o666 & ~_umask()
     staged: list[tuple[Path, Path]] = []
     try:
         for name, data in files:
-            staged.append((_stage_one(out, name, data, mode), out / name))
+            staged.append((_stage_one(out, name, data), out / name))
     except BaseException as exc:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)

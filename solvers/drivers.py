@@ -127,9 +127,14 @@ def top_k_highs(
     binaries: Callable[[pyo.ConcreteModel], list[Any]],
     decode: Callable[[pyo.ConcreteModel], Any],
     time_limit_s: float,
+    group: Callable[[pyo.ConcreteModel, Any], list[Any]] | None = None,
 ) -> TopK:
     """Solve, record, cut the solution off with a no-good cut, and repeat up to ``k``
-    times or until the time limit is spent or the model turns infeasible."""
+    times or until the time limit is spent or the model turns infeasible.
+
+    With ``group`` (the binaries of the solutions the caller counts as the same as a
+    decoded one), the cut removes that whole group (``sum(group) = 0``), so the k
+    solutions are k different groups."""
     out = TopK()
     deadline = time.perf_counter() + time_limit_s
     solver = None
@@ -144,6 +149,9 @@ def top_k_highs(
         out.outcomes.append(outcome)
         if not outcome.status.has_solution:
             break
+        if group is not None:
+            model.no_good.add(sum(group(model, outcome.solution)) == 0)
+            continue
         ones = [b for b in binaries(model) if pyo.value(b) > 0.5]
         zeros = [b for b in binaries(model) if pyo.value(b) <= 0.5]
         model.no_good.add(sum(1 - b for b in ones) + sum(zeros) >= 1)

@@ -1,8 +1,10 @@
 """The search loop: solve, simulate the best k candidates, recalibrate, solve again.
 
 1. Build the fluid model's limits for every grid point and solve the policy MILP for the
-   best candidates by predicted goodput (no-good cuts give the next ones; points already
-   simulated are cut off for good).
+   best k candidates by predicted goodput, each of a different batching shape (seats,
+   token budget, effective chunk cap: each solution's cut removes its whole shape for the
+   rest of the round). Points already simulated are cut off for good, and with them the
+   other admission variants of their shape that the model ranks no higher.
 2. Simulate each candidate's goodput (bracket around the model's prediction, then bisect)
    on a fixed sample of the workload.
 3. Recalibrate: scale the model's TTFT / TPOT predictions so that, for the metric the
@@ -28,7 +30,8 @@ from typing import Any, Protocol
 
 import numpy as np
 from servetune.models.fluid import Calibration, FluidModel, Knobs
-from servetune.models.policy_milp import MilpInstance, solve_policy_milp
+from servetune.models.policy_milp import MilpInstance
+from servetune.solvers.formulations import solve_policy_milp
 
 CAL_CLAMP = (1.0 / 32, 32.0)
 
@@ -231,7 +234,8 @@ def recalibrate(
                 limit = getattr(target, f"{fam}_s")
                 value = judged.get(f"p{target.q * 100:g}_{fam}_s")
                 p = pred[f"{fam}_q_s"].get(cls)
-                if limit and value is not None and value > limit and p and p > 0:
+                if (limit and value is not None and value > limit and p and p > 0
+                        and math.isfinite(p)):
                     binding[fam].append(limit / p)
 
     def fit(fam: str, old: float) -> float:
@@ -274,6 +278,7 @@ def search(
         first_of.setdefault(equivalence_key(kn), i)
     reps = sorted(first_of.values())
     unique = [points[i] for i in reps]
+    shapes = [shape_key(kn) for kn in unique]
     converged = False
     first_instance = None
     first_status = ""
@@ -284,30 +289,19 @@ def search(
         model = fluid.with_calibration(calibration)
         t0 = time.perf_counter()
         inst = MilpInstance.build(model, unique)
-        top = solve_policy_milp(inst, k=2 * k + 1, time_limit_s=max(left * 0.5, 0.5),
-                                excluded=cut)
+        # Diversity: the k candidates of a round have k different batching shapes (seats,
+        # token budget, effective chunk cap). The model barely tells the admission knobs
+        # apart, so without this a round spends its simulations on copies of one shape
+        # that differ only in watermark or queue cap, and a model that ranks the shapes
+        # wrongly is never corrected.
+        top = solve_policy_milp(inst, k=k, time_limit_s=max(left * 0.5, 0.5),
+                                excluded=cut, groups=shapes)
         solver_s += time.perf_counter() - t0
         statuses.append(top.statuses)
         if first_instance is None:
             first_instance = inst
             first_status = top.statuses[0] if top.statuses else "error"
-        # Diversity: one candidate per (token budget, effective chunk cap) per round (the
-        # knobs that change what a step holds), then fill up in the MILP's order.
-        chosen: list[tuple[int, Any]] = []
-        shapes: set[tuple] = set()
-        for idx, cand in top.solutions:
-            shape = equivalence_key(cand.knobs)[1:3]
-            if shape not in shapes:
-                shapes.add(shape)
-                chosen.append((idx, cand))
-        for idx, cand in top.solutions:
-            if len(chosen) >= k:
-                break
-            if all(idx != j for j, _ in chosen):
-                chosen.append((idx, cand))
-        chosen = chosen[:k]
-        if not chosen and top.solutions:
-            chosen = [top.solutions[0]]
+        chosen: list[tuple[int, Any]] = list(top.solutions[:k])
         new: list[Evaluated] = []
         for idx, cand in chosen:
             if new and time.perf_counter() - started > time_limit_s:
@@ -324,6 +318,13 @@ def search(
             new.append(ev)
             evaluated.append(ev)
             cut.add(idx)
+            # Its shape's other variants that the model ranks no higher add nothing the
+            # simulation did not just answer: cut them too.
+            for j, shape in enumerate(shapes):
+                if shape == shapes[idx] and j not in cut and (
+                    _predicted_rate(model, inst, j) <= cand.rate_per_s * (1.0 + rel_tol)
+                ):
+                    cut.add(j)
             if log:
                 log(
                     f"iteration {it + 1}: {_short(cand.knobs)} predicted "
@@ -368,6 +369,14 @@ def search(
     )
 
 
+def _predicted_rate(model: FluidModel, inst: MilpInstance, p: int) -> float:
+    """The model's goodput of point p: x* / t(x*) at its tightest limit x*."""
+    x = min((lim.x_max for lim in inst.limits[p].values()), default=0.0)
+    if not (x > 0 and math.isfinite(x)):
+        return 0.0
+    return float(x / model.mean_step_s(x))
+
+
 def _bias(evaluated: list[Evaluated]) -> float:
     """Geometric mean of simulated / predicted goodput over the candidates so far."""
     ratios = [e.goodput.rate_per_s / e.predicted_rate_per_s for e in evaluated
@@ -383,6 +392,12 @@ def equivalence_key(k: Knobs) -> tuple:
         chunk = 0
     return (k.max_num_seqs, k.max_num_batched_tokens, chunk, k.kv_watermark,
             k.max_queued_requests, k.max_queued_prompt_tokens)
+
+
+def shape_key(k: Knobs) -> tuple:
+    """The batching shape: what a step may hold (seats, token budget, effective chunk
+    cap); the admission knobs (watermark, queue caps) only decide who waits."""
+    return equivalence_key(k)[:3]
 
 
 def _short(k: Knobs) -> str:

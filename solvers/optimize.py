@@ -40,8 +40,9 @@ from servetune.models.fluid import (
     knobs_grid,
     targets_for,
 )
-from servetune.models.lanes_cpsat import build_instance, solve_lanes
+from servetune.models.lanes_cpsat import build_instance
 from servetune.solvers import baselines
+from servetune.solvers.formulations import solve_lanes
 from servetune.solvers.loop import (
     Evaluated,
     GoodputEstimate,
@@ -65,7 +66,25 @@ DEFAULT_SPACE_KNOBS: dict[str, list[Any]] = {
     "admission.max_queued_requests": [None, 2048],
 }
 DEFAULT_REQUESTS = 3000
+# The longest sample a simulation uses when a high rate needs a longer window.
+MAX_SAMPLE_REQUESTS = 20000
+# Cap on the minimum simulated window (seconds): see min_window_s().
+MAX_MIN_WINDOW_S = 600.0
 RANDOM_BUDGET = 60  # simulations for random / optuna when run on their own
+
+
+def min_window_s(slo: SLOSet, rel_tol: float) -> float:
+    """The shortest stretch of arrivals a simulation should cover to judge a rate.
+
+    Overload by the goodput search's tolerance (a share ``rel_tol`` of the rate) builds a
+    backlog of ``rel_tol * rate * W`` requests over a window ``W``: about ``rel_tol * W``
+    seconds of extra wait. Only when that reaches the TTFT target can a run tell a
+    sustainable rate from one ``rel_tol`` too high, so ``W >= ttft / rel_tol`` (67 s for a
+    2 s target at 3%); capped at ``MAX_MIN_WINDOW_S``. No TTFT target: no minimum."""
+    ttft = [c.ttft_s for c in slo.classes.values() if c.ttft_s]
+    if not ttft or rel_tol <= 0:
+        return 0.0
+    return min(max(ttft) / rel_tol, MAX_MIN_WINDOW_S)
 
 
 def default_space() -> SearchSpace:
@@ -73,27 +92,68 @@ def default_space() -> SearchSpace:
 
 
 class TraceSimulator:
-    """The simulator on one fixed sample, counting simulations and their time."""
+    """The simulator on one sample, counting simulations and their time.
 
-    def __init__(self, trace: Any, profile: Any, slo: SLOSet, *, engine: str = "vllm") -> None:
+    A fixed number of requests covers a shorter and shorter stretch of time as the rate
+    grows, and a short run flatters an overloaded policy: its queue has no time to grow
+    past the TTFT target. With ``source`` (the Workload, or the whole Trace, that
+    ``trace`` was taken from) and ``min_window_s``, a run whose rate would make the sample
+    span less than ``min_window_s`` uses a longer sample of the same source instead (up to
+    ``max_requests``; samples come in whole multiples of the base sample's size, so a
+    search reuses a few of them), replayed at the same arrival rate."""
+
+    def __init__(
+        self, trace: Any, profile: Any, slo: SLOSet, *, engine: str = "vllm",
+        source: Any = None, seed: int = 0, min_window_s: float = 0.0,
+        max_requests: int = MAX_SAMPLE_REQUESTS,
+    ) -> None:
         from servetune.sim.api import base_rate_per_s
 
         self.trace = trace
         self.profile = profile
         self.slo = slo
         self.engine = engine
+        self.source = source
+        self.seed = seed
+        self.min_window_s = float(min_window_s)
+        self.max_requests = int(max_requests)
         self.base_rate_per_s = float(base_rate_per_s(trace))
         self.simulations = 0
         self.simulation_s = 0.0
         self.kv_tokens = int(profile.kv_blocks()) * int(profile.block_size)
+        self._longer: dict[int, tuple[Any, float]] = {}
+
+    def sample_for(self, rate_scale: float) -> tuple[Any, float]:
+        """The trace a run at ``rate_scale`` (times the base rate) replays, and the rate
+        scale that gives that trace the same arrival rate."""
+        rate = rate_scale * self.base_rate_per_s
+        need = math.ceil(rate * self.min_window_s) + 1
+        if self.source is None or need <= len(self.trace) or rate <= 0:
+            return self.trace, rate_scale
+        size = len(self.trace)
+        n = min(size * math.ceil(need / size), max(self.max_requests, size))
+        if n <= size:
+            return self.trace, rate_scale
+        if n not in self._longer:
+            from servetune.sim.api import base_rate_per_s, prepare_trace
+
+            longer = prepare_trace(self.source, seed=self.seed, n_requests=n)
+            if len(longer) <= size:
+                longer = self.trace
+            self._longer[n] = (longer, float(base_rate_per_s(longer)))
+        longer, base = self._longer[n]
+        if longer is self.trace or base <= 0:
+            return self.trace, rate_scale
+        return longer, rate / base
 
     def run(self, policy: Policy, rate_scale: float) -> SimPoint:
         from servetune.sim import metrics as M
         from servetune.sim import simulate
 
+        trace, own_scale = self.sample_for(rate_scale)
         started = time.perf_counter()
-        res = simulate(self.trace, policy, self.profile, engine=self.engine,
-                       rate_scale=rate_scale)
+        res = simulate(trace, policy, self.profile, engine=self.engine,
+                       rate_scale=own_scale)
         self.simulation_s += time.perf_counter() - started
         self.simulations += 1
         verdicts = res.slo_verdicts(self.slo)
@@ -114,6 +174,7 @@ class TraceSimulator:
             measured[f"tpot[{name}]"] = M.percentile_value(sub, "tpot_s", q)
         peak = getattr(res.output, "kv_util_peak", float("nan"))
         measured["kv_peak_tokens"] = float(peak) * self.kv_tokens
+        measured["sample_window_s"] = float(res.trace.duration_s)
         return SimPoint(
             rate_scale=float(rate_scale),
             rate_per_s=float(rate_scale) * self.base_rate_per_s,
@@ -263,13 +324,17 @@ def _profile_meta(profile: Any) -> dict[str, Any]:
         "block_size": int(profile.block_size),
         "kv_blocks": int(profile.kv_blocks()),
     }
+    # The memory facts the exporters read back (servetune.export.memory_facts): with
+    # them, `servetune export --engine trtllm` converts memory fractions without --profile.
     try:
         summary = profile.memory_summary()
         out["gpu_memory_bytes"] = int(summary.get("gpu_memory_bytes"))
         out["weight_bytes"] = int(summary.get("weight_bytes_per_gpu"))
+        out["activation_bytes"] = int(summary.get("activation_reserve_bytes") or 0)
     except Exception:  # a profile without hardware/model sections (what-if, synthetic)
         out["gpu_memory_bytes"] = None
         out["weight_bytes"] = None
+        out["activation_bytes"] = None
     return out
 
 
@@ -334,7 +399,9 @@ def optimize(
     def make_policy(knobs: Knobs) -> Policy:
         return apply_knobs(base, knobs.as_dotted())
 
-    sim = TraceSimulator(sample, profile, slo, engine=engine)
+    window = min_window_s(slo, rel_tol)
+    sim = TraceSimulator(sample, profile, slo, engine=engine, source=source, seed=seed,
+                         min_window_s=window)
     say(f"{len(points)} candidate policies, {len(sample)} requests per simulation "
         f"(base rate {sim.base_rate_per_s:.3g} req/s)")
 
@@ -468,6 +535,16 @@ def optimize(
         policy,
         header=f"servetune {__version__} policy ({method}); provenance in metadata",
     )
+    warnings: list[str] = []
+    window_at_goodput = point.measured.get("sample_window_s")
+    if window_at_goodput is not None and window_at_goodput < 0.95 * window:
+        warnings.append(
+            f"the sample covers only {window_at_goodput:.3g} s of arrivals at the goodput "
+            f"(at least {window:.3g} s are needed to judge the TTFT target at a "
+            f"{rel_tol:.0%} rate tolerance); the goodput may be optimistic: give more "
+            "requests (--requests) or a longer trace"
+        )
+        say("warning: " + warnings[-1])
     wall = time.perf_counter() - wall_start
     summary = {
         "method": method,
@@ -484,6 +561,9 @@ def optimize(
         "wall_s": wall,
         "converged": converged,
         "calibration": calibration,
+        "sample_window_s": window_at_goodput,
+        "min_window_s": window,
+        "warnings": warnings,
         "iterations": _round(iterations),
     }
     return OptimizeResult(policy, text, summary, evaluated=evaluated)

@@ -38,8 +38,11 @@ from servetune.models.placement_cpsat import (
     PlacementInstance,
     PlacementJob,
     PlacementSolution,
+    add_finish_objective,
+    add_value_objective,
+    build_model,
+    decode_solution,
     explain_unplaced,
-    solve_placement,
 )
 from servetune.solvers.capacity import (
     CACHE_VERSION,
@@ -54,6 +57,7 @@ from servetune.solvers.capacity import (
     make_buckets,
     slice_workload,
 )
+from servetune.solvers.drivers import SolveStatus, solve_cpsat
 
 from servetune.errors import InfeasibleError, ServetuneError
 from servetune.schemas.base import write_text_atomic
@@ -88,6 +92,7 @@ def sample_lengths(dist: Any, n: int, rng: np.random.Generator) -> np.ndarray:
         x = rng.lognormal(mu, math.sqrt(sigma2), size=n)
     hi = dist.max if dist.max is not None else np.inf
     return np.clip(np.rint(x), dist.min, hi).astype(np.int64)
+
 
 
 @dataclass
@@ -305,6 +310,29 @@ def measure_spare(
     except ServetuneError:
         pass
     return curve
+
+
+# ---------------------------------------------------------------------- the schedule
+
+def solve_placement(inst: PlacementInstance, *, time_limit_s: float = 20.0) -> PlacementSolution:
+    """Solve the model of :mod:`servetune.models.placement_cpsat` in two stages (half the
+    time limit each): maximize completed value, then minimize the weighted finish slots."""
+    t0 = time.perf_counter()
+    m, v = build_model(inst)
+    add_value_objective(m, v)
+    outcome, solver = solve_cpsat(m, time_limit_s=time_limit_s / 2)
+    if not outcome.status.has_solution:
+        # Every job may be left out, so the model is always feasible; no incumbent
+        # means the time limit was too short.
+        raise RuntimeError(f"placement: {outcome.message or outcome.status.value}")
+    status = "optimal" if outcome.status == SolveStatus.OPTIMAL else "feasible"
+    add_finish_objective(m, v, inst, int(round(outcome.objective or 0.0)), solver.Value)
+    outcome2, solver2 = solve_cpsat(m, time_limit_s=time_limit_s / 2)
+    if outcome2.status.has_solution:
+        solver = solver2
+        if outcome2.status != SolveStatus.OPTIMAL:
+            status = "feasible"
+    return decode_solution(inst, v, solver.Value, status, time.perf_counter() - t0)
 
 
 # ------------------------------------------------------------------------ the command

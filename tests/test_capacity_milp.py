@@ -9,7 +9,8 @@ import random
 import highspy
 import numpy as np
 import pytest
-from servetune.models.capacity_milp import CapacityInstance, solve_capacity
+from servetune.models.capacity_milp import CapacityInstance
+from servetune.solvers.capacity import solve_capacity
 
 from servetune.errors import InfeasibleError
 
@@ -193,3 +194,25 @@ def test_min_count_and_static() -> None:
         assert sol.replicas[(t, 0)] == sol.replicas[(t, 1)]
     assert sol.replicas[("b", 0)] == 3 and sol.replicas[("a", 0)] == 1
     assert sol.cost == pytest.approx(10.0)
+
+
+def test_repeated_slots_are_solved_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A day that repeats slot rates gives the plan slot by slot, solving each distinct
+    slot once (the same MILP would give the same answer)."""
+    from servetune.solvers import capacity as C
+
+    calls = []
+    real = C._solve_milp
+    monkeypatch.setattr(C, "_solve_milp", lambda m, t: calls.append(1) or real(m, t))
+    rates = [(10.0, 2.0), (4.0, 1.0), (10.0, 2.0), (4.0, 1.0), (10.0, 2.0)]
+    lam = {}
+    for s, (short, long) in enumerate(rates):
+        lam["short", s], lam["long", s] = short, long
+    sol = solve_capacity(_inst(n_slots=5, lam=lam))
+    assert len(calls) == 2
+    # the hand-solved answer of test_hand_solved_two_slots, slot by slot
+    assert [sol.replicas["b", s] for s in range(5)] == [5, 2, 5, 2, 5]
+    assert all(sol.replicas["a", s] == 0 for s in range(5))
+    assert sol.cost == pytest.approx(19.0)
+    for s in range(5):
+        assert sol.routing["short", "b", s] == pytest.approx(1.0)

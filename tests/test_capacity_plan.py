@@ -142,6 +142,7 @@ def test_plan_json_report_and_growth(inputs, tmp_path: Path) -> None:
     sweep = plan["growth_sweep"]
     assert [s["growth"] for s in sweep] == [1.0, 2.0]
     assert sweep[1]["daily_usd"] >= sweep[0]["daily_usd"]
+    assert sweep[0]["daily_usd"] == plan["cost"]["daily_usd"]  # x1 is the plan itself
     for png in ("cost_by_type.png", "replicas_over_day.png", "cost_vs_growth.png"):
         assert (tmp_path / "rep" / png).stat().st_size > 1000
     r = runner.invoke(app, _plan_args(inputs, tmp_path / "p.yaml", "--json"))
@@ -260,3 +261,37 @@ def test_growth_beyond_the_limits_is_reported_not_fatal(inputs, tmp_path: Path) 
     assert sweep[0]["feasible"] is True
     assert sweep[1]["feasible"] is False and "count limit too low" in sweep[1]["reason"]
     assert "growth x50: infeasible: capacity plan: count limit too low" in r.output
+
+
+def test_unusable_output_paths_exit_2_before_any_work(inputs, tmp_path: Path) -> None:
+    """--report or -o where a file or folder is in the way: one line naming the option,
+    exit 2, and no plan or schedule half written (this used to raise FileExistsError
+    after the plan had already been written)."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    out = tmp_path / "plan.yaml"
+    r = runner.invoke(app, _plan_args(inputs, out, "--report", str(afile)))
+    assert r.exit_code == 2, r.output
+    assert "--report" in r.output and "not a folder" in r.output
+    assert not out.exists() and not inputs["cache"].exists()  # nothing measured either
+    r = runner.invoke(app, _plan_args(inputs, afile / "plan.yaml"))
+    assert r.exit_code == 2 and f"{afile} is a file" in r.output
+    r = runner.invoke(app, _plan_args(inputs, tmp_path))
+    assert r.exit_code == 2 and "is a folder" in r.output
+    sched = tmp_path / "s.yaml"
+    r = runner.invoke(app, ["place", "--jobs", str(inputs["jobs"]), "--plan", str(afile),
+                            "--forecast", str(inputs["forecast"]), "-o", str(sched),
+                            "--report", str(afile / "rep")])
+    assert r.exit_code == 2 and "--report" in r.output and not sched.exists()
+
+
+def test_plan_report_bytes_are_deterministic(inputs, tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        r = runner.invoke(app, _plan_args(inputs, tmp_path / f"{name}.yaml", "--report",
+                                          str(tmp_path / name)))
+        assert r.exit_code == 0, r.output
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert files == ["cost_by_type.png", "plan.json", "replicas_over_day.png"]
+    for f in files:
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
+    assert not list((tmp_path / "a").glob(".*.tmp"))  # no temporary file left behind

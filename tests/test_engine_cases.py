@@ -230,3 +230,50 @@ def test_chunking_off_resumed_request_over_the_budget_is_chunked_not_stuck():
     assert out.preemptions.tolist() == [0, 1]
     resumed = [rec for rec in log if 1 in rec["admitted"]]
     assert [rec["scheduled"] for rec in resumed] == [[[0, 1], [1, 10]], [[1, 16]]]
+
+
+def test_watermark_binds_at_admission_not_on_the_whole_output():
+    # Pool 100 blocks of 4, watermark 50 blocks. vLLM admits the 40-token prompt
+    # (10 blocks + 50 free) and lets it decode to 60 blocks (engines.md 1.1: the
+    # watermark applies to admission only). TensorRT-LLM and TGI must reserve
+    # prompt + max output (60 blocks) beside the watermark, so for them it never fits.
+    tr = trace_of([(0, 40, 200)])
+    pol = policy(batching=BATCH64, admission={"kv_watermark": 0.5})
+    for engine in ("vllm", "sglang"):
+        out, _ = both_modes(tr, pol, kv_blocks=100, block_size=4, engine=engine)
+        assert out.status.tolist() == [0] and out.generated.tolist() == [200]
+    for engine in ("trtllm", "tgi"):
+        out, _ = both_modes(tr, pol, kv_blocks=100, block_size=4, engine=engine)
+        assert out.status.tolist() == [2]
+
+
+def test_preempted_request_that_outgrew_the_watermark_is_rejected_not_stuck():
+    # 20 blocks of 4, watermark 12 blocks. A and B (4-token prompts) decode until the
+    # pool is full; B (last admitted) is preempted at step 37 holding 37 generated
+    # tokens. Its re-prefill (41 tokens = 11 blocks) + 12 never fits 20 blocks, so when
+    # A is done and the engine is empty B is turned away, and C is served.
+    tr = trace_of([(0, 4, 60), (0, 4, 60), (100, 4, 2)])
+    pol = policy(batching=BATCH64, admission={"kv_watermark": 0.6})
+    out, log = both_modes(tr, pol, kv_blocks=20, block_size=4)
+    assert out.status.tolist() == [0, 2, 0]
+    assert "re-prefill" in REASONS[out.reason[1]]
+    assert out.preemptions.tolist() == [0, 1, 0] and out.generated.tolist() == [60, 37, 2]
+    events = [(r["step"], r["preempted"], r["shed"], r["admitted"]) for r in log
+              if r["preempted"] or r["shed"] or r["admitted"]]
+    assert events == [(0, [], [], [0, 1]), (37, [1], [], []), (60, [], [1], [2])]
+
+
+@pytest.mark.parametrize("engine", ["trtllm", "tgi"])
+def test_fast_mode_rechecks_a_short_request_as_the_long_lane_grows(engine):
+    # Found by a random search: request 0 is long (7 + 55 >= 49) and decodes alone while
+    # short request 1 waits because the long lane's unused reserve (10 blocks less what
+    # request 0 holds) is headroom it must leave. Reservations do not change while
+    # request 0 decodes, but its growing blocks shrink that headroom: request 1 fits
+    # after step 11. Fast mode used to jump over that step.
+    tr = trace_of([(0, 7, 55), (0.5, 5, 36), (0.5, 23, 53), (1.0, 17, 26)])
+    pol = policy(batching={"max_num_seqs": 3, "max_num_batched_tokens": 14},
+                 admission={"reserve_full_prompt": False},
+                 long_requests={"threshold_tokens": 49, "reserved_kv_fraction": 0.2})
+    out, _ = both_modes(tr, pol, kv_blocks=51, block_size=2, engine=engine)
+    assert out.status.tolist() == [0, 0, 0, 0]
+    assert out.admitted_s[1] == 12.0

@@ -29,18 +29,27 @@ def test_poisson_quantile_exact_small_cases():
         assert abs(poisson_quantile_cf(m, 0.99) - poisson_quantile(m, 0.99)) <= 1.0
 
 
-def test_mean_step_time_is_the_profile_form_at_the_mean_composition():
+def test_mean_step_time_charges_prefill_the_compute_bound_slope():
+    """Decode rows take the GEMM's piecewise form (floor 4 ms, then 2.6e-5 s/token);
+    prefill tokens the steepest slope, 2.6e-5 s/token; every other term is linear."""
     fm = fluid()
-    x = 0.3
-    d = x * fm.decode_rows
-    expected = STEP.seconds(
-        tokens=x * fm.tokens,
-        sampled_rows=x * fm.output_mean,
-        decode_seqs=d,
-        decode_context_tokens=x * fm.context,
-        prefill_attn_pairs=x * fm.pairs,
-    )
-    assert float(fm.mean_step_s(x)) == pytest.approx(expected, rel=1e-12)
+    for x in (0.05, 0.3, 3.0):
+        d = x * fm.decode_rows
+        no_gemm = STEP.seconds(
+            tokens=0.0,
+            sampled_rows=x * fm.output_mean,
+            decode_seqs=d,
+            decode_context_tokens=x * fm.context,
+            prefill_attn_pairs=x * fm.pairs,
+        ) - 4e-3  # seconds() at 0 tokens includes the 4 ms floor
+        expected = no_gemm + max(4e-3, 2.6e-5 * d) + 2.6e-5 * x * fm.prompt_mean
+        assert float(fm.mean_step_s(x)) == pytest.approx(expected, rel=1e-12)
+        # Never below the profile's form at the mean composition (Jensen, convex GEMM).
+        at_mean = STEP.seconds(
+            tokens=x * fm.tokens, sampled_rows=x * fm.output_mean, decode_seqs=d,
+            decode_context_tokens=x * fm.context, prefill_attn_pairs=x * fm.pairs,
+        )
+        assert float(fm.mean_step_s(x)) >= at_mean - 1e-15
 
 
 def test_rate_and_arrivals_per_step_are_inverse():
@@ -164,3 +173,22 @@ def test_knobs_round_trip_through_a_policy():
     assert Knobs.from_policy(apply_knobs(Policy(), k.as_dotted())) == k
     grid = knobs_grid({"max_num_seqs": [512, 1024], "max_num_batched_tokens": [512, 8192]})
     assert grid == [Knobs(512, 512), Knobs(512, 8192), Knobs(1024, 8192)]
+
+
+def test_tpot_noise_quantile_averages_over_a_requests_decode_steps():
+    from servetune.models.fluid import _TPOT_TAU, normal_quantile, tpot_noise_quantiles
+
+    prompts = np.full(1000, 500)
+    z99 = normal_quantile(0.99)
+    # Every request decodes 100 steps: its mean step has sd / 10, so z = z99 / 10 when
+    # steps are independent (tau = 1); correlated over 25 steps, 4 independent ones: z99 / 2.
+    same = ClassLoad.from_samples("a", 1.0, prompts, np.full(1000, 101))
+    z = tpot_noise_quantiles(same, 0.99)
+    assert z[0] == pytest.approx(z99 / 10, rel=1e-6)
+    assert float(np.interp(np.log(25.0), np.log(_TPOT_TAU), z)) == pytest.approx(
+        z99 / 2, rel=0.05)
+    assert z[-1] == pytest.approx(z99, rel=1e-6)  # correlated past the request's life
+    assert np.all(np.diff(z) >= -1e-12) and np.all(z <= z99 + 1e-12)
+    # One decode step each: no averaging at all.
+    short = ClassLoad.from_samples("b", 1.0, prompts, np.full(1000, 2))
+    assert tpot_noise_quantiles(short, 0.99)[0] == pytest.approx(z99, rel=1e-6)

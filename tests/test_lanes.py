@@ -14,9 +14,9 @@ from servetune.models.lanes_cpsat import (
     build_instance,
     feasible,
     objective_value,
-    solve_lanes,
 )
 from servetune.solvers.drivers import SolveStatus
+from servetune.solvers.formulations import solve_lanes
 
 from servetune.schemas.policy import Policy
 from servetune.schemas.space import apply_knobs

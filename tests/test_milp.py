@@ -11,9 +11,9 @@ from servetune.models.policy_milp import (
     RATE_MIN_SHARE,
     MilpInstance,
     build_model,
-    solve_policy_milp,
 )
 from servetune.solvers.drivers import SolveStatus
+from servetune.solvers.formulations import solve_policy_milp
 
 
 def _brute(fm, points):

@@ -75,7 +75,37 @@ def test_missing_and_bad_files_exit_2(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")
     res = runner.invoke(app, nightly_args(afile))
-    assert res.exit_code == 2 and "not a directory" in res.output
+    assert res.exit_code == 2 and "not a folder" in res.output
+
+
+def test_too_short_trace_exits_2_without_outputs(tmp_path):
+    """Two requests "meet" any SLO at any rate (the comparison used to report a goodput of
+    ~14,000 req/s and exit 10 on them); nightly and report refuse such a trace."""
+    if not TRACE.exists():
+        pytest.skip("shipped example trace missing")
+    short = tmp_path / "short.csv"
+    short.write_text("\n".join(TRACE.read_text().splitlines()[:3]) + "\n")
+    out = tmp_path / "out"
+    res = runner.invoke(app, nightly_args(out, trace=short))
+    assert res.exit_code == 2, res.output
+    assert "short.csv: only 2 requests" in res.output and "at least 100" in res.output
+    assert not out.exists()
+    res = runner.invoke(app, ["report", "--trace", str(short), "--profile", str(PROFILE),
+                              "--slo", str(SLO), "--current", str(DEFAULTS), "--new",
+                              str(DEFAULTS), "--out-dir", str(out)])
+    assert res.exit_code == 2 and "only 2 requests" in res.output
+    assert not out.exists()
+
+
+def test_out_dir_below_a_file_fails_before_any_work(tmp_path):
+    """A file where a parent folder of --out-dir would go is named at once, before the
+    inputs are even read (it used to surface only after the whole run)."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    res = runner.invoke(app, nightly_args(afile / "sub", trace=tmp_path / "none.csv"))
+    assert res.exit_code == 2
+    assert "--out-dir" in res.output and f"{afile} is a file" in res.output
+    assert "none.csv" not in res.output
 
 
 # --- end to end on a tiny trace --------------------------------------------------------------

@@ -64,8 +64,18 @@ def test_same_inputs_and_seed_give_identical_policy_bytes(tmp_path):
     assert meta["inputs"]["workload"]["sha256"] and meta["inputs"]["slo"]["sha256"]
     assert set(meta["profile"]) == {
         "name", "gpu_memory_utilization", "block_size", "kv_blocks", "gpu_memory_bytes",
-        "weight_bytes",
+        "weight_bytes", "activation_bytes",
     }
+    # The exporters read these facts back: TensorRT-LLM's memory fraction needs no
+    # --profile, and equals the one computed from the profile itself.
+    from servetune.export import memory_facts
+    from servetune.export.trtllm import free_gpu_memory_fraction
+    from servetune.profiles import load_profile
+
+    from_meta = free_gpu_memory_fraction(memory_facts(policy))
+    assert from_meta == pytest.approx(
+        free_gpu_memory_fraction(memory_facts(policy, load_profile(PROFILE))), rel=1e-6
+    )
     assert meta["simulated"]["goodput_rate_per_s"] > 0
     assert meta["solver"]["milp"]["statuses"][0][0] == "optimal"
     assert "time" not in yaml.safe_dump(meta).lower().replace("time_limit", "")
@@ -218,7 +228,7 @@ def test_job_documents_fail_only_with_servetune_errors(data):
 
 
 def test_returned_policy_passes_the_simulator_at_its_goodput(tmp_path):
-    from servetune.solvers.optimize import optimize
+    from servetune.solvers.optimize import TraceSimulator, min_window_s, optimize
 
     from servetune.profiles import load_profile
     from servetune.schemas.slo import SLOSet
@@ -235,7 +245,40 @@ def test_returned_policy_passes_the_simulator_at_its_goodput(tmp_path):
     assert res.summary["converged"] is True
     sample = prepare_trace(workload, seed=3, n_requests=300)
     scale = res.policy.metadata["simulated"]["rate_scale"]
-    run = simulate(sample, res.policy, profile, rate_scale=scale)
+    # At the goodput, 300 requests would span less than the window the TTFT target needs
+    # (2 s / 3% = 67 s), so the run that judged it used a longer sample of the workload.
+    window = min_window_s(slo, 0.03)
+    assert window == pytest.approx(2.0 / 0.03)
+    sim = TraceSimulator(sample, profile, slo, source=workload, seed=3, min_window_s=window)
+    trace, own_scale = sim.sample_for(scale)
+    assert len(trace) > len(sample)
+    run = simulate(trace, res.policy, profile, rate_scale=own_scale)
     assert run.meets_slo(slo)
+    assert run.trace.duration_s >= window
+    assert res.summary["sample_window_s"] == pytest.approx(run.trace.duration_s)
+    assert res.summary["warnings"] == []
+    # Same arrival rate as the base sample at that scale.
+    assert len(run.trace) / run.trace.duration_s == pytest.approx(
+        scale * sim.base_rate_per_s, rel=0.01
+    )
     for ev in res.evaluated:  # everything the loop simulated
         assert ev.goodput.rate_per_s <= res.summary["goodput_rate_per_s"] + 1e-9
+
+
+def test_a_short_trace_at_a_high_rate_is_flagged(tmp_path):
+    """A trace cannot be sampled longer: when its requests span less than the window
+    the TTFT target needs at the goodput, the summary says the goodput may be optimistic."""
+    from servetune.solvers.optimize import optimize
+
+    from servetune.profiles import load_profile
+    from servetune.schemas.slo import SLOSet
+    from servetune.schemas.workload import Workload
+    from servetune.sim.api import prepare_trace
+
+    workload = load_document(WORKLOAD, Workload)
+    slo = load_document(SLO, SLOSet)
+    trace = prepare_trace(workload, seed=1, n_requests=200)
+    res = optimize(trace, load_profile(PROFILE), slo, load_document(_space(tmp_path),
+                   SearchSpace), n_requests=200, compare_defaults=False)
+    assert res.summary["sample_window_s"] < res.summary["min_window_s"]
+    assert "optimistic" in res.summary["warnings"][0]

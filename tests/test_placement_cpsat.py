@@ -10,8 +10,8 @@ from servetune.models.placement_cpsat import (
     PlacementInstance,
     PlacementJob,
     explain_unplaced,
-    solve_placement,
 )
+from servetune.solvers.placement import solve_placement
 
 
 def _hand_instance() -> PlacementInstance:

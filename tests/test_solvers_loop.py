@@ -122,3 +122,35 @@ def test_find_goodput_prunes_a_policy_that_cannot_beat_the_leader():
     better = find_goodput(ThresholdSim({k: 5.0 * 5.0}), make_policy(k), start_scale=4.0,
                           prune_at=3.0, rel_tol=0.02)
     assert 5.0 / 1.02 <= better.rate_scale <= 5.0
+
+
+def test_each_round_tries_different_batching_shapes():
+    """The model barely separates the admission knobs, so a round of near-copies of its
+    favourite shape (differing only in watermark) would never learn that it ranked the
+    shapes wrongly. Here the true best is the model's third shape; with k=2 the second
+    round must reach it, and no shape is simulated twice unless the model ranks the
+    second variant higher."""
+    from servetune.solvers.loop import shape_key
+
+    fm = fluid()
+    space = {**SMALL_SPACE, "admission.kv_watermark": [0.0, 0.01, 0.02, 0.05]}
+    points = knobs_grid(space)
+    pred = {k: fm.goodput(k)[0] for k in points}
+    best_of_shape: dict[tuple, float] = {}
+    for k in points:
+        best_of_shape[shape_key(k)] = max(best_of_shape.get(shape_key(k), 0.0), pred[k])
+    ranked = sorted(best_of_shape, key=lambda s: -best_of_shape[s])
+    target = ranked[2]
+    truth = {k: pred[k] * (1.5 if shape_key(k) == target else 0.8) for k in points}
+    res = search(fm, points, make_policy, ThresholdSim(truth), k=2, max_iterations=4,
+                 rel_tol=0.02)
+    rounds: dict[str, list[tuple]] = {}
+    for ev in res.evaluated:
+        rounds.setdefault(ev.label, []).append(shape_key(ev.knobs))
+    assert len(rounds) >= 2
+    for shapes in rounds.values():
+        assert len(shapes) == len(set(shapes))
+    tried = [shape_key(ev.knobs) for ev in res.evaluated]
+    assert len(tried) == len(set(tried))  # the model ranks no second variant higher here
+    assert res.best is not None and shape_key(res.best.knobs) == target
+    assert res.best.goodput.rate_per_s >= max(truth.values()) / 1.02 - 1e-9

@@ -7,8 +7,6 @@ from pathlib import Path
 
 import typer
 
-from servetune.errors import ServetuneError
-
 
 def _para(text: str) -> str:
     """One help paragraph on one line (the help renderer wraps it to the terminal)."""
@@ -119,12 +117,17 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print summary.json to stdout."),
     ) -> None:
         from servetune.nightly import file_digest, load_inputs
-        from servetune.report import Verdict, build_report, compare, write_report
+        from servetune.report import (
+            Verdict,
+            build_report,
+            check_out_dir,
+            compare,
+            write_report,
+        )
         from servetune.schemas.base import load_document
         from servetune.schemas.policy import Policy
 
-        if out_dir.exists() and not out_dir.is_dir():
-            raise ServetuneError(f"--out-dir {out_dir}: exists and is not a directory")
+        check_out_dir(out_dir, "--out-dir")
         tr, prof, slo_set = load_inputs(trace, profile, slo)
         cur = load_document(current, Policy)
         nxt = load_document(new, Policy)

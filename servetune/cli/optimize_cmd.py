@@ -144,7 +144,9 @@ def register(app: typer.Typer) -> None:
         time_limit: float | None = typer.Option(None, "--time-limit", help="seconds"),
         seed: int | None = typer.Option(None, "--seed", help="seed of the workload sample"),
         requests: int | None = typer.Option(
-            None, "--requests", help="requests per simulation (default 3000)"
+            None, "--requests",
+            help="requests per simulation (default 3000; a workload is sampled longer at "
+            "rates where they would span less than the TTFT target / 3%)"
         ),
         output: Path | None = typer.Option(None, "-o", "--output", help="policy YAML to write"),
         json_out: Path | None = typer.Option(None, "--json", help="summary JSON to write"),

@@ -49,6 +49,15 @@ def _need(path: Path, option: str) -> Path:
     return path
 
 
+def _check_outputs(output: Path, report: Path | None) -> None:
+    """Refuse unusable output paths before the (long) run, so nothing is half written."""
+    from servetune.report import check_out_dir, check_out_file
+
+    check_out_file(output, "-o/--output")
+    if report is not None:
+        check_out_dir(report, "--report")
+
+
 def _floats(text: str, option: str) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
@@ -79,20 +88,13 @@ def _progress(quiet: bool):
 # ------------------------------------------------------------------------- reports
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def write_plan_report(plan: dict[str, Any], folder: Path) -> list[Path]:
-    """cost_by_type.png, replicas_over_day.png and (with a sweep) cost_vs_growth.png."""
-    plt = _plt()
-    folder.mkdir(parents=True, exist_ok=True)
-    written = []
+    """cost_by_type.png, replicas_over_day.png, (with a sweep) cost_vs_growth.png and
+    plan.json, all written or none (:func:`servetune.report.commit_files`)."""
+    from servetune.report import commit_files, figure_bytes, pyplot
+
+    plt = pyplot()
+    files: list[tuple[str, bytes]] = []
     # cost by GPU type: the mixed plan's split, and each single-type plan beside it
     fig, ax = plt.subplots(figsize=(7, 4))
     by_type = plan["cost"]["by_type_usd"]
@@ -109,9 +111,7 @@ def write_plan_report(plan: dict[str, Any], folder: Path) -> list[Path]:
     ax.set_title("Cost by GPU type")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    written.append(folder / "cost_by_type.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    files.append(("cost_by_type.png", figure_bytes(fig, dpi=110)))
     # replicas over the day
     fig, ax = plt.subplots(figsize=(7, 4))
     # one extra point so that the last slot is drawn as wide as the others
@@ -123,9 +123,7 @@ def write_plan_report(plan: dict[str, Any], folder: Path) -> list[Path]:
     ax.set_title("GPUs over the day")
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
-    written.append(folder / "replicas_over_day.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    files.append(("replicas_over_day.png", figure_bytes(fig, dpi=110)))
     sweep = [r for r in plan.get("growth_sweep") or [] if r.get("feasible", True)]
     if sweep:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -139,17 +137,17 @@ def write_plan_report(plan: dict[str, Any], folder: Path) -> list[Path]:
         ax.set_title("Cost versus load growth")
         ax.legend()
         fig.tight_layout()
-        written.append(folder / "cost_vs_growth.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-    write_text_atomic(folder / "plan.json", json.dumps(plan, indent=2, sort_keys=False))
-    return written
+        files.append(("cost_vs_growth.png", figure_bytes(fig, dpi=110)))
+    files.append(("plan.json", json.dumps(plan, indent=2).encode("utf-8")))
+    return commit_files(folder, files)
 
 
 def write_schedule_report(schedule: dict[str, Any], folder: Path) -> list[Path]:
-    """spare_and_work.png: spare tokens per slot and the scheduled background work."""
-    plt = _plt()
-    folder.mkdir(parents=True, exist_ok=True)
+    """spare_and_work.png (spare tokens per slot and the scheduled background work) and
+    schedule.json, both written or neither."""
+    from servetune.report import commit_files, figure_bytes, pyplot
+
+    plt = pyplot()
     n = schedule["horizon_slots"]
     slot_s = schedule["slot_s"]
     spare = [sum(v[h] for v in schedule["spare_tok_s"].values()) * slot_s for h in range(n)]
@@ -165,11 +163,10 @@ def write_schedule_report(schedule: dict[str, Any], folder: Path) -> list[Path]:
     ax.set_title("Background work in the capacity left free")
     ax.legend()
     fig.tight_layout()
-    out = folder / "spare_and_work.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    write_text_atomic(folder / "schedule.json", json.dumps(schedule, indent=2))
-    return [out]
+    return commit_files(folder, [
+        ("spare_and_work.png", figure_bytes(fig, dpi=110)),
+        ("schedule.json", json.dumps(schedule, indent=2).encode("utf-8")),
+    ])
 
 
 def _plan_lines(plan: dict[str, Any]) -> list[str]:
@@ -249,6 +246,7 @@ def register(app: typer.Typer) -> None:
         for p, opt in ((workload, "--workload"), (forecast, "--forecast"), (fleet, "--fleet"),
                        (slo, "--slo")):
             _need(p, opt)
+        _check_outputs(output, report)
         if method not in ("auto", "optimizer", "candidates"):
             raise ServetuneError(
                 f"--capacity-method {method!r}: choose auto, optimizer or candidates"
@@ -297,6 +295,7 @@ def register(app: typer.Typer) -> None:
 
         for p, opt in ((jobs, "--jobs"), (plan, "--plan"), (forecast, "--forecast")):
             _need(p, opt)
+        _check_outputs(output, report)
         run = run_place(jobs, plan, forecast, out_path=output, cache_dir=cache_dir,
                         levels=levels, seed=seed, progress=_progress(quiet or json_out))
         write_text_atomic(output, dump_yaml(run.schedule))

@@ -30,6 +30,7 @@ from typing import Any
 
 from servetune import __version__
 from servetune.errors import ServetuneError
+from servetune.schemas.base import dump_yaml
 from servetune.schemas.policy import Policy
 
 ENGINES: tuple[str, ...] = ("vllm", "sglang", "trtllm", "tgi")
@@ -231,6 +232,46 @@ def class_priority_instead(policy: Policy, engine_title: str) -> str:
     return (
         f"classes.*.priority ({pairs}): {engine_title} takes priority per request, not per "
         f"class; set the request's `priority` field to these values at the gateway or client"
+    )
+
+
+def fcfs_only_instead(engine_queue: str) -> str:
+    """What to do about ``scheduling: priority`` on an engine that serves in arrival order."""
+    return (
+        f"scheduling (priority): {engine_queue}; serve high-priority classes from their own "
+        "replicas or queue them first at the gateway"
+    )
+
+
+def no_chunk_cap_instead(policy: Policy, engine_title: str, why: str = "") -> str:
+    """What to do about ``long_prefill_token_threshold`` on an engine without the cap."""
+    return (
+        f"batching.long_prefill_token_threshold "
+        f"({policy.batching.long_prefill_token_threshold}): {engine_title} has no "
+        f"per-request chunk cap{why}; route very long prompts to a separate replica with a "
+        "router rule"
+    )
+
+
+def queued_tokens_instead(policy: Policy) -> str:
+    """What to do about ``max_queued_prompt_tokens`` on an engine without the cap."""
+    return (
+        f"admission.max_queued_prompt_tokens ({policy.admission.max_queued_prompt_tokens}): "
+        "no such cap; enforce it at the gateway (HTTP 503 when the prompt tokens of requests "
+        "still in prefill exceed it)"
+    )
+
+
+def yaml_result(engine: str, title: str, usage: str, policy: Policy, settings: dict[str, Any],
+                unsupported: list[str], notes: list[str]) -> ExportResult:
+    """An engine's YAML config: the comment header, then the settings."""
+    return ExportResult(
+        engine=engine,
+        text=header(title, usage, policy, unsupported, notes) + dump_yaml(settings),
+        unsupported=unsupported,
+        filename=FILENAMES[engine],
+        notes=notes,
+        settings=settings,
     )
 
 

@@ -31,14 +31,14 @@ from __future__ import annotations
 from typing import Any
 
 from servetune.export import (
-    FILENAMES,
     ExportResult,
     MemoryFacts,
     class_priority_instead,
-    header,
     lanes_instead,
+    no_chunk_cap_instead,
+    queued_tokens_instead,
+    yaml_result,
 )
-from servetune.schemas.base import dump_yaml
 from servetune.schemas.policy import Policy
 
 TITLE = "SGLang"
@@ -109,11 +109,8 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
         settings["max-total-tokens"] = facts.kv_tokens
 
     if b.long_prefill_token_threshold > 0:
-        unsupported.append(
-            f"batching.long_prefill_token_threshold ({b.long_prefill_token_threshold}): "
-            "SGLang has no per-request chunk cap, so one long prompt takes a whole prefill "
-            "pass; route very long prompts to a separate replica with a router rule"
-        )
+        unsupported.append(no_chunk_cap_instead(
+            policy, TITLE, ", so one long prompt takes a whole prefill pass"))
     if a.kv_watermark > 0:
         unsupported.append(
             f"admission.kv_watermark ({a.kv_watermark:g}): SGLang keeps no free-KV "
@@ -126,20 +123,8 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
             "at admission; nothing to do unless you relied on over-admission"
         )
     if a.max_queued_prompt_tokens is not None:
-        unsupported.append(
-            f"admission.max_queued_prompt_tokens ({a.max_queued_prompt_tokens}): SGLang has "
-            "no cap on queued prompt tokens; enforce it with a gateway limit that returns "
-            "HTTP 503 when prompts still in prefill exceed it"
-        )
+        unsupported.append(queued_tokens_instead(policy))
     if policy.long_requests.enabled:
         unsupported.append(lanes_instead(policy))
 
-    text = header(TITLE, USAGE, policy, unsupported, notes) + dump_yaml(settings)
-    return ExportResult(
-        engine="sglang",
-        text=text,
-        unsupported=unsupported,
-        filename=FILENAMES["sglang"],
-        notes=notes,
-        settings=settings,
-    )
+    return yaml_result("sglang", TITLE, USAGE, policy, settings, unsupported, notes)

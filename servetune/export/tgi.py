@@ -22,7 +22,16 @@ from __future__ import annotations
 
 import shlex
 
-from servetune.export import FILENAMES, ExportResult, MemoryFacts, header, lanes_instead
+from servetune.export import (
+    FILENAMES,
+    ExportResult,
+    MemoryFacts,
+    fcfs_only_instead,
+    header,
+    lanes_instead,
+    no_chunk_cap_instead,
+    queued_tokens_instead,
+)
 from servetune.schemas.policy import Policy
 
 TITLE = "TGI"
@@ -77,16 +86,9 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
         "requests use --max-concurrent-requests (HTTP 429 beyond it) or a gateway limit",
     ]
     if policy.scheduling == "priority":
-        unsupported.append(
-            "scheduling (priority): TGI's queue is strictly first in, first out; serve "
-            "high-priority classes from their own replicas or queue them first at the gateway"
-        )
+        unsupported.append(fcfs_only_instead("TGI's queue is strictly first in, first out"))
     if b.long_prefill_token_threshold > 0:
-        unsupported.append(
-            f"batching.long_prefill_token_threshold ({b.long_prefill_token_threshold}): TGI "
-            "has no per-request chunk cap; route very long prompts to a separate replica "
-            "with a router rule"
-        )
+        unsupported.append(no_chunk_cap_instead(policy, TITLE))
     if a.kv_watermark > 0:
         unsupported.append(
             f"admission.kv_watermark ({a.kv_watermark:g}): no watermark knob; TGI reserves "
@@ -98,10 +100,7 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
             "max_new_tokens at admission; no over-admitting mode exists"
         )
     if a.max_queued_prompt_tokens is not None:
-        unsupported.append(
-            f"admission.max_queued_prompt_tokens ({a.max_queued_prompt_tokens}): no such "
-            "cap; enforce it at the gateway (HTTP 503 when queued prompt tokens exceed it)"
-        )
+        unsupported.append(queued_tokens_instead(policy))
     if policy.long_requests.enabled:
         unsupported.append(lanes_instead(policy))
 

@@ -28,13 +28,14 @@ from typing import Any
 
 from servetune.errors import ServetuneError
 from servetune.export import (
-    FILENAMES,
     ExportResult,
     MemoryFacts,
-    header,
+    fcfs_only_instead,
     lanes_instead,
+    no_chunk_cap_instead,
+    queued_tokens_instead,
+    yaml_result,
 )
-from servetune.schemas.base import dump_yaml
 from servetune.schemas.policy import Policy
 
 TITLE = "TensorRT-LLM"
@@ -100,16 +101,9 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
     ]
     unsupported: list[str] = []
     if policy.scheduling == "priority":
-        unsupported.append(
-            "scheduling (priority): TensorRT-LLM schedules first come, first served; serve "
-            "high-priority classes from their own replicas or queue them first at the gateway"
-        )
+        unsupported.append(fcfs_only_instead("TensorRT-LLM schedules first come, first served"))
     if b.long_prefill_token_threshold > 0:
-        unsupported.append(
-            f"batching.long_prefill_token_threshold ({b.long_prefill_token_threshold}): "
-            "TensorRT-LLM has no per-request chunk cap (only the chunking policy); route very "
-            "long prompts to a separate replica with a router rule"
-        )
+        unsupported.append(no_chunk_cap_instead(policy, TITLE, " (only the chunking policy)"))
     if a.kv_watermark > 0:
         unsupported.append(
             f"admission.kv_watermark ({a.kv_watermark:g}): no watermark knob; "
@@ -128,19 +122,8 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
             "(reject beyond with HTTP 503)"
         )
     if a.max_queued_prompt_tokens is not None:
-        unsupported.append(
-            f"admission.max_queued_prompt_tokens ({a.max_queued_prompt_tokens}): no such "
-            "cap; enforce it at the gateway (HTTP 503 when queued prompt tokens exceed it)"
-        )
+        unsupported.append(queued_tokens_instead(policy))
     if policy.long_requests.enabled:
         unsupported.append(lanes_instead(policy))
 
-    text = header(TITLE, USAGE, policy, unsupported, notes) + dump_yaml(settings)
-    return ExportResult(
-        engine="trtllm",
-        text=text,
-        unsupported=unsupported,
-        filename=FILENAMES["trtllm"],
-        notes=notes,
-        settings=settings,
-    )
+    return yaml_result("trtllm", TITLE, USAGE, policy, settings, unsupported, notes)

@@ -18,14 +18,12 @@ from __future__ import annotations
 from typing import Any
 
 from servetune.export import (
-    FILENAMES,
     ExportResult,
     MemoryFacts,
     class_priority_instead,
-    header,
     lanes_instead,
+    yaml_result,
 )
-from servetune.schemas.base import dump_yaml
 from servetune.schemas.policy import Policy
 
 TITLE = "vLLM"
@@ -73,12 +71,4 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
             "max-model-len; raise it or cap --max-model-len"
         )
 
-    text = header(TITLE, USAGE, policy, unsupported, notes) + dump_yaml(settings)
-    return ExportResult(
-        engine="vllm",
-        text=text,
-        unsupported=unsupported,
-        filename=FILENAMES["vllm"],
-        notes=notes,
-        settings=settings,
-    )
+    return yaml_result("vllm", TITLE, USAGE, policy, settings, unsupported, notes)

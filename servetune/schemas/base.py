@@ -25,6 +25,7 @@ API_VERSION = "servetune/v1"
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+FILE_MODE = 0o666 & ~_UMASK  # the mode a plain open() would give a new file
 
 
 class Strict(BaseModel):
@@ -156,7 +157,7 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the usual file mode
+        os.chmod(tmp, FILE_MODE)  # mkstemp makes 0600; give the usual file mode
         os.replace(tmp, p)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)

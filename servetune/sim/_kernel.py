@@ -123,6 +123,9 @@ N_RI = 7
 
 WINDOW_MAX = 4096  # longest jumped stretch (size of the allocation histogram)
 
+# a rejection reason the kernel itself records (engine.REASONS[RJ_READMIT])
+RJ_READMIT = 7
+
 RC_DONE = 0
 RC_LOG_FULL = 1
 RC_STEP_LIMIT = 2
@@ -315,6 +318,23 @@ def _admit(r, lane, nblocks, t, pi, si, hk0, hid0, hk1, hid1, run, held, is_long
 
 
 @jit
+def _reject_head(r, lane, si, hk0, hid0, hk1, hid1, prompt, gen, status, reason, pi, ev):
+    """Turn away the head of waiting ``lane`` (request ``r``): an empty engine cannot
+    admit it, so it never will (a resumed request whose re-prefill outgrew the headroom)."""
+    if lane == 0:
+        si[S_H0] = _heap_pop(hk0, hid0, si[S_H0])
+    else:
+        si[S_H1] = _heap_pop(hk1, hid1, si[S_H1])
+    status[r] = 2
+    reason[r] = RJ_READMIT
+    si[S_DONE] += 1
+    if gen[r] == 0:
+        si[S_QPROMPT] -= prompt[r]
+    if pi[P_LOG] == 1:
+        _event(ev, si, EV_SHED, r, 0)
+
+
+@jit
 def _series_add(ser, sf, t0, t1, kv, waiting, running):
     """Add a step's time-weighted values to the coarse series (bins double when full)."""
     if t1 <= t0:
@@ -374,6 +394,12 @@ def _jump(pi, pf, coef, pieces, arrival, out, gen, comp, held, is_long, run, his
     nrun = si[S_NRUN]
     bs = pi[P_BS]
     engine = pi[P_ENGINE]
+    if ((engine == E_TRTLLM or engine == E_TGI) and pi[P_LANES] == 1 and pi[P_RKV] > 0
+            and si[S_H0] > 0):
+        # These engines admit against reservations, which decoding does not change, while
+        # a waiting short request's headroom (the long lane's reserve less what long
+        # requests hold) shrinks as long requests grow: it may fit after any step.
+        return 0
     log = pi[P_LOG] == 1
     kfin = WINDOW_MAX
     csum = 0
@@ -483,7 +509,8 @@ def run_kernel(pi, pf, coef, pieces,
             while a < n and arrival[a] <= t:
                 a += 1
             if (si[S_REC] + 2 > rec_i.shape[0]
-                    or si[S_EV] + 4 * max_seqs + (a - si[S_NEXT_ARR]) + 8 > ev.shape[0]
+                    or si[S_EV] + 4 * max_seqs + (a - si[S_NEXT_ARR]) + si[S_H0] + si[S_H1]
+                    + 8 > ev.shape[0]
                     or si[S_REP] + 2 > rep_f.shape[0]):
                 return RC_LOG_FULL
 
@@ -634,6 +661,10 @@ def run_kernel(pi, pf, coef, pieces,
                             fits = False
                     elif si[S_RESV_SUM] + resv[r] + headroom > total:
                         fits = False
+                    if not fits and si[S_NRUN] == 0:
+                        _reject_head(r, lane, si, hk0, hid0, hk1, hid1, prompt, gen, status,
+                                     reason, pi, ev)
+                        continue
                     if not fits:
                         if lanes:  # each lane is head-of-line only within itself
                             if lane == 0:
@@ -701,6 +732,10 @@ def run_kernel(pi, pf, coef, pieces,
                     eb = _blocks(extend, bs)
                     if headroom < 0 or total - si[S_USED] - eb < headroom:
                         fits = False
+                    if not fits and si[S_NRUN] == 0:
+                        _reject_head(r, lane, si, hk0, hid0, hk1, hid1, prompt, gen, status,
+                                     reason, pi, ev)
+                        continue
                     if not fits:
                         if lanes:
                             if lane == 0:
@@ -771,6 +806,8 @@ def run_kernel(pi, pf, coef, pieces,
         # ---- execute the step: its time from the five aggregates, then its outcomes
         if nsched == 0 and not preempted:
             si[S_PURE] = 0
+            if si[S_NRUN] == 0 and si[S_H0] + si[S_H1] == 0:
+                continue  # every waiting request was turned away: end or idle at the top
             if si[S_NRUN] == 0 and si[S_NEXT_ARR] < n and arrival[si[S_NEXT_ARR]] > t:
                 sf[T_NOW] = arrival[si[S_NEXT_ARR]]  # only blocked requests wait: idle
                 continue

@@ -55,9 +55,12 @@ The policy's extensions act at admission for every engine:
 - queue caps: an arrival is shed (status 1, as HTTP 503) when waiting + running
   requests reach ``max_queued_requests``, or when the prompt tokens of accepted requests
   not yet past their first token would exceed ``max_queued_prompt_tokens``.
-- a request that could never run (its KV need exceeds the pool less the watermark, its
-  lane, the reservation limit, or the step budget with chunking off) is rejected at
-  arrival (status 2) with a reason instead of blocking the queue forever.
+- a request that could never run (prompt + output exceed the pool; its admission, i.e. its
+  prompt (vLLM without ``reserve_full_prompt``: its first chunk) or TensorRT-LLM/TGI's
+  reservation, exceeds the pool less the watermark and lane reserve; its lane; or the
+  step budget with chunking off) is rejected at arrival (status 2) with a reason instead
+  of blocking the queue forever. A preempted request whose re-prefill has outgrown the
+  pool less that headroom is rejected when even an empty engine could not re-admit it.
 
 Time: arrivals enter the waiting queue at step boundaries; an idle engine jumps to the
 next arrival; a step's duration is ``step_seconds(T, S, D, C, W)`` with T tokens, S rows
@@ -104,10 +107,11 @@ REASONS = (
     "",
     "shed: max_queued_requests reached (HTTP 503)",
     "shed: max_queued_prompt_tokens reached (HTTP 503)",
-    "rejected: prompt + output need more KV blocks than the pool less watermark/lane reserve",
+    "rejected: needs more KV blocks than the pool (less watermark/lane reserve at admission)",
     "rejected: the request's footprint exceeds the long-request lane (max_kv_fraction)",
     "rejected: prompt longer than max_num_batched_tokens with chunked prefill off",
     "rejected: prompt + max output reservation exceeds the KV pool",
+    "rejected: preempted, its re-prefill no longer fits the pool less watermark/lane reserve",
 )
 REASON_SHED_REQUESTS = 1
 REASON_SHED_TOKENS = 2
@@ -115,6 +119,7 @@ REASON_KV_POOL = 3
 REASON_LANE = 4
 REASON_BUDGET = 5
 REASON_RESERVATION = 6
+REASON_READMIT = K.RJ_READMIT  # rejected by the kernel when even an empty engine cannot re-admit
 
 # SGLang environment defaults (engines.md 2.2).
 SGLANG_CLIP_MAX_NEW_TOKENS = 4096
@@ -305,7 +310,24 @@ def run_engine(
         reject[first_chunk > b.max_num_batched_tokens] = REASON_BUDGET
     if lanes:
         reject[(is_long == 1) & (lane_blocks > m_kv)] = REASON_LANE
-    reject[_blocks(final_kv, bs) + headroom > total] = REASON_KV_POOL
+    if eng in (K.E_TRTLLM, K.E_TGI):
+        reject[_blocks(final_kv, bs) + headroom > total] = REASON_KV_POOL
+    else:
+        # The watermark and the long lane's reserve bind at admission only (engines.md
+        # 1.1): a request is turned away when it could never be admitted (its prompt, all
+        # of which is reserved or allocated at admission, does not fit the pool less the
+        # headroom) or never fit the pool at all. A preempted request whose re-prefill has
+        # outgrown the headroom is rejected by the kernel once even an empty engine could
+        # not take it back (REASON_READMIT).
+        first = prompt  # what the first admission allocates or reserves, engine empty
+        if eng == K.E_VLLM and not adm.reserve_full_prompt:
+            first = np.minimum(prompt, b.max_num_batched_tokens)
+            if b.long_prefill_token_threshold > 0:
+                first = np.minimum(first, b.long_prefill_token_threshold)
+        admit_blocks = _blocks(first, bs)
+        reject[(admit_blocks + headroom > total) | (_blocks(final_kv, bs) > total)] = (
+            REASON_KV_POOL
+        )
 
     pi = np.zeros(K.N_PI, dtype=np.int64)
     pi[K.P_ENGINE] = eng
