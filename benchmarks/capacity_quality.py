@@ -16,9 +16,7 @@ Run: python benchmarks/capacity_quality.py [--skip-azure] [--json out.json]
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import math
 import platform
 import random
 import sys
@@ -26,56 +24,16 @@ import tempfile
 import time
 from pathlib import Path
 
-import highspy
-import numpy as np
 from servetune.models.capacity_milp import CapacityInstance
 from servetune.models.placement_cpsat import PlacementInstance, PlacementJob
 from servetune.solvers.capacity import solve_capacity
+from servetune.solvers.exhaustive import best_placement_value, cheapest_plan_cost
 from servetune.solvers.placement import solve_placement
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------- MILP vs enumeration
-
-
-def routing_feasible(inst: CapacityInstance, s: int, n: dict[str, int]) -> bool:
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    pairs = [(b, t) for b in inst.buckets for t in inst.types if inst.mu[t, b] > 0]
-    for _ in pairs:
-        h.addVar(0.0, 1.0)
-    for b in inst.buckets:
-        idx = [i for i, (bb, _t) in enumerate(pairs) if bb == b]
-        h.addRow(1.0, 1.0, len(idx), np.array(idx, dtype=np.int32), np.ones(len(idx)))
-    for t in inst.types:
-        idx = [i for i, (_b, tt) in enumerate(pairs) if tt == t]
-        coef = [inst.lam[pairs[i][0], s] / inst.mu[t, pairs[i][0]] for i in idx]
-        spare = 1 if (inst.n_plus_one and n[t] > 0) else 0
-        if idx:
-            h.addRow(-highspy.kHighsInf, inst.headroom * (n[t] - spare), len(idx),
-                     np.array(idx, dtype=np.int32), np.array(coef))
-    h.run()
-    return h.getModelStatus() == highspy.HighsModelStatus.kOptimal
-
-
-def enumerate_cost(inst: CapacityInstance) -> tuple[float, int]:
-    total, combos = 0.0, 0
-    for s in range(inst.n_slots):
-        bound = {
-            t: math.ceil(sum(inst.lam[b, s] / inst.mu[t, b] for b in inst.buckets
-                             if inst.mu[t, b] > 0) / inst.headroom) + int(inst.n_plus_one)
-            for t in inst.types
-        }
-        best = math.inf
-        for combo in itertools.product(*(range(bound[t] + 1) for t in inst.types)):
-            combos += 1
-            n = dict(zip(inst.types, combo, strict=True))
-            cost = sum(inst.price[t] * inst.hours * n[t] for t in inst.types)
-            if cost < best - 1e-12 and routing_feasible(inst, s, n):
-                best = cost
-        total += best
-    return total, combos
 
 
 def random_capacity_instance(rng: random.Random) -> CapacityInstance:
@@ -102,7 +60,7 @@ def milp_vs_enumeration(n: int) -> dict:
         sol = solve_capacity(inst)
         milp_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        brute, combos = enumerate_cost(inst)
+        brute, combos = cheapest_plan_cost(inst)
         brute_s = time.perf_counter() - t0
         ok = abs(sol.cost - brute) <= 1e-6
         match += ok
@@ -114,30 +72,6 @@ def milp_vs_enumeration(n: int) -> dict:
 
 
 # -------------------------------------------------------------- CP-SAT vs brute force
-
-
-def edf_feasible(inst: PlacementInstance, subset: list[PlacementJob]) -> bool:
-    left = {j.id: j.work for j in subset}
-    for s in range(inst.n_slots):
-        room = sum(inst.cap.get((t, s), 0) for t in inst.types)
-        for j in sorted((j for j in subset if j.release_slot <= s <= j.deadline_slot
-                         and left[j.id] > 0), key=lambda j: (j.deadline_slot, j.id)):
-            take = min(room, left[j.id])
-            left[j.id] -= take
-            room -= take
-        if any(left[j.id] > 0 and j.deadline_slot <= s for j in subset):
-            return False
-    return all(v == 0 for v in left.values())
-
-
-def brute_value(inst: PlacementInstance) -> int:
-    best = 0
-    for k in range(len(inst.jobs) + 1):
-        for subset in itertools.combinations(inst.jobs, k):
-            v = sum(j.value for j in subset)
-            if v > best and edf_feasible(inst, list(subset)):
-                best = v
-    return best
 
 
 def cpsat_vs_brute(n: int) -> dict:
@@ -156,7 +90,7 @@ def cpsat_vs_brute(n: int) -> dict:
         t0 = time.perf_counter()
         sol = solve_placement(inst)
         cp_s = time.perf_counter() - t0
-        bv = brute_value(inst)
+        bv = best_placement_value(inst)
         ok = sol.value == bv
         match += ok
         rows.append({"seed": seed, "jobs": len(jobs), "types": len(types), "slots": n_slots,

@@ -20,7 +20,8 @@ Variables
     f[b,t,s]   in [0,1]  share of bucket b's rate in slot s routed to type t
     used[t,s]  in {0,1}  type t runs in slot s (only with N+1)
 Constraints
-    route[b,s]:    sum_t f[b,t,s] = 1              (cost mode: everything is served)
+    route[b,s]:    sum_t f[b,t,s] = 1              (cost mode: everything is served;
+                                                    only where lam[b,s] > 0)
                    sum_t f[b,t,s] <= 1             (budget mode: some may be left unserved)
     load_cap[t,s]: sum_b f[b,t,s] lam[b,s] / mu[t,b] <= headroom (n[t,s] - spare used[t,s])
     unusable:      f[b,t,s] = 0 where mu[t,b] = 0
@@ -133,8 +134,12 @@ def build_model(inst: CapacityInstance, *, budget_mode: bool = False) -> pyo.Con
             m.B, m.S, rule=lambda _m, b, s: sum(_m.f[b, t, s] for t in _m.T) <= 1
         )
     else:
+        # A bucket without traffic in a slot needs no routing (and may have no type able
+        # to serve it at all).
         m.route = pyo.Constraint(
-            m.B, m.S, rule=lambda _m, b, s: sum(_m.f[b, t, s] for t in _m.T) == 1
+            m.B, m.S,
+            rule=lambda _m, b, s: (sum(_m.f[b, t, s] for t in _m.T) == 1
+                                   if inst.lam[b, s] > 0 else pyo.Constraint.Skip),
         )
 
     for b in inst.buckets:

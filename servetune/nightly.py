@@ -168,6 +168,14 @@ def load_inputs(trace_path: Path, profile_path: Path, slo_path: Path) -> tuple[A
         )
     profile = load_profile(profile_path)
     slo = load_document(slo_path, SLOSet)
+    for name in trace.class_names:
+        try:
+            slo.for_class(name)
+        except KeyError:
+            raise ServetuneError(
+                f"{slo_path}: classes: no entry for the trace's request class {name!r}; add "
+                "it or a 'default' class"
+            ) from None
     return trace, profile, slo
 
 

@@ -970,7 +970,10 @@ def run_plan(
     slo = load_document(slo_path, SLOSet)
     if not (growth > 0 and math.isfinite(growth)):
         raise ServetuneError(f"--growth: factors must be > 0 (got {growth})")
+    all_types = [g.name for g in fleet.gpu_types]
     fleet, profiles, profile_paths = load_fleet_profiles(fleet, fleet_path)
+    # GPU types without a profile for the model cannot serve it: say so, never drop silently
+    excluded = {t: f"no profile for model {fleet.model}" for t in all_types if t not in profiles}
     # class names must line up before any simulation runs
     buckets = make_buckets(prompt_edges, output_edges)
     slices = slice_workload(workload, buckets, n_requests=sample_requests, seed=seed)
@@ -1018,6 +1021,8 @@ def run_plan(
                          profile_paths={t: _rel(p, base) for t, p in profile_paths.items()},
                          inputs=inputs, growth=growth, engine=engine, sample=sample,
                          name=f"{fleet.name}-{forecast.name}")
+    if excluded:
+        plan["excluded_gpu_types"] = excluded
     rows: list[dict[str, Any]] = []
     for g in sweep or ():
         if g == growth and budget is None and compare_single:

@@ -1,10 +1,11 @@
 """The search loop: solve, simulate the best k candidates, recalibrate, solve again.
 
 1. Build the fluid model's limits for every grid point and solve the policy MILP for the
-   best k candidates by predicted goodput, each of a different batching shape (seats,
-   token budget, effective chunk cap: each solution's cut removes its whole shape for the
-   rest of the round). Points already simulated are cut off for good, and with them the
-   other admission variants of their shape that the model ranks no higher.
+   best k candidates by predicted goodput, each of a different step shape (token
+   budget, effective chunk cap: each solution's cut removes its whole shape for the rest
+   of the round). Points already simulated are cut off for good, and with them the
+   other variants of their shape (seats, watermark, queue caps) that the model ranks no
+   higher.
 2. Simulate each candidate's goodput (bracket around the model's prediction, then bisect)
    on a fixed sample of the workload.
 3. Recalibrate: scale the model's TTFT / TPOT predictions so that, for the metric the
@@ -13,8 +14,12 @@
    prediction towards the measured peak. A candidate the simulator rejected at every rate
    stays cut.
 4. Repeat until the best simulated goodput stops improving (by more than the goodput
-   search's tolerance) from one round to the next, or the MILP has nothing left, or the
-   iteration / time limit is reached.
+   search's tolerance) from one round to the next *and* the recalibrated model promises
+   no untried candidate above it by more than that tolerance, or the MILP has nothing
+   left, or the iteration / time limit is reached.
+5. Screen the step shapes never tried, one simulation each at the best goodput plus the
+   tolerance (a simulated bound); search only those that pass. Then narrow the answer's
+   goodput bracket to 1% (it stays a lower bound, a tighter one).
 
 Every iteration is logged. Only a candidate that passed the SLOs in simulation is ever
 returned: the answer is the best *simulated* goodput, never the model's promise.
@@ -128,7 +133,7 @@ def find_goodput(
                 break
     else:
         hi = start
-        while len(points) < max_sims:
+        while len(points) < max_sims and not (prune_at is not None and hi <= prune_at):
             cand = max(hi / step, min_scale)
             if cand >= hi:
                 break
@@ -150,6 +155,33 @@ def find_goodput(
                 hi = mid
     scale = lo or 0.0
     return GoodputEstimate(scale, scale * sim.base_rate_per_s, points)
+
+
+def refine_goodput(
+    sim: Simulator, policy: Any, est: GoodputEstimate, *, rel_tol: float, max_sims: int = 6
+) -> GoodputEstimate:
+    """Narrow a finished estimate's bracket (its best passing scale and the lowest
+    failing scale above it) to ``rel_tol`` by more bisection; the estimate stays a lower
+    bound, only a tighter one. Unchanged when nothing passed or nothing failed above."""
+    best = est.best_point
+    if best is None:
+        return est
+    above = [p.rate_scale for p in est.points if not p.meets_slo and p.rate_scale > best.rate_scale]
+    if not above:
+        return est
+    lo, hi = best.rate_scale, min(above)
+    points = list(est.points)
+    used = 0
+    while hi / lo > 1.0 + rel_tol and used < max_sims:
+        mid = math.sqrt(lo * hi)
+        pt = sim.run(policy, mid)
+        points.append(pt)
+        used += 1
+        if pt.meets_slo:
+            lo = mid
+        else:
+            hi = mid
+    return GoodputEstimate(lo, lo * sim.base_rate_per_s, points)
 
 
 @dataclass
@@ -262,8 +294,12 @@ def search(
     time_limit_s: float = 60.0,
     rel_tol: float = 0.03,
     log: Callable[[str], Any] | None = None,
+    screen: int = 6,
+    refine_tol: float | None = 0.01,
 ) -> LoopResult:
-    """Run the loop of the module docstring over the grid ``points``."""
+    """Run the loop of the module docstring over the grid ``points``; then screen up to
+    ``screen`` untried step shapes (:func:`_screen`) and narrow the answer's goodput
+    bracket to ``refine_tol`` (:func:`refine_goodput`; ``None``: as searched)."""
     started = time.perf_counter()
     calibration = fluid.calibration
     cut: set[int] = set()
@@ -280,6 +316,7 @@ def search(
     unique = [points[i] for i in reps]
     shapes = [shape_key(kn) for kn in unique]
     converged = False
+    stalled = False
     first_instance = None
     first_status = ""
     for it in range(max_iterations):
@@ -289,11 +326,10 @@ def search(
         model = fluid.with_calibration(calibration)
         t0 = time.perf_counter()
         inst = MilpInstance.build(model, unique)
-        # Diversity: the k candidates of a round have k different batching shapes (seats,
-        # token budget, effective chunk cap). The model barely tells the admission knobs
-        # apart, so without this a round spends its simulations on copies of one shape
-        # that differ only in watermark or queue cap, and a model that ranks the shapes
-        # wrongly is never corrected.
+        # Diversity: the k candidates of a round have k different step shapes (token
+        # budget, effective chunk cap). Seats, watermark and queue caps change nothing
+        # until they bind, so without this a round spends its simulations on copies of
+        # one shape, and a model that ranks the shapes wrongly is never corrected.
         top = solve_policy_milp(inst, k=k, time_limit_s=max(left * 0.5, 0.5),
                                 excluded=cut, groups=shapes)
         solver_s += time.perf_counter() - t0
@@ -301,6 +337,29 @@ def search(
         if first_instance is None:
             first_instance = inst
             first_status = top.statuses[0] if top.statuses else "error"
+        if stalled:
+            # The last round did not improve; go on only while the recalibrated model
+            # still promises an untried candidate above the best by more than the
+            # tolerance (it was just told where it was wrong).
+            leader = max((e for e in evaluated if e.goodput.passed),
+                         key=lambda e: (e.goodput.rate_per_s, -e.index))
+            promise = top.solutions[0][1].rate_per_s if top.solutions else 0.0
+            if promise <= leader.goodput.rate_per_s * (1.0 + rel_tol):
+                converged = True
+                iterations.append({
+                    "iteration": it + 1,
+                    "milp_statuses": top.statuses,
+                    "milp_objective": top.outcomes[0].objective if top.outcomes else None,
+                    "candidates": [],
+                    "best_simulated_rate_per_s": leader.goodput.rate_per_s,
+                    "best_knobs": leader.knobs.as_dotted(),
+                    "calibration": calibration.as_dict(),
+                    "stopped": f"no untried candidate is predicted above {promise:.4g} req/s",
+                })
+                if log:
+                    log(f"iteration {it + 1}: stop, the model predicts at most "
+                        f"{promise:.2f} req/s for any untried candidate")
+                break
         chosen: list[tuple[int, Any]] = list(top.solutions[:k])
         new: list[Evaluated] = []
         for idx, cand in chosen:
@@ -311,8 +370,14 @@ def search(
             start_scale = max(cand.rate_per_s, 1e-9) * _bias(new) / sim.base_rate_per_s
             leader = max((e for e in evaluated if e.goodput.passed),
                          key=lambda e: e.goodput.rate_scale, default=None)
+            bar = None
+            if leader is not None:
+                # Only a pass above the leader by the tolerance matters: start no lower,
+                # and a failure there or below ends the search (one simulation).
+                bar = leader.goodput.rate_scale * (1.0 + rel_tol)
+                start_scale = max(start_scale, bar)
             est = find_goodput(sim, policy, start_scale=start_scale, rel_tol=rel_tol,
-                               prune_at=leader.goodput.rate_scale if leader else None)
+                               prune_at=bar)
             ev = Evaluated(reps[idx], cand.knobs, cand.rate_per_s, cand.binding, est, policy,
                            label=f"milp#{it + 1}")
             new.append(ev)
@@ -328,7 +393,7 @@ def search(
             if log:
                 log(
                     f"iteration {it + 1}: {_short(cand.knobs)} predicted "
-                    f"{cand.rate_per_s:.2f} req/s, simulated {est.rate_per_s:.2f} req/s "
+                    f"{cand.rate_per_s:.2f} req/s, simulated {_verdict(est)} "
                     f"({len(est.points)} simulations)"
                 )
         passing = [e for e in evaluated if e.goodput.passed]
@@ -349,13 +414,20 @@ def search(
             converged = best is not None
             break
         best_rates.append(best.goodput.rate_per_s if best else 0.0)
-        if len(best_rates) >= 2 and best_rates[-1] > 0 and (
+        # The best simulated candidate is stable (within tolerance) this round.
+        stalled = len(best_rates) >= 2 and best_rates[-1] > 0 and (
             best_rates[-1] <= best_rates[-2] * (1.0 + rel_tol)
-        ):
-            converged = True  # the best simulated candidate is stable (within tolerance)
-            break
+        )
+    if stalled and not converged:
+        converged = True  # stable when the iteration limit came
+    if screen > 0 and first_instance is not None:
+        _screen(fluid, first_instance, unique, reps, shapes, evaluated, iterations,
+                make_policy, sim, screen=screen, rel_tol=rel_tol, log=log,
+                deadline=started + time_limit_s)
     passing = [e for e in evaluated if e.goodput.passed]
     best = max(passing, key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
+    if best is not None and refine_tol is not None:
+        best.goodput = refine_goodput(sim, best.policy, best.goodput, rel_tol=refine_tol)
     return LoopResult(
         best=best,
         evaluated=evaluated,
@@ -367,6 +439,68 @@ def search(
         first_instance=first_instance,
         first_status=first_status,
     )
+
+
+def _screen(
+    fluid: FluidModel, inst: MilpInstance, unique: list[Knobs], reps: list[int],
+    shapes: list[tuple], evaluated: list[Evaluated], iterations: list[dict[str, Any]],
+    make_policy: Callable[[Knobs], Any], sim: Simulator, *, screen: int, rel_tol: float,
+    log: Callable[[str], Any] | None, deadline: float,
+) -> None:
+    """Screen the step shapes the loop never tried, one simulation each.
+
+    Within the search's tolerance the model cannot rank shapes whose goodputs differ by a
+    few percent, and recalibration fitted to the tried shapes may misjudge the others.
+    The simulator settles it cheaply: each untried shape's best point (by the
+    uncalibrated model, best first, at most ``screen`` of them) is simulated once at the
+    leader's goodput raised by the tolerance; only one that passes can beat the leader,
+    and only then is its goodput searched (branch and bound on simulated bounds)."""
+    leader = max((e for e in evaluated if e.goodput.passed),
+                 key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
+    if leader is None:
+        return
+    tried = {shape_key(e.knobs) for e in evaluated}
+    best_of: dict[tuple, tuple[float, int]] = {}
+    for j, shape in enumerate(shapes):
+        if shape in tried:
+            continue
+        rate = _predicted_rate(fluid, inst, j)
+        if rate > 0 and (shape not in best_of or rate > best_of[shape][0]):
+            best_of[shape] = (rate, j)
+    order = sorted(best_of.values(), key=lambda v: (-v[0], v[1]))[:screen]
+    screened: list[Evaluated] = []
+    for rate, j in order:
+        if time.perf_counter() > deadline:
+            break
+        leader = max(evaluated + screened, key=lambda e: (e.goodput.rate_per_s, -e.index)
+                     if e.goodput.passed else (-1.0, 0))
+        bar = leader.goodput.rate_scale * (1.0 + rel_tol)
+        policy = make_policy(unique[j])
+        # A failure at the bar ends it: it cannot beat the leader by the tolerance.
+        est = find_goodput(sim, policy, start_scale=bar, rel_tol=rel_tol, prune_at=bar)
+        ev = Evaluated(reps[j], unique[j], rate, "", est, policy, label="screen")
+        screened.append(ev)
+        if log:
+            log(f"screen: {_short(unique[j])} simulated {_verdict(est)} "
+                f"({len(est.points)} simulations)")
+    if screened:
+        evaluated.extend(screened)
+        best = max((e for e in evaluated if e.goodput.passed),
+                   key=lambda e: (e.goodput.rate_per_s, -e.index))
+        iterations.append({
+            "iteration": len(iterations) + 1,
+            "screen": True,
+            "candidates": [e.as_dict() for e in screened],
+            "best_simulated_rate_per_s": best.goodput.rate_per_s,
+            "best_knobs": best.knobs.as_dotted(),
+        })
+
+
+def _verdict(est: GoodputEstimate) -> str:
+    if est.passed:
+        return f"{est.rate_per_s:.2f} req/s"
+    low = min((p.rate_per_s for p in est.points), default=0.0)
+    return f"no pass (lowest rate tried {low:.2f} req/s)"
 
 
 def _predicted_rate(model: FluidModel, inst: MilpInstance, p: int) -> float:
@@ -395,9 +529,10 @@ def equivalence_key(k: Knobs) -> tuple:
 
 
 def shape_key(k: Knobs) -> tuple:
-    """The batching shape: what a step may hold (seats, token budget, effective chunk
-    cap); the admission knobs (watermark, queue caps) only decide who waits."""
-    return equivalence_key(k)[:3]
+    """The step shape: what one step may hold (token budget, effective chunk cap). The
+    other knobs (seats, watermark, queue caps) only decide who waits, and change nothing
+    until they bind, which the model says."""
+    return equivalence_key(k)[1:3]
 
 
 def _short(k: Knobs) -> str:

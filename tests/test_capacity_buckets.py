@@ -109,8 +109,8 @@ def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert C.default_cache_dir() == Path.home() / ".cache" / "servetune" / "capacity"
 
 
-def test_capacity_cache_hit_and_damaged_entry(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(C, "CANDIDATE_BATCHING", ((64, 2048),))
+def _tiny_replica_inputs() -> tuple[Profile, SLOSet, C.WorkloadSlices]:
+    """A 500-block synthetic profile, a loose SLO and a two-bucket slicing of one class."""
     profile = document_from_data({
         "apiVersion": "servetune/v1", "kind": "Profile", "name": "tiny",
         "memory": {"kv_blocks_override": 500},
@@ -122,6 +122,12 @@ def test_capacity_cache_hit_and_damaged_entry(tmp_path: Path, monkeypatch) -> No
     }, SLOSet, "s.yaml")
     slices = C.slice_workload(_workload({"default": 1.0}), C.make_buckets((512,), (128,)),
                               n_requests=2000)
+    return profile, slo, slices
+
+
+def test_capacity_cache_hit_and_damaged_entry(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(C, "CANDIDATE_BATCHING", ((64, 2048),))
+    profile, slo, slices = _tiny_replica_inputs()
     b = slices.names[0]
     first = C.replica_capacity(profile, slices, b, slo, method="candidates", n_requests=200,
                                cache_dir=tmp_path)
@@ -144,17 +150,7 @@ def test_auto_keeps_the_better_of_optimizer_and_candidates(tmp_path: Path, monke
     from servetune.schemas.policy import Policy
 
     monkeypatch.setattr(C, "CANDIDATE_BATCHING", ((64, 2048),))
-    profile = document_from_data({
-        "apiVersion": "servetune/v1", "kind": "Profile", "name": "tiny",
-        "memory": {"kv_blocks_override": 500},
-        "step_time": {"fixed_s": 0.01, "gemm_pieces": [[0.0, 5.0e-5]]},
-    }, Profile, "p.yaml")
-    slo = document_from_data({
-        "apiVersion": "servetune/v1", "kind": "SLOSet",
-        "classes": {"default": {"ttft_s": 2.0, "tpot_s": 0.2, "percentile": 90}},
-    }, SLOSet, "s.yaml")
-    slices = C.slice_workload(_workload({"default": 1.0}), C.make_buckets((512,), (128,)),
-                              n_requests=2000)
+    profile, slo, slices = _tiny_replica_inputs()
     b = slices.names[0]
     calls = []
 

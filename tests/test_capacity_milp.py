@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
-import math
 import random
 
-import highspy
-import numpy as np
 import pytest
 from servetune.models.capacity_milp import CapacityInstance
 from servetune.solvers.capacity import solve_capacity
+from servetune.solvers.exhaustive import cheapest_plan_cost, routing_feasible
 
 from servetune.errors import InfeasibleError
 
@@ -96,52 +93,6 @@ def test_budget_mode_serves_most_within_budget() -> None:
 # --- brute force: enumerate every replica combination, check routing by an LP ---------
 
 
-def _routing_feasible(inst: CapacityInstance, s: int, n: dict[str, int]) -> bool:
-    """Is there a routing with every bucket served and every type within capacity?"""
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    pairs = [(b, t) for b in inst.buckets for t in inst.types if inst.mu[t, b] > 0]
-    for _ in pairs:
-        h.addVar(0.0, 1.0)
-    for b in inst.buckets:
-        idx = [i for i, (bb, _t) in enumerate(pairs) if bb == b]
-        if not idx:
-            return inst.lam[b, s] <= 0
-        h.addRow(1.0, 1.0, len(idx), np.array(idx, dtype=np.int32), np.ones(len(idx)))
-    for t in inst.types:
-        idx = [i for i, (_b, tt) in enumerate(pairs) if tt == t]
-        coef = [inst.lam[pairs[i][0], s] / inst.mu[t, pairs[i][0]] for i in idx]
-        spare = 1 if (inst.n_plus_one and n[t] > 0) else 0
-        if idx:
-            h.addRow(
-                -highspy.kHighsInf, inst.headroom * (n[t] - spare), len(idx),
-                np.array(idx, dtype=np.int32), np.array(coef),
-            )
-    h.run()
-    return h.getModelStatus() == highspy.HighsModelStatus.kOptimal
-
-
-def _brute_force_cost(inst: CapacityInstance) -> float:
-    total = 0.0
-    for s in range(inst.n_slots):
-        bound = {
-            t: math.ceil(
-                sum(inst.lam[b, s] / inst.mu[t, b] for b in inst.buckets if inst.mu[t, b] > 0)
-                / inst.headroom
-            )
-            + (1 if inst.n_plus_one else 0)
-            for t in inst.types
-        }
-        best = math.inf
-        for combo in itertools.product(*(range(bound[t] + 1) for t in inst.types)):
-            n = dict(zip(inst.types, combo, strict=True))
-            cost = sum(inst.price[t] * inst.hours * n[t] for t in inst.types)
-            if cost < best - 1e-12 and _routing_feasible(inst, s, n):
-                best = cost
-        total += best
-    return total
-
-
 def _random_instance(rng: random.Random, n_types: int, n_buckets: int) -> CapacityInstance:
     types = tuple(f"t{i}" for i in range(n_types))
     buckets = tuple(f"b{i}" for i in range(n_buckets))
@@ -165,11 +116,11 @@ def test_matches_brute_force(seed: int) -> None:
     rng = random.Random(seed)
     inst = _random_instance(rng, rng.choice([2, 3]), rng.choice([3, 4]))
     sol = solve_capacity(inst)
-    assert sol.cost == pytest.approx(_brute_force_cost(inst), abs=1e-6)
+    assert sol.cost == pytest.approx(cheapest_plan_cost(inst)[0], abs=1e-6)
     # the plan it returns is itself feasible
     for s in range(inst.n_slots):
         n = {t: sol.replicas[t, s] for t in inst.types}
-        assert _routing_feasible(inst, s, n)
+        assert routing_feasible(inst, s, n)
 
 
 def test_same_inputs_same_plan() -> None:
@@ -216,3 +167,26 @@ def test_repeated_slots_are_solved_once(monkeypatch: pytest.MonkeyPatch) -> None
     assert sol.cost == pytest.approx(19.0)
     for s in range(5):
         assert sol.routing["short", "b", s] == pytest.approx(1.0)
+
+
+def test_oracle_checks_every_bucket_past_an_idle_unservable_one() -> None:
+    """The enumeration oracle's routing check used to return "feasible" as soon as it met a
+    bucket no type can serve with rate 0, skipping the buckets after it."""
+    lam = {("short", 0): 10.0, ("long", 0): 2.0, ("idle", 0): 0.0}
+    mu = {("a", "short"): 4.0, ("a", "long"): 0.5, ("b", "short"): 3.0, ("b", "long"): 2.0,
+          ("a", "idle"): 0.0, ("b", "idle"): 0.0}
+    inst = _inst(buckets=("short", "idle", "long"), n_slots=1, lam=lam, mu=mu)
+    assert not routing_feasible(inst, 0, {"a": 0, "b": 0})
+    assert routing_feasible(inst, 0, {"a": 0, "b": 5})
+
+
+def test_idle_unservable_bucket_is_not_infeasible() -> None:
+    """A bucket no type can serve but with no traffic needs no routing: the plan is the
+    one without it (this used to end "infeasible: count limit too low ... 0 req/s")."""
+    lam = {("short", 0): 10.0, ("long", 0): 2.0, ("idle", 0): 0.0}
+    mu = {("a", "short"): 4.0, ("a", "long"): 0.5, ("b", "short"): 3.0, ("b", "long"): 2.0,
+          ("a", "idle"): 0.0, ("b", "idle"): 0.0}
+    sol = solve_capacity(_inst(buckets=("short", "idle", "long"), n_slots=1, lam=lam, mu=mu))
+    assert sol.replicas == {("a", 0): 0, ("b", 0): 5}  # as in test_hand_solved_two_slots
+    assert sol.cost == pytest.approx(5.0)
+    assert not any(b == "idle" for b, _t, _s in sol.routing)

@@ -242,12 +242,15 @@ def test_place_deadline_before_release_exits_3(inputs, tmp_path: Path) -> None:
 
 def test_budget_mode_serves_what_it_can(inputs, tmp_path: Path) -> None:
     out = tmp_path / "plan.yaml"
-    r = runner.invoke(app, _plan_args(inputs, out, "--budget", "3.5"))
+    r = runner.invoke(app, _plan_args(inputs, out, "--budget", "3.5", "--growth", "1"))
     assert r.exit_code == 0, r.output
     plan = yaml.safe_load(out.read_text())
     assert plan["cost"]["total_usd"] <= 3.5 + 1e-9
     assert 0 < plan["solver"]["served_share"] < 1
     assert "budget $3.50: serves" in r.output
+    # the sweep plans full service, dearer than the budget: the output says so
+    assert plan["growth_sweep"][0]["daily_usd"] > plan["cost"]["daily_usd"]
+    assert "the budget does not apply" in r.output
 
 
 def test_growth_beyond_the_limits_is_reported_not_fatal(inputs, tmp_path: Path) -> None:
@@ -295,3 +298,22 @@ def test_plan_report_bytes_are_deterministic(inputs, tmp_path: Path) -> None:
     for f in files:
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
     assert not list((tmp_path / "a").glob(".*.tmp"))  # no temporary file left behind
+
+
+def test_gpu_type_without_the_models_profile_is_named_not_dropped_silently(
+    inputs, tmp_path: Path
+) -> None:
+    fleet = yaml.safe_load(inputs["fleet"].read_text())
+    fleet["model"] = "m"
+    for g in fleet["gpu_types"]:
+        g["profiles"] = {"m": g.pop("profile")}
+    fleet["gpu_types"].append({"name": "other", "profiles": {"x": "big.yaml"},
+                               "price_per_gpu_hour": 0.01})
+    inputs["fleet"].write_text(yaml.safe_dump(fleet))
+    out = tmp_path / "plan.yaml"
+    r = runner.invoke(app, _plan_args(inputs, out))
+    assert r.exit_code == 0, r.output
+    assert "not in this plan: other (no profile for model m)" in r.output
+    plan = yaml.safe_load(out.read_text())
+    assert plan["excluded_gpu_types"] == {"other": "no profile for model m"}
+    assert "other" not in plan["gpus"]

@@ -447,6 +447,21 @@ def test_cli_writes_file_and_lists_unsupported(tmp_path):
     assert [p.name for p in out.parent.iterdir()] == ["vllm.yaml"]  # no temp file left
 
 
+def test_cli_output_path_blocked_by_a_file_names_it(tmp_path):
+    """-o below a file used to say "cannot write (File exists)"; it now names the file in
+    the way, and a folder given as -o is refused as such."""
+    pol = write_policy(tmp_path, make_policy())
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    res = runner.invoke(app, ["export", "--policy", str(pol), "--engine", "vllm", "-o",
+                              str(afile / "vllm.yaml")])
+    assert res.exit_code == 2 and f"{afile} is a file, not a folder" in res.output
+    res = runner.invoke(app, ["export", "--policy", str(pol), "--engine", "vllm", "-o",
+                              str(tmp_path)])
+    assert res.exit_code == 2 and "is a folder; give a file path" in res.output
+    assert afile.read_text() == "x"
+
+
 def test_cli_stdout_and_json(tmp_path):
     pol = write_policy(tmp_path, make_policy())
     res = runner.invoke(app, ["export", "--policy", str(pol), "--engine", "sglang"])

@@ -189,3 +189,22 @@ def test_forecast_fuzz_fails_cleanly(rates, growth) -> None:
     else:  # accepted: then it is a usable day of rates
         assert fc.n_slots == 24 and all(r >= 0 for r in fc.class_rates()["default"])
         assert all(g > 0 for g in fc.growth)
+
+
+def test_whole_document_checks_read_cleanly() -> None:
+    """Checks across a document name their own field: no pydantic "Value error," and no
+    "(document):" placeholder in front of them."""
+    d = _fleet()
+    d["gpu_types"][1]["name"] = d["gpu_types"][0]["name"]
+    with pytest.raises(ServetuneError) as err:
+        document_from_data(d, Fleet, "in.yaml")
+    assert err.value.message == (
+        f"in.yaml: gpu_types.1.name: duplicate GPU type name {d['gpu_types'][0]['name']!r}"
+    )
+    d = _forecast()
+    d["classes"]["default"]["rate_per_s"] = [1.0] * 23
+    with pytest.raises(ServetuneError) as err:
+        document_from_data(d, Forecast, "in.yaml")
+    assert err.value.message == (
+        "in.yaml: classes.default.rate_per_s: give 24 hourly rates (got 23)"
+    )

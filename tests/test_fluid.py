@@ -192,3 +192,18 @@ def test_tpot_noise_quantile_averages_over_a_requests_decode_steps():
     # One decode step each: no averaging at all.
     short = ClassLoad.from_samples("b", 1.0, prompts, np.full(1000, 2))
     assert tpot_noise_quantiles(short, 0.99)[0] == pytest.approx(z99, rel=1e-6)
+
+
+def test_chunked_prefill_variance_is_capped_by_the_chunk():
+    """E[P min(P, c)]: E[P^2] when every prompt fits one chunk, c E[P] when every prompt
+    is longer than a chunk; in between it grows with c."""
+    rng = np.random.default_rng(3)
+    prompts = rng.integers(200, 2000, 50_000)
+    load = LoadModel((ClassLoad.from_samples("a", 1.0, prompts, np.full(50_000, 50)),), 5.0)
+    fm = fluid(load=load)
+    assert float(fm.prompt_chunked_sq(np.array([1e9]))[0]) == pytest.approx(fm.prompt_sq)
+    small = float(fm.prompt_chunked_sq(np.array([100.0]))[0])
+    assert small == pytest.approx(100.0 * fm.prompt_mean, rel=0.02)
+    cs = np.array([100.0, 400.0, 800.0, 1600.0, 4000.0])
+    vals = fm.prompt_chunked_sq(cs)
+    assert np.all(np.diff(vals) > 0) and vals[-1] <= fm.prompt_sq * (1 + 1e-9)

@@ -97,6 +97,22 @@ def test_too_short_trace_exits_2_without_outputs(tmp_path):
     assert not out.exists()
 
 
+def test_slo_without_the_traces_class_is_named_before_any_work(tmp_path):
+    """An SLO set with classes other than the trace's used to fail only after fitting and
+    optimizing, naming the set but not its file."""
+    slo = tmp_path / "two.yaml"
+    slo.write_text("apiVersion: servetune/v1\nkind: SLOSet\nname: two\nclasses:\n"
+                   "  chat: {ttft_s: 2.0, tpot_s: 0.1, percentile: 99}\n"
+                   "  batch: {ttft_s: 20.0, tpot_s: 0.2, percentile: 90}\n")
+    out = tmp_path / "out"
+    args = nightly_args(out)
+    args[args.index("--slo") + 1] = str(slo)
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert f"{slo}: classes: no entry for the trace's request class 'default'" in res.output
+    assert "optimizing" not in res.output and not out.exists()
+
+
 def test_out_dir_below_a_file_fails_before_any_work(tmp_path):
     """A file where a parent folder of --out-dir would go is named at once, before the
     inputs are even read (it used to surface only after the whole run)."""
@@ -232,11 +248,11 @@ def test_interrupted_run_leaves_previous_outputs(tiny, first_run, monkeypatch):
     calls = {"n": 0}
     real = report_mod._stage_one
 
-    def dying_stage(folder, name, data, mode):
+    def dying_stage(folder, name, data):
         calls["n"] += 1
         if calls["n"] == 5:
             raise KeyboardInterrupt  # the job is killed while writing its files
-        return real(folder, name, data, mode)
+        return real(folder, name, data)
 
     monkeypatch.setattr(report_mod, "_stage_one", dying_stage)
     with pytest.raises(KeyboardInterrupt):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
@@ -11,6 +10,7 @@ from servetune.models.placement_cpsat import (
     PlacementJob,
     explain_unplaced,
 )
+from servetune.solvers.exhaustive import best_placement_value
 from servetune.solvers.placement import solve_placement
 
 
@@ -83,35 +83,6 @@ def test_non_preemptible_stays_on_one_type_contiguously() -> None:
 # --- brute force: every subset of preemptible jobs, feasibility by EDF ---------------
 
 
-def _edf_feasible(inst: PlacementInstance, subset: list[PlacementJob]) -> bool:
-    """Earliest-deadline-first on the summed spare capacity of each slot: exact for
-    divisible work with release times and deadlines."""
-    left = {j.id: j.work for j in subset}
-    for s in range(inst.n_slots):
-        room = sum(inst.cap.get((t, s), 0) for t in inst.types)
-        ready = sorted(
-            (j for j in subset if j.release_slot <= s <= j.deadline_slot and left[j.id] > 0),
-            key=lambda j: (j.deadline_slot, j.id),
-        )
-        for j in ready:
-            take = min(room, left[j.id])
-            left[j.id] -= take
-            room -= take
-        if any(left[j.id] > 0 and j.deadline_slot <= s for j in subset):
-            return False
-    return all(v == 0 for v in left.values())
-
-
-def _brute_force_value(inst: PlacementInstance) -> int:
-    best = 0
-    for k in range(len(inst.jobs) + 1):
-        for subset in itertools.combinations(inst.jobs, k):
-            value = sum(j.value for j in subset)
-            if value > best and _edf_feasible(inst, list(subset)):
-                best = value
-    return best
-
-
 @pytest.mark.parametrize("seed", range(10))
 def test_matches_brute_force(seed: int) -> None:
     rng = random.Random(seed)
@@ -126,7 +97,7 @@ def test_matches_brute_force(seed: int) -> None:
     inst = PlacementInstance(types, n_slots, cap, tuple(jobs))
     sol = solve_placement(inst)
     assert sol.status == "optimal"
-    assert sol.value == _brute_force_value(inst)
+    assert sol.value == best_placement_value(inst)
     for (t, s), c in cap.items():
         assert sum(p.work.get((t, s), 0) for p in sol.jobs.values()) <= c
     for j in jobs:

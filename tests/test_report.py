@@ -233,3 +233,20 @@ def test_per_class_rows_for_a_two_class_trace():
             "500 ms, p99 TPOT 50 ms | attainment 1, p99 TTFT 200 ms") in md
     assert ("| `batch` | TTFT <= 1 s, TPOT <= 0.1 s (0.9 of requests) | attainment 0, p99 "
             "TTFT 1.5 s") in md
+
+
+def test_log_axis_labels_every_part_of_a_goodput_range():
+    """The goodput search often spans 5-45 req/s; with 1-2-5 ticks nothing past 20 was
+    labelled, so the points at 25-45 req/s could not be read off the plot."""
+    from servetune.report import _plain_log_axis, pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots()
+    ax.plot([5.4, 45.0], [1.0, 0.1])
+    _plain_log_axis(ax)
+    fig.canvas.draw()
+    lo, hi = ax.get_xlim()
+    labels = {t.get_text() for t in ax.get_xticklabels()
+              if t.get_text() and lo <= t.get_position()[0] <= hi}
+    plt.close(fig)
+    assert {"10", "20", "30"} <= labels

@@ -125,11 +125,11 @@ def test_find_goodput_prunes_a_policy_that_cannot_beat_the_leader():
 
 
 def test_each_round_tries_different_batching_shapes():
-    """The model barely separates the admission knobs, so a round of near-copies of its
-    favourite shape (differing only in watermark) would never learn that it ranked the
-    shapes wrongly. Here the true best is the model's third shape; with k=2 the second
-    round must reach it, and no shape is simulated twice unless the model ranks the
-    second variant higher."""
+    """Seats and watermark change nothing until they bind, so a round of near-copies of
+    the model's favourite step shape (token budget, chunk cap) would never learn that it
+    ranked the shapes wrongly. Here the true best is the model's third shape; with k=2
+    the second round must reach it, and no shape is simulated twice unless the model
+    ranks the second variant higher."""
     from servetune.solvers.loop import shape_key
 
     fm = fluid()
@@ -154,3 +154,33 @@ def test_each_round_tries_different_batching_shapes():
     assert len(tried) == len(set(tried))  # the model ranks no second variant higher here
     assert res.best is not None and shape_key(res.best.knobs) == target
     assert res.best.goodput.rate_per_s >= max(truth.values()) / 1.02 - 1e-9
+
+
+def test_screening_finds_a_shape_the_loop_never_tried_at_one_simulation_per_loser():
+    """The model ranks the true best step shape fourth; a loop of one candidate per round
+    for two rounds never reaches it. Screening simulates each untried shape once at the
+    leader's goodput plus the tolerance: the losers fail there (one simulation each, a
+    simulated bound), the winner passes and is searched."""
+    from servetune.solvers.loop import shape_key
+
+    fm = fluid()
+    points = knobs_grid(SMALL_SPACE)
+    pred = {k: fm.goodput(k)[0] for k in points}
+    best_of_shape: dict[tuple, float] = {}
+    for k in points:
+        best_of_shape[shape_key(k)] = max(best_of_shape.get(shape_key(k), 0.0), pred[k])
+    ranked = sorted(best_of_shape, key=lambda s: -best_of_shape[s])
+    target = ranked[3]
+    truth = {k: pred[k] * (1.5 if shape_key(k) == target else 0.8) for k in points}
+    sim = ThresholdSim(truth)
+    plain = search(fm, points, make_policy, ThresholdSim(truth), k=1, max_iterations=2,
+                   rel_tol=0.02, screen=0)
+    assert shape_key(plain.best.knobs) != target
+    res = search(fm, points, make_policy, sim, k=1, max_iterations=2, rel_tol=0.02,
+                 screen=len(ranked))
+    assert shape_key(res.best.knobs) == target
+    assert res.best.goodput.rate_per_s >= max(truth.values()) / 1.02 - 1e-9
+    screened = [e for e in res.evaluated if e.label == "screen"]
+    losers = [e for e in screened if shape_key(e.knobs) != target]
+    assert losers and all(len(e.goodput.points) == 1 for e in losers)
+    assert res.iterations[-1].get("screen") is True

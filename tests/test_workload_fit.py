@@ -245,8 +245,10 @@ def test_fit_rate_windows_recovers_step_rate():
     assert m[0] / m[1] == pytest.approx(10, rel=0.15)
     # within windows the process is Poisson; without windows it looks bursty
     assert arr.interarrival_cv == pytest.approx(1, abs=0.1)
+    assert arr.process in ("poisson", "gamma")
     plain = fit_workload(t).classes["default"].arrival
-    assert plain.process == "gamma" and plain.interarrival_cv > 1.5
+    # a 10x rate step seen as one renewal process has gap CV > 2: empirical gaps
+    assert plain.process == "empirical" and plain.interarrival_cv > 2
 
 
 def test_fit_rejections():

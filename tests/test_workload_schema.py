@@ -80,7 +80,8 @@ def test_shipped_numbers():
     assert conv.output_mean == pytest.approx(211.1, rel=0.002)
     assert (conv.prompt_p50, conv.prompt_p99, conv.prompt_max) == (1020, 4142, 14050)
     code = class_stats(load_workload(REPO / "configs/workloads/azure-code-2023.yaml"))[0]
-    assert code.interarrival_cv == pytest.approx(13.15, abs=0.01)
+    # empirical gaps: the knots' CV, within 1% of the trace's 13.15
+    assert code.interarrival_cv == pytest.approx(13.15, rel=0.01)
     assert (code.output_p50, code.output_p99) == (13, 251.46)
     long = class_stats(load_workload(REPO / "configs/workloads/long-context-synthetic.yaml"))[0]
     assert long.prompt_mean == pytest.approx(12000, rel=0.01)
@@ -182,9 +183,9 @@ rates = st.floats(min_value=1e-9, max_value=1e6, allow_nan=False, allow_infinity
 
 
 @st.composite
-def distributions(draw) -> dict:
+def distributions(draw, low: float = 1.0, high: float = 1e7) -> dict:
     inner = sorted(set(draw(st.lists(st.floats(0.001, 0.999), max_size=6))))
-    values = sorted(draw(st.lists(st.floats(1, 1e7), min_size=len(inner) + 2,
+    values = sorted(draw(st.lists(st.floats(low, high), min_size=len(inner) + 2,
                                   max_size=len(inner) + 2)))
     return {"quantiles": [0.0, *inner, 1.0], "values": values}
 
@@ -194,9 +195,16 @@ def workloads(draw) -> Workload:
     classes = {}
     for name in draw(st.lists(st.text(min_size=1, max_size=6).filter(str.strip), min_size=1,
                               max_size=3, unique=True)):
-        cv = draw(st.one_of(st.just(1.0), st.floats(0.01, 100)))
-        arrival = {"process": "poisson" if cv == 1.0 else "gamma", "rate_per_s": draw(rates),
-                   "interarrival_cv": cv}
+        cv = draw(st.one_of(st.just(1.0), st.floats(0.01, 100), st.just(None)))
+        if cv is None:  # empirical: gap knots (zero gaps allowed), CV computed from them
+            gaps = draw(distributions(low=0.0, high=1e4))
+            if gaps["values"][-1] <= 0:
+                gaps["values"][-1] = 1.0
+            arrival = {"process": "empirical", "rate_per_s": draw(rates),
+                       "interarrival_gaps": gaps}
+        else:
+            arrival = {"process": "poisson" if cv == 1.0 else "gamma",
+                       "rate_per_s": draw(rates), "interarrival_cv": cv}
         if draw(st.booleans()):
             arrival["windows"] = {"window_s": draw(positive), "rate_multipliers": draw(
                 st.lists(st.floats(0, 100), min_size=1, max_size=5).filter(

@@ -57,6 +57,10 @@ def register(app: typer.Typer) -> None:
             raise ServetuneError(
                 f"--engine {engine!r} is not supported; choose one of {', '.join(ENGINES)}"
             )
+        if output is not None:
+            from servetune.report import check_out_file
+
+            check_out_file(output, "-o/--output")
         pol = load_document(policy, Policy)
         result = export_policy(pol, engine, profile=load_profile_arg(profile))
         if output is not None:

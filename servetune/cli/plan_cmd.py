@@ -176,6 +176,8 @@ def _plan_lines(plan: dict[str, Any]) -> list[str]:
         f"plan: ${cost['daily_usd']:,.2f}/day (peak ${cost['peak_hourly_usd']:,.2f}/h), "
         f"peak GPUs " + ", ".join(f"{t} {n}" for t, n in peak.items()),
     ]
+    for t, why in plan.get("excluded_gpu_types", {}).items():
+        lines.append(f"not in this plan: {t} ({why})")
     solver = plan.get("solver", {})
     if solver.get("budget_usd") is not None:
         lines.append(f"budget ${solver['budget_usd']:,.2f}: serves "
@@ -188,6 +190,9 @@ def _plan_lines(plan: dict[str, Any]) -> list[str]:
     v = plan["validation"]
     lines.append(f"validated in simulation: {'yes' if v['validated'] else 'NO'} "
                  f"after {v['rounds']} round(s)")
+    if plan.get("growth_sweep") and solver.get("budget_usd") is not None:
+        lines.append("growth sweep: the cost of serving every request (the budget does not "
+                     "apply):")
     for r in plan.get("growth_sweep", []):
         if not r.get("feasible", True):
             lines.append(f"growth x{r['growth']:g}: infeasible: {r['reason']}")

@@ -49,7 +49,7 @@ def class_table(workload: Any, title: str) -> Table:
 
 def _arrival_text(arrival: Any) -> str:
     text = arrival.process if arrival.process == "poisson" else (
-        f"gamma CV {arrival.interarrival_cv:.2f}"
+        f"{arrival.process} CV {arrival.interarrival_cv:.2f}"
     )
     if arrival.windows is not None:
         text += f", {len(arrival.windows.rate_multipliers)} x {arrival.windows.window_s:g} s"
@@ -102,6 +102,10 @@ def register(app: typer.Typer) -> None:
             None, "--rate-windows", help="Fit a piecewise-constant rate over windows of S seconds."
         ),
         name: str | None = typer.Option(None, "--name", help="Workload name (default: file stem)."),
+        arrival: str = typer.Option(
+            "auto", "--arrival", help="Arrival process: auto (empirical gaps when the gap CV "
+            "is over 2, else gamma or poisson), poisson, gamma or empirical."
+        ),
         trace_format: TraceFormatOption = None,
         columns: ColumnsOption = None,
         arrival_unit: ArrivalUnitOption = None,
@@ -124,6 +128,7 @@ def register(app: typer.Typer) -> None:
             rate_windows_s=rate_windows,
             name=name or output.stem,
             source=trace_path.name,
+            arrival_process=arrival,
         )
         header = (
             f"Fitted by servetune from {trace_path.name}: {len(trace)} requests over "

@@ -56,6 +56,8 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         msg = "unknown key; remove it or check its spelling"
     elif first.get("type") == "missing":
         msg = "required field is missing"
+    elif first.get("type") == "value_error":
+        msg = msg.removeprefix("Value error, ")  # pydantic's prefix says nothing to a user
     value = first.get("input")
     shown = ""
     if first.get("type") not in ("missing", "extra_forbidden") and not isinstance(
@@ -63,6 +65,8 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     ):
         shown = f" (got {value!r})"
     more = f" [+{len(errors) - 1} more]" if len(errors) > 1 else ""
+    if loc == "(document)" and first.get("type") == "value_error":
+        return f"{source}: {msg}{more}"  # a whole-document check names its fields itself
     return f"{source}: {loc}: {msg}{shown}{more}"
 
 

@@ -6,7 +6,14 @@ the class index a sampled trace uses) has
 - ``priority``: lower is served first (vLLM's convention), used by ``scheduling: priority``;
 - ``arrival``: a renewal process with mean ``rate_per_s``. ``poisson`` has exponential
   inter-arrival gaps (CV 1); ``gamma`` has gamma-distributed gaps whose coefficient of
-  variation is ``interarrival_cv`` (> 1 bursty, < 1 regular). Optional ``windows`` make
+  variation is ``interarrival_cv`` (> 1 bursty, < 1 regular); ``empirical`` draws each gap
+  by inverse CDF from quantile knots ``interarrival_gaps`` (a trace's own gaps, in units of
+  their mean: the sampler divides the knots by their piecewise-linear mean and by the
+  rate, so the mean gap is exactly ``1 / rate_per_s``). ``empirical`` keeps the shape a
+  moment-matched gamma cannot: a gamma with CV 13 has shape 1/169 and puts most gaps at
+  (numerically) zero, while a real bursty trace has few tiny gaps and a long tail of idle
+  gaps. Its ``interarrival_cv`` is the knots' CV (computed when omitted; when given it
+  must agree within 1%), so readers of the CV see the same number. Optional ``windows`` make
   the rate piecewise constant: window ``i`` (of ``window_s`` seconds, repeating after the
   last one) runs at ``rate_per_s * rate_multipliers[i] / mean(rate_multipliers)``, so
   ``rate_per_s`` stays the mean rate. The gaps are drawn in "operational time" (unit
@@ -36,6 +43,16 @@ MAX_TOKENS_BOUND = 10_000_000  # no request length beyond this is plausible; cat
 MAX_RATE_PER_S = 1e6
 
 
+def _check_grid(q: list[float]) -> list[float]:
+    if any(not math.isfinite(x) for x in q):
+        raise ValueError("quantiles must be finite numbers")
+    if q[0] != 0.0 or q[-1] != 1.0:
+        raise ValueError("quantiles must start at 0 and end at 1")
+    if any(b <= a for a, b in zip(q, q[1:], strict=False)):
+        raise ValueError("quantiles must be strictly increasing")
+    return q
+
+
 class LengthDistribution(Strict):
     """Token lengths as quantile knots; sampled by inverse CDF with interpolation."""
 
@@ -49,13 +66,7 @@ class LengthDistribution(Strict):
     @field_validator("quantiles")
     @classmethod
     def _grid(cls, q: list[float]) -> list[float]:
-        if any(not math.isfinite(x) for x in q):
-            raise ValueError("quantiles must be finite numbers")
-        if q[0] != 0.0 or q[-1] != 1.0:
-            raise ValueError("quantiles must start at 0 and end at 1")
-        if any(b <= a for a, b in zip(q, q[1:], strict=False)):
-            raise ValueError("quantiles must be strictly increasing")
-        return q
+        return _check_grid(q)
 
     @field_validator("values")
     @classmethod
@@ -78,6 +89,61 @@ class LengthDistribution(Strict):
                 f"{len(self.values)}; give one value per quantile"
             )
         return self
+
+
+def knot_moments(quantiles: list[float], values: list[float]) -> tuple[float, float]:
+    """Mean and CV of the piecewise-linear quantile function through the knots: on a piece
+    from (q0, a) to (q1, b), E[X] gains (q1-q0)(a+b)/2 and E[X^2] gains (q1-q0)(a^2+ab+b^2)/3."""
+    mean = second = 0.0
+    for q0, q1, a, b in zip(quantiles, quantiles[1:], values, values[1:], strict=False):
+        mean += (q1 - q0) * (a + b) / 2.0
+        second += (q1 - q0) * (a * a + a * b + b * b) / 3.0
+    if mean <= 0:
+        return mean, 0.0
+    return mean, math.sqrt(max(second / (mean * mean) - 1.0, 0.0))
+
+
+class GapDistribution(Strict):
+    """Inter-arrival gaps as quantile knots, relative to the mean gap (any positive scale:
+    the sampler divides by the knots' mean). Zero gaps (simultaneous arrivals) are allowed."""
+
+    quantiles: list[float] = Field(
+        min_length=2, description="probability grid, strictly increasing from 0 to 1"
+    )
+    values: list[float] = Field(
+        min_length=2, description="gap at each quantile in units of the mean gap, >= 0"
+    )
+
+    @field_validator("quantiles")
+    @classmethod
+    def _grid(cls, q: list[float]) -> list[float]:
+        return _check_grid(q)
+
+    @field_validator("values")
+    @classmethod
+    def _gaps(cls, v: list[float]) -> list[float]:
+        if any(not math.isfinite(x) for x in v):
+            raise ValueError("values must be finite gaps")
+        if v[0] < 0:
+            raise ValueError(f"values must be >= 0 (got {v[0]}); they are gaps between arrivals")
+        if any(b < a for a, b in zip(v, v[1:], strict=False)):
+            raise ValueError("values must be non-decreasing (they are quantiles)")
+        if v[-1] <= 0:
+            raise ValueError("values must not all be 0: the mean gap must be positive")
+        return v
+
+    @model_validator(mode="after")
+    def _same_length(self) -> GapDistribution:
+        if len(self.quantiles) != len(self.values):
+            raise ValueError(
+                f"quantiles has {len(self.quantiles)} entries but values has "
+                f"{len(self.values)}; give one value per quantile"
+            )
+        return self
+
+    def moments(self) -> tuple[float, float]:
+        """(mean, CV) of the distribution the sampler draws from (before normalising)."""
+        return knot_moments(self.quantiles, self.values)
 
 
 class RateWindows(Strict):
@@ -106,8 +172,10 @@ class RateWindows(Strict):
 
 
 class Arrival(Strict):
-    process: Literal["poisson", "gamma"] = Field(
-        "poisson", description="poisson (exponential gaps) or gamma (gaps with the given CV)"
+    process: Literal["poisson", "gamma", "empirical"] = Field(
+        "poisson",
+        description="poisson (exponential gaps), gamma (gaps with the given CV) or empirical "
+        "(gaps drawn from interarrival_gaps)",
     )
     rate_per_s: float = Field(
         gt=0, le=MAX_RATE_PER_S, description="mean arrival rate, requests per second"
@@ -115,12 +183,37 @@ class Arrival(Strict):
     interarrival_cv: float = Field(
         1.0, gt=0, le=100, description="coefficient of variation of the gaps (1 for poisson)"
     )
+    interarrival_gaps: GapDistribution | None = Field(
+        None, description="empirical only: gap quantile knots in units of the mean gap"
+    )
     windows: RateWindows | None = Field(None, description="optional piecewise-constant rate")
 
     @model_validator(mode="after")
     def _consistent(self) -> Arrival:
         if not math.isfinite(self.rate_per_s):
             raise ValueError("rate_per_s must be a finite number")
+        if self.process == "empirical":
+            if self.interarrival_gaps is None:
+                raise ValueError(
+                    "process: empirical needs interarrival_gaps {quantiles, values} (fit one "
+                    "with servetune workload fit), or use process: gamma"
+                )
+            _, cv = self.interarrival_gaps.moments()
+            cv = min(max(round(cv, 4), 0.01), 100.0)
+            if "interarrival_cv" not in self.model_fields_set:
+                # bypass validate_assignment (it would re-run this validator)
+                self.__dict__["interarrival_cv"] = cv
+            elif abs(self.interarrival_cv - cv) > max(0.01 * cv, 1e-4):
+                raise ValueError(
+                    f"interarrival_cv {self.interarrival_cv} disagrees with the CV of "
+                    f"interarrival_gaps ({cv}); set it to {cv} or leave it out"
+                )
+            return self
+        if self.interarrival_gaps is not None:
+            raise ValueError(
+                f"interarrival_gaps applies to process: empirical only (got process: "
+                f"{self.process}); remove it or set process: empirical"
+            )
         if self.process == "poisson" and self.interarrival_cv != 1.0:
             raise ValueError(
                 f"a poisson process has interarrival_cv 1 (got {self.interarrival_cv}); "
