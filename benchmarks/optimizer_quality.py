@@ -17,11 +17,9 @@ Two runs per workload x SLO set:
    point by point (its error is reported).
 
 Sources: the three shipped workloads (sampled with seed 0), plus the real Azure code
-trace replayed directly (its first requests, time-compressed): the fitted code workload's
-gamma arrivals with inter-arrival CV 13 put hundreds of requests at the same instant, a
-burst no rate scale dilutes, so no policy meets a p99 TTFT there. The long-context
-workload cannot meet either MLPerf TTFT limit on one H200 (a 50k-token prompt alone takes
-more than 2 s to prefill), so it also runs with a relaxed SLO (p99 TTFT 10 s, TPOT 100 ms).
+trace replayed directly (its first requests, time-compressed). The long-context workload
+cannot meet either MLPerf TTFT limit on one H200 (a 50k-token prompt alone takes more than
+2 s to prefill), so it also runs with a relaxed SLO (p99 TTFT 10 s, TPOT 100 ms).
 
 Usage: python benchmarks/optimizer_quality.py [--out benchmarks/optimizer_quality.json]
        [--cases conv,code,code-trace,long]

@@ -7,6 +7,8 @@
   ``sglang`` admission model when the simulator has it;
 - exhaustive grid: every point of the space simulated, goodput by bracketing and bisection
   from the workload's own rate (the brute-force oracle);
+- every method's answer gets its goodput bracket narrowed to 1% at the end (as the milp
+  loop's does), so answers are compared at the same resolution;
 - random search: points in a seeded random order, same goodput search, until the
   simulation budget is spent;
 - Optuna TPE (only when ``optuna`` is importable, the optional extra ``optuna``), seeded,
@@ -23,7 +25,7 @@ from typing import Any
 
 import numpy as np
 from servetune.models.fluid import Knobs
-from servetune.solvers.loop import Evaluated, Simulator, find_goodput
+from servetune.solvers.loop import Evaluated, Simulator, find_goodput, refine_goodput
 
 VLLM_DEFAULTS = Knobs(max_num_seqs=1024, max_num_batched_tokens=8192)
 SGLANG_CHUNKED_PREFILL = 8192
@@ -52,6 +54,18 @@ class BaselineResult:
 def _best(evaluated: list[Evaluated]) -> Evaluated | None:
     passing = [e for e in evaluated if e.goodput.passed]
     return max(passing, key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
+
+
+# The answer's goodput bracket is narrowed to this, as the milp loop does for its answer.
+REFINE_TOL = 0.01
+
+
+def _refined(evaluated: list[Evaluated], sim: Simulator) -> Evaluated | None:
+    """The best point, its goodput bracket narrowed to ``REFINE_TOL``."""
+    best = _best(evaluated)
+    if best is not None:
+        best.goodput = refine_goodput(sim, best.policy, best.goodput, rel_tol=REFINE_TOL)
+    return best
 
 
 def _evaluate(
@@ -84,7 +98,7 @@ def grid_search(
         out.append(_evaluate(i, k, make_policy, sim, "grid", rel_tol))
         if progress:
             progress(i + 1, len(points))
-    return BaselineResult("grid", _best(out), out, sim.simulations - start,
+    return BaselineResult("grid", _refined(out, sim), out, sim.simulations - start,
                           stopped_at_deadline=stopped)
 
 
@@ -110,7 +124,7 @@ def random_search(
             stopped = True
             break
         out.append(_evaluate(int(i), points[int(i)], make_policy, sim, "random", rel_tol))
-    return BaselineResult("random", _best(out), out, sim.simulations - start,
+    return BaselineResult("random", _refined(out, sim), out, sim.simulations - start,
                           stopped_at_deadline=stopped)
 
 
@@ -166,4 +180,4 @@ def optuna_search(
         ev = _evaluate(index[knobs], knobs, make_policy, sim, "optuna", rel_tol)
         out.append(ev)
         study.tell(trial, ev.goodput.rate_per_s)
-    return BaselineResult("optuna", _best(out), out, sim.simulations - start)
+    return BaselineResult("optuna", _refined(out, sim), out, sim.simulations - start)

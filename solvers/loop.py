@@ -7,7 +7,10 @@
    other variants of their shape (seats, watermark, queue caps) that the model ranks no
    higher.
 2. Simulate each candidate's goodput (bracket around the model's prediction, then bisect)
-   on a fixed sample of the workload.
+   on a fixed sample of the workload. Once there is an incumbent (its goodput narrowed to
+   1%), a candidate starts no lower than the incumbent's rate plus 1%, and a failure
+   there ends its search: one simulation for a candidate that cannot beat it (branch and
+   bound with simulated bounds).
 3. Recalibrate: scale the model's TTFT / TPOT predictions so that, for the metric the
    simulator saw fail just above a candidate's goodput, the model's limit falls where the
    simulator's did; other metrics move towards measured / predicted (damped); the KV
@@ -317,6 +320,10 @@ def search(
     shapes = [shape_key(kn) for kn in unique]
     converged = False
     stalled = False
+    # The incumbent's goodput is narrowed to refine_tol before it serves as a bound, so
+    # the bound can be that tight too.
+    refined: set[int] = set()
+    bar_tol = refine_tol if refine_tol is not None else rel_tol
     first_instance = None
     first_status = ""
     for it in range(max_iterations):
@@ -368,13 +375,12 @@ def search(
             policy = make_policy(cand.knobs)
             # Start where the model points, corrected by how far off it was this round.
             start_scale = max(cand.rate_per_s, 1e-9) * _bias(new) / sim.base_rate_per_s
-            leader = max((e for e in evaluated if e.goodput.passed),
-                         key=lambda e: e.goodput.rate_scale, default=None)
+            leader = _incumbent(evaluated, sim, refine_tol, refined)
             bar = None
             if leader is not None:
                 # Only a pass above the leader by the tolerance matters: start no lower,
                 # and a failure there or below ends the search (one simulation).
-                bar = leader.goodput.rate_scale * (1.0 + rel_tol)
+                bar = leader.goodput.rate_scale * (1.0 + bar_tol)
                 start_scale = max(start_scale, bar)
             est = find_goodput(sim, policy, start_scale=start_scale, rel_tol=rel_tol,
                                prune_at=bar)
@@ -423,10 +429,10 @@ def search(
     if screen > 0 and first_instance is not None:
         _screen(fluid, first_instance, unique, reps, shapes, evaluated, iterations,
                 make_policy, sim, screen=screen, rel_tol=rel_tol, log=log,
-                deadline=started + time_limit_s)
+                deadline=started + time_limit_s, refine_tol=refine_tol, refined=refined)
     passing = [e for e in evaluated if e.goodput.passed]
     best = max(passing, key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
-    if best is not None and refine_tol is not None:
+    if best is not None and refine_tol is not None and id(best) not in refined:
         best.goodput = refine_goodput(sim, best.policy, best.goodput, rel_tol=refine_tol)
     return LoopResult(
         best=best,
@@ -445,7 +451,8 @@ def _screen(
     fluid: FluidModel, inst: MilpInstance, unique: list[Knobs], reps: list[int],
     shapes: list[tuple], evaluated: list[Evaluated], iterations: list[dict[str, Any]],
     make_policy: Callable[[Knobs], Any], sim: Simulator, *, screen: int, rel_tol: float,
-    log: Callable[[str], Any] | None, deadline: float,
+    log: Callable[[str], Any] | None, deadline: float, refine_tol: float | None = None,
+    refined: set[int] | None = None,
 ) -> None:
     """Screen the step shapes the loop never tried, one simulation each.
 
@@ -472,9 +479,9 @@ def _screen(
     for rate, j in order:
         if time.perf_counter() > deadline:
             break
-        leader = max(evaluated + screened, key=lambda e: (e.goodput.rate_per_s, -e.index)
-                     if e.goodput.passed else (-1.0, 0))
-        bar = leader.goodput.rate_scale * (1.0 + rel_tol)
+        leader = _incumbent(evaluated + screened, sim, refine_tol,
+                            refined if refined is not None else set())
+        bar = leader.goodput.rate_scale * (1.0 + (refine_tol or rel_tol))
         policy = make_policy(unique[j])
         # A failure at the bar ends it: it cannot beat the leader by the tolerance.
         est = find_goodput(sim, policy, start_scale=bar, rel_tol=rel_tol, prune_at=bar)
@@ -494,6 +501,18 @@ def _screen(
             "best_simulated_rate_per_s": best.goodput.rate_per_s,
             "best_knobs": best.knobs.as_dotted(),
         })
+
+
+def _incumbent(
+    evaluated: list[Evaluated], sim: Simulator, refine_tol: float | None, refined: set[int]
+) -> Evaluated | None:
+    """The best passing candidate so far, its goodput narrowed to ``refine_tol`` once."""
+    leader = max((e for e in evaluated if e.goodput.passed),
+                 key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
+    if leader is not None and refine_tol is not None and id(leader) not in refined:
+        leader.goodput = refine_goodput(sim, leader.policy, leader.goodput, rel_tol=refine_tol)
+        refined.add(id(leader))
+    return leader
 
 
 def _verdict(est: GoodputEstimate) -> str:

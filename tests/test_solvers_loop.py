@@ -184,3 +184,20 @@ def test_screening_finds_a_shape_the_loop_never_tried_at_one_simulation_per_lose
     losers = [e for e in screened if shape_key(e.knobs) != target]
     assert losers and all(len(e.goodput.points) == 1 for e in losers)
     assert res.iterations[-1].get("screen") is True
+
+
+def test_refine_goodput_narrows_the_bracket_and_stays_a_lower_bound():
+    from servetune.solvers.loop import refine_goodput
+
+    k = Knobs(64, 1024)
+    sim = ThresholdSim({k: 3.7 * 5.0})
+    est = find_goodput(sim, make_policy(k), start_scale=1.0, rel_tol=0.08)
+    assert 3.7 / 1.08 <= est.rate_scale <= 3.7
+    before = len(est.points)
+    fine = refine_goodput(sim, make_policy(k), est, rel_tol=0.005)
+    assert 3.7 / 1.005 <= fine.rate_scale <= 3.7
+    assert fine.rate_scale >= est.rate_scale and len(fine.points) > before
+    assert len(fine.points) == sim.simulations
+    # Nothing passed: nothing to refine.
+    none = find_goodput(ThresholdSim({}), make_policy(k), start_scale=1.0)
+    assert refine_goodput(ThresholdSim({}), make_policy(k), none, rel_tol=0.01) is none
