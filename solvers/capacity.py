@@ -401,23 +401,26 @@ def _candidate_policies() -> list[Policy]:
     ]
 
 
-def window_requests(rate_per_s: float, n_requests: int) -> int:
-    """Requests for a run at ``rate_per_s`` to span at least :data:`MIN_WINDOW_S` seconds of
-    arrivals (never fewer than ``n_requests``, never more than :data:`MAX_WINDOW_REQUESTS`)."""
+def window_requests(rate_per_s: float, n_requests: int, min_window_s: float | None = None
+                    ) -> int:
+    """Requests for a run at ``rate_per_s`` to span at least ``min_window_s`` (default
+    :data:`MIN_WINDOW_S`) seconds of arrivals (never fewer than ``n_requests``, never more
+    than :data:`MAX_WINDOW_REQUESTS`)."""
+    window = MIN_WINDOW_S if min_window_s is None else min_window_s
     if not rate_per_s > 0:
         return n_requests
-    need = int(math.ceil(rate_per_s * MIN_WINDOW_S))
+    need = int(math.ceil(rate_per_s * window))
     return max(n_requests, min(MAX_WINDOW_REQUESTS, need))
 
 
 def _best_candidate(trace: Trace, profile: Any, slo: SLOSet, engine: str,
-                    policies: Sequence[Policy] | None = None):
+                    policies: Sequence[Policy] | None = None, start: float = 1.0):
     from servetune.sim import goodput
 
     best: tuple[float, Policy] | None = None
     sims = 0
     for policy in (_candidate_policies() if policies is None else policies):
-        res = goodput(trace, policy, profile, slo, engine=engine, rel_tol=0.03)
+        res = goodput(trace, policy, profile, slo, engine=engine, rel_tol=0.03, start=start)
         sims += len(res.points)
         if best is None or res.rate_per_s > best[0] * (1 + 1e-9):
             best = (res.rate_per_s, policy)
@@ -446,6 +449,7 @@ def replica_capacity(
     n_requests: int = 1000,
     seed: int = 0,
     cache_dir: Path | None = None,
+    min_window_s: float | None = None,
 ) -> ReplicaCapacity:
     """Goodput (req/s) of one replica of ``profile`` serving bucket ``bucket`` alone under
     its own best policy; cached on disk by input hash."""
@@ -463,7 +467,8 @@ def replica_capacity(
         "method": used,
         "candidates": CANDIDATE_BATCHING if "candidates" in used else None,
         "n": n_requests,
-        "window": [MIN_WINDOW_S, MAX_WINDOW_REQUESTS],
+        "window": [MIN_WINDOW_S if min_window_s is None else min_window_s,
+                   MAX_WINDOW_REQUESTS],
         "seed": seed,
     })
     cdir = cache_dir if cache_dir is not None else default_cache_dir()
@@ -502,12 +507,15 @@ def replica_capacity(
     n = n_requests
     contenders = [policy] + (_candidate_policies() if "candidates" in used else [])
     for _ in range(3):
-        n_next = window_requests(rate, n)
+        n_next = window_requests(rate, n, min_window_s)
         if n_next <= n:
             break
         n = n_next
         trace = slices.mixed_trace({bucket: 1.0}, n, seed)
-        rate, policy, more = _best_candidate(trace, profile, slo, engine, contenders)
+        # the base trace runs at 1 req/s, so a rate is a scale: start the search at the
+        # last one (an overestimate) instead of doubling up from 1
+        rate, policy, more = _best_candidate(trace, profile, slo, engine, contenders,
+                                             start=min(max(rate, 1.0 / 1024), 1024.0))
         sims += more
     policy = policy.model_copy(update={"metadata": {}})
     result = ReplicaCapacity(rate, policy, used, sims)
@@ -590,6 +598,7 @@ def validate_type(
     engine: str = "vllm",
     n_requests: int = 2000,
     seed: int = 0,
+    min_window_s: float | None = None,
 ) -> list[TypeCheck]:
     """Simulate one replica of type t at each slot of :func:`_slots_to_check` with the
     requests routed to it; stop at the first slot that misses the SLOs."""
@@ -600,7 +609,7 @@ def validate_type(
         n = sol.replicas[t, s]
         rates = {b: sol.routing.get((b, t, s), 0.0) * inst.lam[b, s] / n for b in inst.buckets}
         rates = {b: r for b, r in rates.items() if r > 1e-12}
-        n = window_requests(sum(rates.values()), n_requests)
+        n = window_requests(sum(rates.values()), n_requests, min_window_s)
         trace = slices.mixed_trace(rates, n, seed + 1000 + s)
         result = simulate(trace, policy, profile, engine=engine)
         verdicts = result.slo_verdicts(slo)
@@ -661,6 +670,7 @@ def plan_capacity(
     max_rounds: int = 8,
     derate: float = 0.85,
     validate_requests: int = 2000,
+    min_window_s: float | None = None,
     seed: int = 0,
     time_limit_s: float = 30.0,
     progress: Progress | None = None,
@@ -692,7 +702,8 @@ def plan_capacity(
         checks = []
         for t in names:
             checks += validate_type(inst, sol, t, slices, profiles[t], type_policy[t], slo,
-                                    engine=engine, n_requests=validate_requests, seed=seed)
+                                    engine=engine, n_requests=validate_requests, seed=seed,
+                                    min_window_s=min_window_s)
         sim_s += time.perf_counter() - t0
         failing = sorted({c.gpu_type for c in checks if not c.meets_slo}, key=names.index)
         history.append({"round": rounds, "cost": sol.cost, "failing": failing})
@@ -725,6 +736,7 @@ def measure_capacities(
     n_requests: int = 1000,
     seed: int = 0,
     cache_dir: Path | None = None,
+    min_window_s: float | None = None,
     progress: Progress | None = None,
 ) -> dict[tuple[str, str], ReplicaCapacity]:
     out = {}
@@ -732,7 +744,7 @@ def measure_capacities(
         for b in slices.names:
             cap = replica_capacity(profiles[g.name], slices, b, slo, engine=engine,
                                    method=method, n_requests=n_requests, seed=seed,
-                                   cache_dir=cache_dir)
+                                   cache_dir=cache_dir, min_window_s=min_window_s)
             out[g.name, b] = cap
             if progress:
                 src = "cache" if cap.cached else f"{cap.simulations} simulations"
@@ -983,6 +995,7 @@ def run_plan(
     sample_requests: int = 20000,
     capacity_requests: int = 1000,
     validate_requests: int = 2000,
+    min_window_s: float | None = None,
     budget: float | None = None,
     compare_single: bool = True,
     model: str | None = None,
@@ -1024,9 +1037,11 @@ def run_plan(
     t0 = time.perf_counter()
     capacity = measure_capacities(fleet, slices, profiles, slo, engine=engine, method=method,
                                   n_requests=capacity_requests, seed=seed,
-                                  cache_dir=cache_dir, progress=progress)
+                                  cache_dir=cache_dir, min_window_s=min_window_s,
+                                  progress=progress)
     capacity_s = time.perf_counter() - t0
-    kw = dict(engine=engine, validate_requests=validate_requests, seed=seed)
+    kw = dict(engine=engine, validate_requests=validate_requests, min_window_s=min_window_s,
+              seed=seed)
     result = plan_capacity(fleet, forecast, slo, slices, profiles, capacity, growth=growth,
                            budget=budget, progress=progress, **kw)
     single: dict[str, dict[str, Any]] = {}
@@ -1049,6 +1064,7 @@ def run_plan(
     }
     sample = {"requests": sample_requests, "seed": seed, "prompt_edges": list(prompt_edges),
               "output_edges": list(output_edges), "capacity_requests": capacity_requests,
+              "min_window_s": MIN_WINDOW_S if min_window_s is None else min_window_s,
               "capacity_method": sorted({c.method for c in capacity.values()})}
     plan = plan_document(result, fleet, slices, single,
                          profile_paths={t: _rel(p, base) for t, p in profile_paths.items()},
