@@ -129,7 +129,8 @@ def _relpath(path: Path, base: Path | None) -> str:
 
 
 def learn_from_folder(meas: Measurements, hardware: Hardware,
-                      prefer_model: str | None = None) -> tuple[GraphCorrection, dict]:
+                      prefer_model: str | None = None,
+                      prefer_arch: ModelArch | None = None) -> tuple[GraphCorrection, dict]:
     """The launch-floor correction from the folder's whole-step file (preferring the
     target model's own), or the shipped H200 constants when there is none."""
     models = list(meas.steps)
@@ -137,6 +138,8 @@ def learn_from_folder(meas: Measurements, hardware: Hardware,
         return H200_CORRECTION, {}
     name = prefer_model if prefer_model in meas.steps else models[0]
     arch = catalog.MODELS.get(name)
+    if arch is None and prefer_arch is not None and prefer_arch.name == name:
+        arch = prefer_arch  # the target architecture given as a YAML file
     if arch is None:
         raise ServetuneError(f"{meas.steps[name].path}: whole steps of {name!r}, an "
                              f"architecture not built in ({', '.join(catalog.MODELS)})")
@@ -170,7 +173,8 @@ def fit_profile(
         raise ServetuneError(f"{meas.folder}/env.txt: no known GPU named there; pass --gpu "
                              f"({', '.join(catalog.GPUS)})")
     rows_name = rows_name_for(meas, arch, tp)
-    corr, corr_fit = learn_from_folder(meas, hardware, prefer_model=arch.name)
+    corr, corr_fit = learn_from_folder(meas, hardware, prefer_model=arch.name,
+                                       prefer_arch=arch)
     perop = build_perop(meas, rows_name, arch, tp, corr.launch_floor_s)
     ar = allreduce_terms(arch, tp, hardware.interconnect_bandwidth_Bps)
     step_time = rounded(step_time_from_perop(perop, corr, allreduce=ar))

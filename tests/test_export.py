@@ -541,6 +541,15 @@ def test_any_metadata_profile_exports_or_fails_cleanly(meta):
         check_keys(engine, result)
 
 
+def test_fractional_memory_bytes_fail_cleanly():
+    """Hypothesis found gpu_memory_bytes 0.5: it passed the "> 0" check, became 0 bytes and
+    divided by zero in SGLang's mem-fraction-static."""
+    policy = make_policy(metadata={"profile": {
+        "gpu_memory_utilization": 1, "activation_bytes": 0, "gpu_memory_bytes": 0.5}})
+    with pytest.raises(ServetuneError, match="gpu_memory_bytes: must be positive"):
+        export_policy(policy, "sglang")
+
+
 def test_cli_profile_option_with_shipped_profile(tmp_path):
     profile = Path(__file__).resolve().parents[1] / "gpu_profiles" / "h200-llama-3.1-8b.yaml"
     if not profile.exists():

@@ -129,7 +129,9 @@ def _facts_from_mapping(data: Mapping[str, Any], source: str) -> MemoryFacts:
                 raise ServetuneError(f"{source}: {name}: must be in (0, 1] (got {raw!r})")
             values[name] = num
         else:
-            if num < 0 or (name in _POSITIVE and num <= 0):
+            # counts of bytes and blocks: check the whole number used, not the raw value
+            # (0.5 bytes would pass "> 0" and then divide by zero)
+            if num < 0 or (name in _POSITIVE and int(num) <= 0):
                 raise ServetuneError(f"{source}: {name}: must be positive (got {raw!r})")
             values[name] = int(num)
     return MemoryFacts(source=source, **values)
