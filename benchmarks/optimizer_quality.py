@@ -63,12 +63,8 @@ def main() -> None:
         print(render_table(json.loads(Path(args.table).read_text())))
         return
 
-    from servetune.models.fluid import FluidModel, LoadModel, Platform, knobs_grid, targets_for
-    from servetune.solvers import baselines
-    from servetune.solvers.loop import find_goodput
-    from servetune.solvers.optimize import TraceSimulator, min_window_s, optimize
-
     from servetune.errors import InfeasibleError
+    from servetune.models.fluid import FluidModel, LoadModel, Platform, knobs_grid, targets_for
     from servetune.profiles import load_profile
     from servetune.schemas.base import document_from_data, load_document
     from servetune.schemas.policy import Policy
@@ -76,6 +72,9 @@ def main() -> None:
     from servetune.schemas.space import SearchSpace, apply_knobs
     from servetune.schemas.workload import Workload
     from servetune.sim.api import prepare_trace
+    from servetune.solvers import baselines
+    from servetune.solvers.loop import find_goodput
+    from servetune.solvers.optimize import TraceSimulator, min_window_s, optimize
     from servetune.trace_formats import load_trace
     from servetune.workload import class_stats
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from servetune.models.fluid import ClassLoad, FluidModel, Knobs, poisson_quantile
 
 DEFAULT_THRESHOLDS = (2048, 4096, 8192, 16384, 32768, 65536)

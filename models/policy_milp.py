@@ -54,6 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyomo.environ as pyo
+
 from servetune.models.fluid import FluidModel, Knobs, Limit
 
 # The smallest goodput worth returning, as a share of the workload's rate.

@@ -15,8 +15,9 @@ Needs the optional ``gpu`` extra (PyTorch); without PyTorch or without a CUDA de
 raises a ServetuneError (exit 2) before writing anything.
 
 ``device="cpu"`` (Python API only; the CLI always uses CUDA) runs the same code on the CPU
-so that it can be tested without a GPU: ``time.perf_counter`` replaces CUDA events and
-whole steps run eagerly (CUDA graphs are CUDA-only), so ``graph_ms`` is the eager time.
+so that it can be tested without a GPU: ``time.perf_counter`` replaces CUDA events (and the
+minimum of the repetitions their median), PyTorch runs on one thread, and whole steps run
+eagerly (CUDA graphs are CUDA-only), so ``graph_ms`` is the eager time.
 Those numbers time the CPU, not a GPU; ``env.txt`` then names no GPU and ``profile fit``
 needs ``--gpu``. Use it with a tiny architecture and a small :class:`MeasureGrid`.
 """
@@ -110,6 +111,12 @@ class _Clock:
         fn()
         return (time.perf_counter() - t0) * 1e3
 
+    def summary(self, times: list[float]) -> float:
+        """The median on the GPU (the method of ``gpu_measurements/``); the minimum on the
+        CPU, whose timings other processes only ever lengthen (tests share the cores)."""
+        ordered = sorted(times)
+        return ordered[len(ordered) // 2] if self.cuda else ordered[0]
+
 
 def _torch(device: str = "cuda") -> Any:
     try:
@@ -119,12 +126,26 @@ def _torch(device: str = "cuda") -> Any:
             "profile measure needs PyTorch with CUDA: pip install 'servetune[gpu]' on a "
             "machine with an NVIDIA GPU"
         ) from None
+    if _version(torch.__version__) < (2, 5):
+        raise ServetuneError(
+            f"profile measure needs PyTorch >= 2.5 (scaled_dot_product_attention with "
+            f"enable_gqa, rms_norm); this is {torch.__version__}: pip install -U 'torch>=2.5'"
+        )
     if device == "cuda" and not torch.cuda.is_available():
         raise ServetuneError(
             "profile measure needs a CUDA GPU, and torch.cuda.is_available() is False here; "
             "run it on the GPU machine you want to profile"
         )
     return torch
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """(major, minor) of a version string such as ``2.13.0+cpu``."""
+    parts = []
+    for piece in text.split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
 
 
 class _Csv:
@@ -168,9 +189,21 @@ def measure(
             raise ServetuneError(f"--model {arch.name!r}: dtype {arch.dtype!r}; profile measure "
                                  "times bf16 kernels only (fit expects rows of the model's dtype)")
     torch = _torch(device)
+    if device == "cuda":
+        return _measure(torch, archs, Path(output), whole_steps, budget_s, log, device, grid)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # other processes on the cores would stall a multi-threaded op
+    try:
+        return _measure(torch, archs, Path(output), whole_steps, budget_s, log, device, grid)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(torch: Any, archs: list[ModelArch], out: Path, whole_steps: bool,
+             budget_s: float, log: Callable[[str], None], device: str, grid: MeasureGrid
+             ) -> list[Path]:
     import torch.nn.functional as F
 
-    out = Path(output)
     dev = device
     dt = torch.bfloat16
     clock = _Clock(torch, device)
@@ -179,14 +212,14 @@ def measure(
     def out_of_time() -> bool:
         return time.monotonic() - start > budget_s
 
-    def median_ms(fn: Callable[[], object], reps: int | None = None) -> float:
+    def typical_ms(fn: Callable[[], object], reps: int | None = None) -> float:
+        """Warm up, then time ``fn`` about 30 ms' worth of times (5 to 200) and summarise."""
         for _ in range(3):
             fn()
         clock.sync()
         once = max(clock.time_ms(fn), 1e-3)
         n = reps or int(min(200, max(5, 30.0 / once)))
-        times = sorted(clock.time_ms(fn) for _ in range(n))
-        return times[len(times) // 2]
+        return clock.summary([clock.time_ms(fn) for _ in range(n)])
 
     linear = _Csv(["model", "op", "tokens", "k", "n", "dtype", "ms", "tflops"])
     element = _Csv(["model", "tokens", "ms"])
@@ -210,7 +243,7 @@ def measure(
             for op, (k, n) in shapes.items():
                 x = torch.randn(tokens, k, device=dev, dtype=dt)
                 w = weights[op]
-                ms = median_ms(lambda x=x, w=w: F.linear(x, w))
+                ms = typical_ms(lambda x=x, w=w: F.linear(x, w))
                 linear.row(arch.name, op, tokens, k, n, "bf16", f"{ms:.5f}",
                            f"{2 * tokens * k * n / ms / 1e9:.2f}")
             hidden = torch.randn(tokens, h, device=dev, dtype=dt)
@@ -226,7 +259,7 @@ def measure(
                 g, u = gate_up.chunk(2, dim=-1)
                 return resid + normed2, F.silu(g) * u, qk * rot + qk
 
-            element.row(arch.name, tokens, f"{median_ms(layer_elementwise):.5f}")
+            element.row(arch.name, tokens, f"{typical_ms(layer_elementwise):.5f}")
         del weights
         log(f"{arch.name}: GEMMs and elementwise done")
 
@@ -235,7 +268,7 @@ def measure(
                 break
             q = torch.randn(1, qh, n_tok, hd, device=dev, dtype=dt)
             kv = torch.randn(1, kvh, n_tok, hd, device=dev, dtype=dt)
-            ms = median_ms(lambda q=q, kv=kv: F.scaled_dot_product_attention(
+            ms = typical_ms(lambda q=q, kv=kv: F.scaled_dot_product_attention(
                 q, kv, kv, is_causal=True, enable_gqa=True))
             prefill.row(arch.name, 1, n_tok, f"{ms:.5f}")
         for prefix, chunk in grid.chunks:
@@ -244,7 +277,7 @@ def measure(
             q = torch.randn(1, qh, chunk, hd, device=dev, dtype=dt)
             kv = torch.randn(1, kvh, prefix + chunk, hd, device=dev, dtype=dt)
             # unmasked: an upper bound of the bottom-right causal chunk
-            ms = median_ms(lambda q=q, kv=kv: F.scaled_dot_product_attention(
+            ms = typical_ms(lambda q=q, kv=kv: F.scaled_dot_product_attention(
                 q, kv, kv, enable_gqa=True))
             prefill.row(arch.name, f"chunk_prefix{prefix}", chunk, f"{ms:.5f}")
         for batch in grid.decode_batch:
@@ -253,7 +286,7 @@ def measure(
                     continue
                 q = torch.randn(batch, qh, 1, hd, device=dev, dtype=dt)
                 kv = torch.randn(batch, kvh, ctx, hd, device=dev, dtype=dt)
-                ms = median_ms(lambda q=q, kv=kv: F.scaled_dot_product_attention(
+                ms = typical_ms(lambda q=q, kv=kv: F.scaled_dot_product_attention(
                     q, kv, kv, enable_gqa=True))
                 kv_bytes = 2 * batch * kvh * ctx * hd * 2
                 decode.row(arch.name, batch, ctx, f"{ms:.5f}", f"{kv_bytes / ms / 1e6:.1f}")
@@ -262,7 +295,7 @@ def measure(
         lm_w = torch.randn(arch.vocab, h, device=dev, dtype=dt) * 0.02
         for rows in grid.lm_rows:
             x = torch.randn(rows, h, device=dev, dtype=dt)
-            ms = median_ms(lambda x=x, w=lm_w: torch.argmax(F.linear(x, w).float(), dim=-1))
+            ms = typical_ms(lambda x=x, w=lm_w: torch.argmax(F.linear(x, w).float(), dim=-1))
             lm_head.row(arch.name, rows, arch.vocab, f"{ms:.5f}")
         del lm_w
         if device == "cuda":
@@ -312,7 +345,7 @@ def _whole_steps(torch: Any, F: Any, arch: ModelArch, out_of_time: Callable[[], 
     h, inter, qh, kvh, hd = arch.hidden, arch.intermediate, arch.heads, arch.kv_heads, \
         arch.head_dim
     scale = 0.02
-    oom = getattr(torch, "OutOfMemoryError", RuntimeError)  # torch < 2.5: RuntimeError
+    oom = torch.OutOfMemoryError
     table = _Csv(["model", "decode_seqs", "context", "prefill_tokens", "graph_ms", "eager_ms"])
     try:
         layers = [
@@ -412,11 +445,11 @@ def _time_step(torch: Any, clock: _Clock, forward: Callable[..., Any], arch: Mod
     for _ in range(3):
         replay()
     clock.sync()
-    times = sorted(clock.time_ms(replay) for _ in range(15))
+    graph_ms = clock.summary([clock.time_ms(replay) for _ in range(15)])
     clock.sync()
     t0 = time.perf_counter()
     for _ in range(3):
         step()
     clock.sync()
     eager = (time.perf_counter() - t0) * 1e3 / 3
-    return times[len(times) // 2], eager  # the caller frees the graph and caches
+    return graph_ms, eager  # the caller frees the graph and caches

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from servetune.models.fluid import Knobs
 from servetune.solvers.loop import Evaluated, Simulator, find_goodput, refine_goodput
 

@@ -44,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from servetune.errors import InfeasibleError, ServetuneError
 from servetune.models.capacity_milp import (
     CapacityInstance,
     CapacitySolution,
@@ -53,13 +55,11 @@ from servetune.models.capacity_milp import (
     served_gaps,
     slot_instance,
 )
-from servetune.solvers.drivers import SolveStatus, solve_highs
-
-from servetune.errors import InfeasibleError, ServetuneError
 from servetune.schemas.base import write_text_atomic
 from servetune.schemas.fleet import Fleet, Forecast
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
+from servetune.solvers.drivers import SolveStatus, solve_highs
 from servetune.trace import Trace
 
 CACHE_VERSION = 2  # 2: capacities measured over a steady-state window (MIN_WINDOW_S)

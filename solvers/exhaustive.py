@@ -19,6 +19,7 @@ import math
 
 import highspy
 import numpy as np
+
 from servetune.models.capacity_milp import CapacityInstance
 from servetune.models.placement_cpsat import PlacementInstance, PlacementJob
 

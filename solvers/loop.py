@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+
 from servetune.models.fluid import Calibration, FluidModel, Knobs
 from servetune.models.policy_milp import MilpInstance
 from servetune.solvers.formulations import solve_policy_milp

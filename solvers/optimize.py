@@ -31,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from servetune import __version__
+from servetune.errors import InfeasibleError, ServetuneError
 from servetune.models.fluid import (
     FluidModel,
     Knobs,
@@ -41,6 +44,10 @@ from servetune.models.fluid import (
     targets_for,
 )
 from servetune.models.lanes_cpsat import build_instance
+from servetune.schemas.base import document_to_yaml
+from servetune.schemas.policy import Policy
+from servetune.schemas.slo import SLOSet
+from servetune.schemas.space import SearchSpace, apply_knobs
 from servetune.solvers import baselines
 from servetune.solvers.formulations import solve_lanes
 from servetune.solvers.loop import (
@@ -50,13 +57,6 @@ from servetune.solvers.loop import (
     find_goodput,
     search,
 )
-
-from servetune import __version__
-from servetune.errors import InfeasibleError, ServetuneError
-from servetune.schemas.base import document_to_yaml
-from servetune.schemas.policy import Policy
-from servetune.schemas.slo import SLOSet
-from servetune.schemas.space import SearchSpace, apply_knobs
 
 DEFAULT_SPACE_KNOBS: dict[str, list[Any]] = {
     "batching.max_num_seqs": [32, 64, 128, 256, 512, 1024],

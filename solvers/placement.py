@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from servetune.errors import InfeasibleError, ServetuneError
 from servetune.models.placement_cpsat import (
     PlacementInstance,
     PlacementJob,
@@ -44,6 +46,10 @@ from servetune.models.placement_cpsat import (
     decode_solution,
     explain_unplaced,
 )
+from servetune.schemas.base import write_text_atomic
+from servetune.schemas.fleet import CapacityPlan, Forecast, Job, Jobs
+from servetune.schemas.policy import Policy
+from servetune.schemas.slo import ClassSLO, SLOSet
 from servetune.solvers.capacity import (
     CACHE_VERSION,
     Progress,
@@ -58,12 +64,6 @@ from servetune.solvers.capacity import (
     slice_workload,
 )
 from servetune.solvers.drivers import SolveStatus, solve_cpsat
-
-from servetune.errors import InfeasibleError, ServetuneError
-from servetune.schemas.base import write_text_atomic
-from servetune.schemas.fleet import CapacityPlan, Forecast, Job, Jobs
-from servetune.schemas.policy import Policy
-from servetune.schemas.slo import ClassSLO, SLOSet
 from servetune.trace import Trace
 
 BACKGROUND = "background"

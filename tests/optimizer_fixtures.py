@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from servetune.models.fluid import ClassLoad, FluidModel, Knobs, LoadModel, Platform, Target
 from servetune.solvers.loop import SimPoint
-
 from servetune.steptime import StepTimeModel
 
 STEP = StepTimeModel(

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from servetune.solvers import capacity as C
 
 from servetune.errors import ServetuneError
 from servetune.schemas.base import document_from_data
@@ -14,6 +13,7 @@ from servetune.schemas.fleet import Forecast
 from servetune.schemas.profile import Profile
 from servetune.schemas.slo import SLOSet
 from servetune.schemas.workload import Workload
+from servetune.solvers import capacity as C
 
 
 def _workload(classes: dict[str, float]) -> Workload:

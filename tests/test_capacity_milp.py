@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
+
+from servetune.errors import InfeasibleError
 from servetune.models.capacity_milp import CapacityInstance
 from servetune.solvers.capacity import solve_capacity
 from servetune.solvers.exhaustive import cheapest_plan_cost, routing_feasible
-
-from servetune.errors import InfeasibleError
 
 
 def _inst(**kw) -> CapacityInstance:

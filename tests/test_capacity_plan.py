@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from servetune.solvers import capacity as C
 from typer.testing import CliRunner
 
 from servetune.cli import app
+from servetune.solvers import capacity as C
 
 runner = CliRunner()
 

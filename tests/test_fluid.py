@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 from optimizer_fixtures import STEP, fluid, synthetic_load
+
 from servetune.models.fluid import (
     ClassLoad,
     Knobs,

@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 import pytest
 from optimizer_fixtures import fluid
+
 from servetune.models.fluid import ClassLoad, Knobs, LoadModel
 from servetune.models.lanes_cpsat import (
     LaneInstance,
@@ -15,11 +16,10 @@ from servetune.models.lanes_cpsat import (
     feasible,
     objective_value,
 )
-from servetune.solvers.drivers import SolveStatus
-from servetune.solvers.formulations import solve_lanes
-
 from servetune.schemas.policy import Policy
 from servetune.schemas.space import apply_knobs
+from servetune.solvers.drivers import SolveStatus
+from servetune.solvers.formulations import solve_lanes
 
 
 def _small() -> LaneInstance:

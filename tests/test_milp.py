@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from optimizer_fixtures import SMALL_SPACE, fluid
+
 from servetune.models.fluid import knobs_grid
 from servetune.models.policy_milp import (
     RATE_MIN_SHARE,
@@ -119,6 +120,7 @@ def test_milp_matches_enumeration_on_random_instances(ttft, tpot, kv_blocks, see
 def test_per_class_flows_and_targets():
     import numpy as np
     from optimizer_fixtures import STEP
+
     from servetune.models.fluid import ClassLoad, FluidModel, LoadModel, Platform, Target
 
     rng = np.random.default_rng(2)

@@ -10,7 +10,6 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from servetune.solvers.optimize import DEFAULT_SPACE_KNOBS
 from typer.testing import CliRunner
 
 from servetune.cli import app
@@ -18,6 +17,7 @@ from servetune.schemas.base import load_document
 from servetune.schemas.job import OptimizeJob
 from servetune.schemas.policy import Policy
 from servetune.schemas.space import SearchSpace
+from servetune.solvers.optimize import DEFAULT_SPACE_KNOBS
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = REPO / "configs" / "workloads" / "azure-conv-2023.yaml"
@@ -191,10 +191,9 @@ def test_trace_input(tmp_path):
 
 def test_simulation_infeasibility_names_the_metric():
     from servetune.models.fluid import Knobs
+    from servetune.schemas.slo import SLOSet
     from servetune.solvers.loop import Evaluated, GoodputEstimate, SimPoint
     from servetune.solvers.optimize import explain_sim_infeasible
-
-    from servetune.schemas.slo import SLOSet
 
     slo = load_document(SLO, SLOSet)
     pts = [
@@ -228,13 +227,12 @@ def test_job_documents_fail_only_with_servetune_errors(data):
 
 
 def test_returned_policy_passes_the_simulator_at_its_goodput(tmp_path):
-    from servetune.solvers.optimize import TraceSimulator, min_window_s, optimize
-
     from servetune.profiles import load_profile
     from servetune.schemas.slo import SLOSet
     from servetune.schemas.workload import Workload
     from servetune.sim import simulate
     from servetune.sim.api import prepare_trace
+    from servetune.solvers.optimize import TraceSimulator, min_window_s, optimize
 
     workload = load_document(WORKLOAD, Workload)
     profile = load_profile(PROFILE)
@@ -268,12 +266,11 @@ def test_returned_policy_passes_the_simulator_at_its_goodput(tmp_path):
 def test_a_short_trace_at_a_high_rate_is_flagged(tmp_path):
     """A trace cannot be sampled longer: when its requests span less than the window
     the TTFT target needs at the goodput, the summary says the goodput may be optimistic."""
-    from servetune.solvers.optimize import optimize
-
     from servetune.profiles import load_profile
     from servetune.schemas.slo import SLOSet
     from servetune.schemas.workload import Workload
     from servetune.sim.api import prepare_trace
+    from servetune.solvers.optimize import optimize
 
     workload = load_document(WORKLOAD, Workload)
     slo = load_document(SLO, SLOSet)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from servetune.models.placement_cpsat import (
     PlacementInstance,
     PlacementJob,

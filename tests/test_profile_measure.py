@@ -71,7 +71,9 @@ def _read(path: Path) -> tuple[list[str], list[dict[str, str]]]:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("measured") / "cpu"
+    threads = torch.get_num_threads()
     written = measure(out, models=[TINY], device="cpu", grid=GRID, log=lambda m: None)
+    assert torch.get_num_threads() == threads  # the one-thread CPU timing is undone
     assert sorted(p.name for p in written) == sorted([*HEADERS, "env.txt"])
     return out
 
@@ -156,6 +158,13 @@ def test_cuda_measure_refuses_without_cuda(tmp_path):
     res = CliRunner().invoke(app, ["profile", "measure", "-o", str(tmp_path / "out")])
     assert res.exit_code == 2 and "CUDA" in res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_torch_version_parsing():
+    from servetune.profile_measure import _version
+
+    assert _version("2.13.0+cpu") == (2, 13)
+    assert _version("2.4.1") < (2, 5) <= _version("2.5.0a0+git1234")
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path):

@@ -289,3 +289,13 @@ def test_atomic_write_gives_a_normal_file_mode_and_leaves_no_temp(tmp_path):
     os.umask(umask)
     assert target.stat().st_mode & 0o777 == 0o666 & ~umask
     assert [p.name for p in target.parent.iterdir()] == ["policy.yaml"]
+
+
+def test_atomic_write_below_a_file_names_the_file(tmp_path):
+    from servetune.schemas import write_text_atomic
+
+    blocker = tmp_path / "report"
+    blocker.write_text("not a folder")
+    with pytest.raises(ServetuneError, match=r"report is a file, not a folder"):
+        write_text_atomic(blocker / "sub" / "policy.yaml", "a: 1\n")
+    assert blocker.read_text() == "not a folder"

@@ -194,3 +194,17 @@ def test_workload_lanes_judge_long_by_the_workload_class_mean(monkeypatch):
     seen.clear()
     simulate(random_trace(11), policy, small_profile())  # a trace: its own class means
     assert "expected_output" not in seen
+
+
+def test_goodput_warns_when_the_replay_is_too_short_for_steady_state():
+    # 150 requests at ~4 req/s span ~37 s of arrivals at scale 1 and less when compressed:
+    # below the one-minute floor, so the answer is flagged as possibly optimistic.
+    trace = random_trace(8, n=150, rate=4.0)
+    slo = SLOSet(classes={"default": {"ttft_s": 0.5, "attainment": 0.9}})
+    short = goodput(trace, POLICY, small_profile(), slo, rel_tol=0.05)
+    best = max((p for p in short.points if p["meets_slo"]), key=lambda p: p["rate_scale"])
+    assert best["window_s"] == pytest.approx(trace.duration_s / best["rate_scale"])
+    assert len(short.warnings) == 1 and "steady state" in short.warnings[0]
+    # A replay long enough at its goodput carries no warning.
+    long = random_trace(8, n=4000, rate=4.0)
+    assert not goodput(long, POLICY, small_profile(), slo, rel_tol=0.05).warnings

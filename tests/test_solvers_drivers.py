@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyomo.environ as pyo
+
 from servetune.solvers.drivers import SolveStatus, solve_cpsat, solve_highs
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 from optimizer_fixtures import SMALL_SPACE, ThresholdSim, fluid
-from servetune.models.fluid import Knobs, knobs_grid
-from servetune.solvers import baselines
-from servetune.solvers.loop import find_goodput, search
 
+from servetune.models.fluid import Knobs, knobs_grid
 from servetune.schemas.policy import Policy
 from servetune.schemas.space import apply_knobs
+from servetune.solvers import baselines
+from servetune.solvers.loop import find_goodput, search
 
 
 def make_policy(k: Knobs) -> Policy:

@@ -429,6 +429,8 @@ def register(app: typer.Typer) -> None:
                 f"no rate scale down to 1/1024 meets {slo_set.name!r} with policy {pol.name!r}; "
                 "relax the SLO or change the policy"
             )
+        for warning in result.warnings:
+            console.print(f"warning: {warning}")
         out.print(
             f"goodput: rate scale {result.rate_scale:.4g} = {result.rate_per_s:.3f} req/s"
             + ("" if result.bracketed else " (search hit the scale limit)")

@@ -157,6 +157,11 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
         parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=parent)
     except OSError as exc:
+        blocker = next((a for a in (parent, *parent.parents) if a.is_file()), None)
+        if blocker is not None:
+            raise ServetuneError(
+                f"{p}: cannot write: {blocker} is a file, not a folder; choose another path"
+            ) from None
         raise ServetuneError(f"{p}: cannot write ({exc.strerror})") from None
     try:
         with os.fdopen(fd, "wb") as fh:

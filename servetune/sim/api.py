@@ -307,6 +307,7 @@ def goodput(
         ok = True
         attainments = []
         summaries = []
+        windows = []
         for s in run_seeds:
             result = simulate(
                 source, policy, profile, engine=engine, reference=reference, seed=s,
@@ -317,7 +318,8 @@ def goodput(
             summary.pop("sim_wall_s", None)
             attainments.append(summary["overall"]["attainment"])
             summaries.append({"seed": s, **summary})
-        point = {"attainment": min(attainments), "seeds": summaries}
+            windows.append(result.trace.duration_s)
+        point = {"attainment": min(attainments), "window_s": min(windows), "seeds": summaries}
         if on_point is not None:
             on_point({"rate_scale": scale, "meets_slo": ok, **point})
         return ok, point
@@ -327,7 +329,32 @@ def goodput(
         if isinstance(source, Trace)
         else base_rate_per_s(source)
     )
-    return goodput_search(
+    result = goodput_search(
         evaluate, base, start=start, rel_tol=rel_tol,
         min_scale=min_scale, max_scale=max_scale,
     )
+    result.warnings.extend(_short_window_warnings(result, slo))
+    return result
+
+
+def steady_window_s(slo: SLOSet) -> float:
+    """Arrivals a run should span before its queue is trusted to be in steady state:
+    a minute, or 30 TTFT limits when those are longer (a faster replay of a fixed number
+    of requests spans less and less time, and a short burst never fills the queue)."""
+    ttfts = [c.ttft_s for c in slo.classes.values() if c.ttft_s is not None]
+    return max(60.0, 30.0 * max(ttfts, default=0.0))
+
+
+def _short_window_warnings(result: GoodputResult, slo: SLOSet) -> list[str]:
+    passing = [p for p in result.points if p["meets_slo"]]
+    if not passing:
+        return []
+    best = max(passing, key=lambda p: p["rate_scale"])
+    need = steady_window_s(slo)
+    if best["window_s"] >= need:
+        return []
+    return [
+        f"at the goodput rate the simulated arrivals span only {best['window_s']:.0f} s "
+        f"(< {need:.0f} s), so queues may not reach steady state and the goodput may be "
+        "optimistic; give more requests (--requests) or a longer --duration"
+    ]

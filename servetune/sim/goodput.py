@@ -37,6 +37,7 @@ class GoodputResult:
     points: list[dict[str, Any]] = field(default_factory=list)
     base_rate_per_s: float = 0.0
     bracketed: bool = True  # False when the search hit max_scale or min_scale
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -44,6 +45,7 @@ class GoodputResult:
             "rate_per_s": self.rate_per_s,
             "base_rate_per_s": self.base_rate_per_s,
             "bracketed": self.bracketed,
+            "warnings": self.warnings,
             "points": self.points,
         }
 
