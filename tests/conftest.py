@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# CI runs the property tests on a fixed sequence of examples, so a red build is
+# reproducible and never depends on the day's random draw; locally they explore freely.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

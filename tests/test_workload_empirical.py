@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import yaml
@@ -309,3 +311,11 @@ def test_given_cv_that_agrees_is_kept():
     # uniform(0, 2): CV 1/sqrt(3) = 0.57735; a value within 1% is accepted as written
     w = _empirical(1.0, [0, 1], [0, 2], interarrival_cv=0.58)
     assert w.classes["a"].arrival.interarrival_cv == 0.58
+
+
+def test_knot_moments_do_not_underflow_at_tiny_scales():
+    # Found by hypothesis: knots near 1e-286 made mean**2 underflow to 0 (ZeroDivisionError).
+    for scale in (1e-286, 1.0, 1e280):
+        mean, cv = knot_moments([0.0, 1.0], [0.0, 2.0 * scale])
+        assert mean == pytest.approx(scale)
+        assert cv == pytest.approx(1 / math.sqrt(3))  # uniform on [0, 2s]: sd/mean

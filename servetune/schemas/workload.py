@@ -53,66 +53,32 @@ def _check_grid(q: list[float]) -> list[float]:
     return q
 
 
-class LengthDistribution(Strict):
-    """Token lengths as quantile knots; sampled by inverse CDF with interpolation."""
-
-    quantiles: list[float] = Field(
-        min_length=2, description="probability grid, strictly increasing from 0 to 1"
-    )
-    values: list[float] = Field(
-        min_length=2, description="token count at each quantile, non-decreasing, >= 1"
-    )
-
-    @field_validator("quantiles")
-    @classmethod
-    def _grid(cls, q: list[float]) -> list[float]:
-        return _check_grid(q)
-
-    @field_validator("values")
-    @classmethod
-    def _lengths(cls, v: list[float]) -> list[float]:
-        if any(not math.isfinite(x) for x in v):
-            raise ValueError("values must be finite token counts")
-        if v[0] < 1:
-            raise ValueError(f"values must be >= 1 token (got {v[0]})")
-        if v[-1] > MAX_TOKENS_BOUND:
-            raise ValueError(f"values must be <= {MAX_TOKENS_BOUND} tokens (got {v[-1]})")
-        if any(b < a for a, b in zip(v, v[1:], strict=False)):
-            raise ValueError("values must be non-decreasing (they are quantiles)")
-        return v
-
-    @model_validator(mode="after")
-    def _same_length(self) -> LengthDistribution:
-        if len(self.quantiles) != len(self.values):
-            raise ValueError(
-                f"quantiles has {len(self.quantiles)} entries but values has "
-                f"{len(self.values)}; give one value per quantile"
-            )
-        return self
-
-
 def knot_moments(quantiles: list[float], values: list[float]) -> tuple[float, float]:
     """Mean and CV of the piecewise-linear quantile function through the knots: on a piece
     from (q0, a) to (q1, b), E[X] gains (q1-q0)(a+b)/2 and E[X^2] gains (q1-q0)(a^2+ab+b^2)/3."""
+    # Work on values scaled to a maximum of 1: the CV does not depend on the scale, and
+    # tiny or huge knots would otherwise underflow or overflow mean**2.
+    scale = max((abs(v) for v in values), default=0.0)
+    if not scale > 0:
+        return 0.0, 0.0
     mean = second = 0.0
     for q0, q1, a, b in zip(quantiles, quantiles[1:], values, values[1:], strict=False):
+        a, b = a / scale, b / scale
         mean += (q1 - q0) * (a + b) / 2.0
         second += (q1 - q0) * (a * a + a * b + b * b) / 3.0
     if mean <= 0:
-        return mean, 0.0
-    return mean, math.sqrt(max(second / (mean * mean) - 1.0, 0.0))
+        return mean * scale, 0.0
+    return mean * scale, math.sqrt(max(second / (mean * mean) - 1.0, 0.0))
 
 
-class GapDistribution(Strict):
-    """Inter-arrival gaps as quantile knots, relative to the mean gap (any positive scale:
-    the sampler divides by the knots' mean). Zero gaps (simultaneous arrivals) are allowed."""
+class QuantileKnots(Strict):
+    """A distribution as values at a grid of quantiles (piecewise-linear quantile function),
+    sampled by inverse CDF with interpolation. Subclasses state what a value may be."""
 
     quantiles: list[float] = Field(
         min_length=2, description="probability grid, strictly increasing from 0 to 1"
     )
-    values: list[float] = Field(
-        min_length=2, description="gap at each quantile in units of the mean gap, >= 0"
-    )
+    values: list[float] = Field(min_length=2, description="the value at each quantile")
 
     @field_validator("quantiles")
     @classmethod
@@ -121,19 +87,20 @@ class GapDistribution(Strict):
 
     @field_validator("values")
     @classmethod
-    def _gaps(cls, v: list[float]) -> list[float]:
+    def _values(cls, v: list[float]) -> list[float]:
         if any(not math.isfinite(x) for x in v):
-            raise ValueError("values must be finite gaps")
-        if v[0] < 0:
-            raise ValueError(f"values must be >= 0 (got {v[0]}); they are gaps between arrivals")
+            raise ValueError("values must be finite")
         if any(b < a for a, b in zip(v, v[1:], strict=False)):
             raise ValueError("values must be non-decreasing (they are quantiles)")
-        if v[-1] <= 0:
-            raise ValueError("values must not all be 0: the mean gap must be positive")
+        cls._check_range(v)
         return v
 
+    @classmethod
+    def _check_range(cls, v: list[float]) -> None:
+        """Subclass hook: reject values outside the allowed range."""
+
     @model_validator(mode="after")
-    def _same_length(self) -> GapDistribution:
+    def _same_length(self) -> QuantileKnots:
         if len(self.quantiles) != len(self.values):
             raise ValueError(
                 f"quantiles has {len(self.quantiles)} entries but values has "
@@ -142,8 +109,39 @@ class GapDistribution(Strict):
         return self
 
     def moments(self) -> tuple[float, float]:
-        """(mean, CV) of the distribution the sampler draws from (before normalising)."""
+        """(mean, CV) of the distribution the sampler draws from."""
         return knot_moments(self.quantiles, self.values)
+
+
+class LengthDistribution(QuantileKnots):
+    """Token lengths: values are token counts, >= 1."""
+
+    values: list[float] = Field(
+        min_length=2, description="token count at each quantile, non-decreasing, >= 1"
+    )
+
+    @classmethod
+    def _check_range(cls, v: list[float]) -> None:
+        if v[0] < 1:
+            raise ValueError(f"values must be >= 1 token (got {v[0]})")
+        if v[-1] > MAX_TOKENS_BOUND:
+            raise ValueError(f"values must be <= {MAX_TOKENS_BOUND} tokens (got {v[-1]})")
+
+
+class GapDistribution(QuantileKnots):
+    """Inter-arrival gaps relative to the mean gap (any positive scale: the sampler divides
+    by the knots' mean). Zero gaps (simultaneous arrivals) are allowed."""
+
+    values: list[float] = Field(
+        min_length=2, description="gap at each quantile in units of the mean gap, >= 0"
+    )
+
+    @classmethod
+    def _check_range(cls, v: list[float]) -> None:
+        if v[0] < 0:
+            raise ValueError(f"values must be >= 0 (got {v[0]}); they are gaps between arrivals")
+        if v[-1] <= 0:
+            raise ValueError("values must not all be 0: the mean gap must be positive")
 
 
 class RateWindows(Strict):
