@@ -155,9 +155,9 @@ def check_invariants(trace, policy, kv_blocks, out, log):
     assert (granted[never_ran] == 0).all()
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases())
-def test_fast_equals_reference_and_invariants_hold(case):
+def fast_matches_reference(case):
+    """Run ``case`` in both modes with step logs; records, expanded logs and invariants
+    must agree. Returns the fast run."""
     trace, policy, kv_blocks, block_size, step_time, engine = case
     ref = run_engine(trace, policy, kv_blocks, block_size, step_time, engine=engine,
                      reference=True, step_log=True)
@@ -166,6 +166,14 @@ def test_fast_equals_reference_and_invariants_hold(case):
     same_records(fast, ref)
     assert expand_repeats(fast.step_log) == ref.step_log
     check_invariants(trace, policy, kv_blocks, ref, ref.step_log)
+    return fast
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_fast_equals_reference_and_invariants_hold(case):
+    trace, policy, kv_blocks, block_size, step_time, engine = case
+    fast = fast_matches_reference(case)
     plain = run_engine(trace, policy, kv_blocks, block_size, step_time, engine=engine)
     same_records(plain, fast)  # the step log does not change the run
     assert plain.step_log is None
@@ -238,14 +246,7 @@ def crowded_cases(draw):
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(crowded_cases())
 def test_preemption_and_retraction_fast_equals_reference(case):
-    trace, policy, kv_blocks, block_size, step_time, engine = case
-    ref = run_engine(trace, policy, kv_blocks, block_size, step_time, engine=engine,
-                     reference=True, step_log=True)
-    fast = run_engine(trace, policy, kv_blocks, block_size, step_time, engine=engine,
-                      step_log=True)
-    same_records(fast, ref)
-    assert expand_repeats(fast.step_log) == ref.step_log
-    check_invariants(trace, policy, kv_blocks, ref, ref.step_log)
+    fast_matches_reference(case)
 
 
 def test_stretches_are_jumped_while_the_waiting_queue_is_blocked():
