@@ -676,45 +676,7 @@ class FluidModel:
 
     def limits(self, knobs: Knobs, *, grid: int = 96, refine: int = 30) -> dict[str, Limit]:
         """For each condition, the largest x that meets it (vectorised scan + bisection)."""
-        hi = self.x_upper(knobs)
-        xs = hi * np.concatenate([[1e-9], np.geomspace(1e-6, 1.0, grid)])
-        st = self.state(knobs, xs)
-        conds = self.conditions(knobs, st)
-        out: dict[str, Limit] = {}
-        names = list(conds)
-        lo = np.zeros(len(names))
-        up = np.zeros(len(names))
-        todo = np.zeros(len(names), dtype=bool)
-        for i, name in enumerate(names):
-            value, limit = conds[name]
-            ok = np.asarray(value <= limit)
-            floor_value = float(value[0])
-            bad = np.flatnonzero(~ok)
-            if not ok[0]:
-                out[name] = Limit(name, 0.0, floor_value, limit)
-            elif len(bad) == 0:
-                out[name] = Limit(name, float(xs[-1]), floor_value, limit)
-            else:
-                j = int(bad[0])
-                lo[i], up[i], todo[i] = xs[j - 1], xs[j], True
-                out[name] = Limit(name, float(lo[i]), floor_value, limit)
-        if todo.any():
-            # Bisect every open condition at once: one vectorised state per round.
-            for _ in range(refine):
-                mid = 0.5 * (lo + up)
-                mid_conds = self.conditions(knobs, self.state(knobs, mid))
-                for i, name in enumerate(names):
-                    if todo[i]:
-                        value, limit = mid_conds[name]
-                        if float(value[i]) <= limit:
-                            lo[i] = mid[i]
-                        else:
-                            up[i] = mid[i]
-            for i, name in enumerate(names):
-                if todo[i]:
-                    prev = out[name]
-                    out[name] = Limit(name, float(lo[i]), prev.floor_value, prev.target)
-        return out
+        return self.limits_many([knobs], grid=grid, refine=refine)[0]
 
     def limits_many(
         self, points: Sequence[Knobs], *, grid: int = 96, refine: int = 30
