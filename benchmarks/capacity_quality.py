@@ -103,7 +103,7 @@ def cpsat_vs_brute(n: int) -> dict:
 
 
 def azure_plans() -> list[dict]:
-    from servetune.solvers.capacity import run_plan
+    from servetune.apps.plan import run_plan
 
     out = []
     workload = REPO / "configs/workloads/azure-conv-2023.yaml"

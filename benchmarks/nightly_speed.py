@@ -28,7 +28,7 @@ STAGES = (("loading", "load"), ("fitting", "fit"), ("optimizing", "optimize"),
 
 
 def timed_run(current: Path, out: Path) -> dict:
-    from servetune.nightly import run_nightly
+    from servetune.apps.nightly import run_nightly
 
     marks: list[tuple[str, float]] = []
 

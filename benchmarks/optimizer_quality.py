@@ -63,9 +63,10 @@ def main() -> None:
         print(render_table(json.loads(Path(args.table).read_text())))
         return
 
+    from servetune.apps.optimize import TraceSimulator, min_window_s, optimize
     from servetune.errors import InfeasibleError
     from servetune.models.fluid import FluidModel, LoadModel, Platform, knobs_grid, targets_for
-    from servetune.profiles import load_profile
+    from servetune.profiles.shipped import load_profile
     from servetune.schemas.base import document_from_data, load_document
     from servetune.schemas.policy import Policy
     from servetune.schemas.slo import SLOSet
@@ -74,9 +75,8 @@ def main() -> None:
     from servetune.sim.api import prepare_trace
     from servetune.solvers import baselines
     from servetune.solvers.loop import find_goodput
-    from servetune.solvers.optimize import TraceSimulator, min_window_s, optimize
-    from servetune.trace_formats import load_trace
-    from servetune.workload import class_stats
+    from servetune.workloads.fitting import class_stats
+    from servetune.workloads.formats import load_trace
 
     profile = load_profile(REPO / "gpu_profiles" / "h200-llama-3.1-8b.yaml")
     rows = []

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from servetune.catalog import MODELS
-from servetune.measurements import load_measurements, step_rows
-from servetune.profile_build import fit_profile
-from servetune.profile_fit import build_perop, check_rows, learn_correction, step_time_from_perop
-from servetune.profiles import load_profile, shipped_profiles
+from servetune.profiles.build import fit_profile
+from servetune.profiles.catalog import MODELS
+from servetune.profiles.fit import build_perop, check_rows, learn_correction, step_time_from_perop
+from servetune.profiles.measurements import load_measurements, step_rows
+from servetune.profiles.shipped import load_profile, shipped_profiles
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = REPO / "gpu_profiles" / "calibration" / "h200"

@@ -41,9 +41,9 @@ PROFILE = "h200-llama-3.1-8b"
 
 
 def _inputs():
-    from servetune.profiles import load_profile
+    from servetune.profiles.shipped import load_profile
     from servetune.schemas.policy import Policy
-    from servetune.trace_formats import load_trace
+    from servetune.workloads.formats import load_trace
 
     if not CONV.exists():
         sys.exit(f"{CONV} not found: ../shared must be checked out beside the repo")
@@ -89,7 +89,7 @@ def bench_trace(runs: int, reference: bool, reference_requests: int | None) -> d
 def _million_child() -> None:
     """Run in a subprocess: sample 1M requests, simulate them, report time and memory."""
     from servetune.sim import simulate
-    from servetune.workload import fit_workload, sample_trace
+    from servetune.workloads.fitting import fit_workload, sample_trace
 
     trace, policy, profile = _inputs()
     workload = fit_workload(trace, name="azure-conv")

@@ -2,7 +2,7 @@
 
 Writes a synthetic N-row CSV in the Azure 2023 / week-long format (``TIMESTAMP`` with 7
 fractional digits, ``ContextTokens``, ``GeneratedTokens``), then loads it with
-``servetune.trace_formats.load_trace`` in a fresh child process and reports wall time and
+``servetune.workloads.formats.load_trace`` in a fresh child process and reports wall time and
 the child's peak resident memory (VmHWM), next to the same child's memory after
 importing servetune only (the baseline), and the CPU seconds (user + system) of the load,
 which depend less than wall time on other work sharing the machine. The loader holds the
@@ -30,8 +30,8 @@ import numpy as np
 # parent's high-water mark on Linux).
 CHILD = r"""
 import json, os, sys, time
-from servetune.trace_formats import load_trace
-from servetune.trace_stats import trace_stats
+from servetune.workloads.formats import load_trace
+from servetune.workloads.stats import trace_stats
 def hwm_kib():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):

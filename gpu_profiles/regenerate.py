@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from servetune.profile_build import derive_profile, fit_profile, profile_header
+from servetune.profiles.build import derive_profile, fit_profile, profile_header
 from servetune.schemas.base import document_to_yaml, write_text_atomic
 
 HERE = Path(__file__).resolve().parent

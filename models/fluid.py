@@ -2,7 +2,7 @@
 
 The free variable is ``x``, the mean number of requests that arrive per engine step.
 Everything else follows from ``x``, the policy's knobs, the workload's per-class moments
-and quantiles, and the profile's step-time coefficients (``servetune.steptime``):
+and quantiles, and the profile's step-time coefficients (``servetune.profiles.steptime``):
 
 - step contents per step: ``D = x (O - 1)`` decoding rows, ``Tp = x P`` prefill tokens,
   ``T = D + Tp`` tokens, ``S = x O`` sampled rows, ``C = x E[(O-1)(P + O/2)]`` context
@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from servetune.steptime import (
+from servetune.profiles.steptime import (
     COEF_ALLREDUCE,
     COEF_CONSTANT,
     COEF_DECODE_CTX,
@@ -239,7 +239,7 @@ class LoadModel:
 
     @staticmethod
     def from_class_stats(stats: Sequence[Any]) -> LoadModel:
-        """From ``servetune.workload.class_stats(workload)`` (anything with the same
+        """From ``servetune.workloads.fitting.class_stats(workload)`` (anything with the same
         attributes: name, share, rate_per_s, priority, interarrival_cv, prompt_mean,
         output_mean, prompt_quantile(q), output_quantile(q))."""
         classes = tuple(

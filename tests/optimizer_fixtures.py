@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from servetune.models.fluid import ClassLoad, FluidModel, Knobs, LoadModel, Platform, Target
+from servetune.profiles.steptime import StepTimeModel
 from servetune.solvers.loop import SimPoint
-from servetune.steptime import StepTimeModel
 
 STEP = StepTimeModel(
     fixed_s=1e-3,

@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from servetune.apps import plan as C
 from servetune.errors import ServetuneError
 from servetune.schemas.base import document_from_data
 from servetune.schemas.fleet import Forecast
 from servetune.schemas.profile import Profile
 from servetune.schemas.slo import SLOSet
 from servetune.schemas.workload import Workload
-from servetune.solvers import capacity as C
 
 
 def _workload(classes: dict[str, float]) -> Workload:
@@ -181,8 +181,8 @@ def test_capacity_is_measured_at_steady_state(tmp_path: Path, monkeypatch) -> No
     too fast for one H100's KV cache to fill, so that short burst "met" the SLOs at 4x the
     rate a replica sustains (26-29 req/s on runs of 100 s and longer). The measurement now
     lengthens the trace until its arrivals span MIN_WINDOW_S."""
-    from servetune.profiles import load_profile
-    from servetune.workload import load_workload
+    from servetune.profiles.shipped import load_profile
+    from servetune.workloads.fitting import load_workload
 
     root = Path(__file__).resolve().parents[1]
     monkeypatch.setattr(C, "CANDIDATE_BATCHING", ((1024, 8192),))  # vLLM serve's defaults

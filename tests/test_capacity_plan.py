@@ -15,8 +15,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from servetune.apps import plan as C
 from servetune.cli import app
-from servetune.solvers import capacity as C
 
 runner = CliRunner()
 

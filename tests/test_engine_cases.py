@@ -8,10 +8,10 @@ import pytest
 from test_engine_helpers import both_modes, compact, policy, trace_of
 
 from servetune.errors import ServetuneError
+from servetune.profiles.steptime import StepTimeModel
 from servetune.schemas.policy import Policy
 from servetune.sim.engine import ENGINES, REASONS, expand_repeats, run_engine
-from servetune.steptime import StepTimeModel
-from servetune.trace import from_arrays
+from servetune.workloads.trace import from_arrays
 
 BATCH64 = {"max_num_seqs": 8, "max_num_batched_tokens": 64}
 

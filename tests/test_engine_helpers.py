@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from servetune.profiles.steptime import StepTimeModel
 from servetune.schemas.policy import Policy
 from servetune.sim.engine import EngineOutput, expand_repeats, run_engine
-from servetune.steptime import StepTimeModel
-from servetune.trace import Trace, from_arrays
+from servetune.workloads.trace import Trace, from_arrays
 
 ONE_SECOND = StepTimeModel(constant_s=1.0)
 PER_REQUEST = ("admitted_s", "first_token_s", "finish_s", "preemptions", "status", "reason",

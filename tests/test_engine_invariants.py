@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_engine_helpers import same_records
 
+from servetune.profiles.steptime import StepTimeModel
 from servetune.schemas.policy import Policy
 from servetune.sim.engine import ENGINES, REASON_READMIT, REASONS, expand_repeats, run_engine
-from servetune.steptime import StepTimeModel
-from servetune.trace import from_arrays
+from servetune.workloads.trace import from_arrays
 
 
 @st.composite

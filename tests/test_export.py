@@ -554,7 +554,7 @@ def test_cli_profile_option_with_shipped_profile(tmp_path):
     profile = Path(__file__).resolve().parents[1] / "gpu_profiles" / "h200-llama-3.1-8b.yaml"
     if not profile.exists():
         pytest.skip("shipped profile missing")
-    from servetune.profiles import load_profile
+    from servetune.profiles.shipped import load_profile
 
     prof = load_profile(profile)
     pol = write_policy(tmp_path, make_policy(metadata={}))

@@ -155,7 +155,7 @@ def test_larger_kv_pool_never_lowers_goodput():
 
 
 def test_trace_moments():
-    from servetune.trace import from_arrays
+    from servetune.workloads.trace import from_arrays
 
     tr = from_arrays(np.arange(5, dtype=float), np.array([10, 20, 30, 40, 50]),
                      np.array([1, 2, 3, 4, 5]))

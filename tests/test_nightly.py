@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from servetune.apps.nightly import EXIT_CODES, parse_engines
 from servetune.cli import app
 from servetune.errors import ServetuneError
-from servetune.nightly import EXIT_CODES, parse_engines
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "configs" / "examples" / "azure-conv-synthetic.csv"
@@ -236,7 +236,7 @@ def test_second_run_with_new_policy_keeps_it(tiny, first_run):
 
 
 def test_interrupted_run_leaves_previous_outputs(tiny, first_run, monkeypatch):
-    import servetune.report as report_mod
+    import servetune.apps.report as report_mod
 
     out, res = first_run
     assert res.exit_code == 0
@@ -256,7 +256,7 @@ def test_interrupted_run_leaves_previous_outputs(tiny, first_run, monkeypatch):
 
     monkeypatch.setattr(report_mod, "_stage_one", dying_stage)
     with pytest.raises(KeyboardInterrupt):
-        from servetune.nightly import run_nightly
+        from servetune.apps.nightly import run_nightly
 
         run_nightly(tiny / "trace.csv", tiny / "profile.yaml", SLO, tiny / "poor.yaml", target,
                     space_path=tiny / "space.yaml", time_limit_s=20)

@@ -43,8 +43,8 @@ def test_generation_is_deterministic_and_azure_formatted(tmp_path):
 
 
 def test_shipped_trace_loads_with_the_workloads_figures():
-    from servetune.trace_formats import load_trace
-    from servetune.workload import class_stats, load_workload
+    from servetune.workloads.fitting import class_stats, load_workload
+    from servetune.workloads.formats import load_trace
 
     trace = load_trace(SHIPPED)
     assert 550 <= trace.duration_s <= 600

@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from servetune.apps.optimize import DEFAULT_SPACE_KNOBS
 from servetune.cli import app
 from servetune.schemas.base import load_document
 from servetune.schemas.job import OptimizeJob
 from servetune.schemas.policy import Policy
 from servetune.schemas.space import SearchSpace
-from servetune.solvers.optimize import DEFAULT_SPACE_KNOBS
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = REPO / "configs" / "workloads" / "azure-conv-2023.yaml"
@@ -70,7 +70,7 @@ def test_same_inputs_and_seed_give_identical_policy_bytes(tmp_path):
     # --profile, and equals the one computed from the profile itself.
     from servetune.export import memory_facts
     from servetune.export.trtllm import free_gpu_memory_fraction
-    from servetune.profiles import load_profile
+    from servetune.profiles.shipped import load_profile
 
     from_meta = free_gpu_memory_fraction(memory_facts(policy))
     assert from_meta == pytest.approx(
@@ -190,10 +190,10 @@ def test_trace_input(tmp_path):
 
 
 def test_simulation_infeasibility_names_the_metric():
+    from servetune.apps.optimize import explain_sim_infeasible
     from servetune.models.fluid import Knobs
     from servetune.schemas.slo import SLOSet
     from servetune.solvers.loop import Evaluated, GoodputEstimate, SimPoint
-    from servetune.solvers.optimize import explain_sim_infeasible
 
     slo = load_document(SLO, SLOSet)
     pts = [
@@ -227,12 +227,12 @@ def test_job_documents_fail_only_with_servetune_errors(data):
 
 
 def test_returned_policy_passes_the_simulator_at_its_goodput(tmp_path):
-    from servetune.profiles import load_profile
+    from servetune.apps.optimize import TraceSimulator, min_window_s, optimize
+    from servetune.profiles.shipped import load_profile
     from servetune.schemas.slo import SLOSet
     from servetune.schemas.workload import Workload
     from servetune.sim import simulate
     from servetune.sim.api import prepare_trace
-    from servetune.solvers.optimize import TraceSimulator, min_window_s, optimize
 
     workload = load_document(WORKLOAD, Workload)
     profile = load_profile(PROFILE)
@@ -266,11 +266,11 @@ def test_returned_policy_passes_the_simulator_at_its_goodput(tmp_path):
 def test_a_short_trace_at_a_high_rate_is_flagged(tmp_path):
     """A trace cannot be sampled longer: when its requests span less than the window
     the TTFT target needs at the goodput, the summary says the goodput may be optimistic."""
-    from servetune.profiles import load_profile
+    from servetune.apps.optimize import optimize
+    from servetune.profiles.shipped import load_profile
     from servetune.schemas.slo import SLOSet
     from servetune.schemas.workload import Workload
     from servetune.sim.api import prepare_trace
-    from servetune.solvers.optimize import optimize
 
     workload = load_document(WORKLOAD, Workload)
     slo = load_document(SLO, SLOSet)

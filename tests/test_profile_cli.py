@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from servetune.cli import app
-from servetune.profiles import SHIPPED_DIR, load_profile
+from servetune.profiles.shipped import SHIPPED_DIR, load_profile
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[1]

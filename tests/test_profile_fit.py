@@ -10,11 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from servetune.catalog import MODELS
 from servetune.errors import ServetuneError
-from servetune.measurements import load_measurements, step_rows
-from servetune.profile_build import derive_profile, fit_profile
-from servetune.profile_fit import (
+from servetune.profiles.build import derive_profile, fit_profile
+from servetune.profiles.catalog import MODELS
+from servetune.profiles.fit import (
     H200_CORRECTION,
     StepShapes,
     build_perop,
@@ -24,6 +23,7 @@ from servetune.profile_fit import (
     predict,
     step_time_from_perop,
 )
+from servetune.profiles.measurements import load_measurements, step_rows
 
 REPO = Path(__file__).resolve().parents[1]
 H200_DIR = REPO.parent / "shared" / "gpu_measurements" / "h200"
@@ -213,7 +213,7 @@ def test_shipped_h200_profiles_match_a_refit_of_the_copied_csvs():
         pytest.skip("no shipped calibration CSVs")
     profile, _ = fit_profile(SHIPPED_H200, "llama-3.1-8b", name="h200-llama-3.1-8b",
                              paths_relative_to=REPO / "gpu_profiles")
-    from servetune.profiles import load_profile
+    from servetune.profiles.shipped import load_profile
 
     assert load_profile("h200-llama-3.1-8b").step_time == profile.step_time
 
@@ -302,7 +302,7 @@ def test_step_shapes_from_rows():
     assert len(predict(H200_STEP, shapes)) == 1
 
 
-from servetune.steptime import StepTimeModel  # noqa: E402
+from servetune.profiles.steptime import StepTimeModel  # noqa: E402
 
 H200_STEP = StepTimeModel(constant_s=0.01)
 

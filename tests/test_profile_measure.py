@@ -15,13 +15,13 @@ from typer.testing import CliRunner
 
 from servetune.cli import app
 from servetune.errors import ServetuneError
-from servetune.measurements import PER_OP_FILES, STEP_COLUMNS, load_measurements, step_rows
-from servetune.profiles import load_profile
+from servetune.profiles.measurements import PER_OP_FILES, STEP_COLUMNS, load_measurements, step_rows
+from servetune.profiles.shipped import load_profile
 from servetune.schemas.profile import ModelArch
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (the optional 'gpu' extra)")
 
-from servetune.profile_measure import MeasureGrid, measure  # noqa: E402
+from servetune.profiles.measure import MeasureGrid, measure  # noqa: E402
 
 H200_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "gpu_measurements" / "h200"
 
@@ -161,7 +161,7 @@ def test_cuda_measure_refuses_without_cuda(tmp_path):
 
 
 def test_torch_version_parsing():
-    from servetune.profile_measure import _version
+    from servetune.profiles.measure import _version
 
     assert _version("2.13.0+cpu") == (2, 13)
     assert _version("2.4.1") < (2, 5) <= _version("2.5.0a0+git1234")
@@ -199,7 +199,7 @@ def test_gpu_grid_covers_the_shipped_h200_steps():
     """The default shapes are those of scripts/step_graph.py behind gpu_measurements/h200."""
     if not H200_DIR.is_dir():
         pytest.skip(f"shared measurements not found at {H200_DIR}")
-    from servetune.profile_measure import GPU_GRID
+    from servetune.profiles.measure import GPU_GRID
 
     _, rows = _read(H200_DIR / "step_graph_llama-3.1-8b.csv")
     shapes = GPU_GRID.step_shapes()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from servetune import memory
 from servetune.errors import ServetuneError
-from servetune.profiles import SHIPPED_DIR, load_profile, shipped_profiles
+from servetune.profiles import memory
+from servetune.profiles.shipped import SHIPPED_DIR, load_profile, shipped_profiles
 from servetune.schemas.base import document_from_data
 from servetune.schemas.profile import Hardware, MemoryBudget, ModelArch, Profile
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servetune.profiles import load_profile, shipped_profiles
-from servetune.steptime import StepTimeModel
+from servetune.profiles.shipped import load_profile, shipped_profiles
+from servetune.profiles.steptime import StepTimeModel
 
 SHIPPED = [load_profile(n).step_time for n in shipped_profiles()]
 

@@ -36,7 +36,7 @@ import pytest
 from servetune.schemas.policy import Policy
 from servetune.schemas.profile import Profile
 from servetune.sim import simulate
-from servetune.trace import from_arrays
+from servetune.workloads.trace import from_arrays
 
 STEP_S = 0.001
 PROMPT = 16

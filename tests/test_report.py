@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from servetune.nightly import decide, same_knobs
-from servetune.report import (
+from servetune.apps.nightly import decide, same_knobs
+from servetune.apps.report import (
     Comparison,
     PolicyEvaluation,
     Verdict,
@@ -22,7 +22,7 @@ from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
 from servetune.sim import SimResult
 from servetune.sim.goodput import GoodputResult
-from servetune.trace import from_arrays
+from servetune.workloads.trace import from_arrays
 
 ARRIVALS = np.array([0.0, 1.0, 2.0, 3.0])
 OUTPUT_TOKENS = np.array([11, 11, 11, 11])
@@ -238,7 +238,7 @@ def test_per_class_rows_for_a_two_class_trace():
 def test_log_axis_labels_every_part_of_a_goodput_range():
     """The goodput search often spans 5-45 req/s; with 1-2-5 ticks nothing past 20 was
     labelled, so the points at 25-45 req/s could not be read off the plot."""
-    from servetune.report import _plain_log_axis, pyplot
+    from servetune.apps.report import _plain_log_axis, pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots()

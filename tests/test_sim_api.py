@@ -14,7 +14,7 @@ from servetune.errors import ServetuneError
 from servetune.schemas.slo import SLOSet
 from servetune.sim import SimResult, prepare_trace
 from servetune.sim.records import COLUMNS, record_columns, records_csv
-from servetune.trace import from_arrays
+from servetune.workloads.trace import from_arrays
 
 NAN = float("nan")
 

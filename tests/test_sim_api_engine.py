@@ -12,8 +12,8 @@ from servetune.schemas.profile import Profile
 from servetune.schemas.slo import SLOSet
 from servetune.sim import goodput, simulate
 from servetune.sim.records import record_columns, records_csv
-from servetune.trace import from_arrays
-from servetune.workload import fit_workload
+from servetune.workloads.fitting import fit_workload
+from servetune.workloads.trace import from_arrays
 
 
 def small_profile(blocks: int = 400, step_s: float = 0.02) -> Profile:
@@ -174,7 +174,7 @@ def test_summary_of_a_run_worked_by_hand():
 
 def test_workload_lanes_judge_long_by_the_workload_class_mean(monkeypatch):
     from servetune.sim import engine
-    from servetune.workload import class_stats
+    from servetune.workloads.fitting import class_stats
 
     workload = fit_workload(random_trace(11, n=400), split="bands", bands=2, name="two")
     seen = {}

@@ -189,8 +189,8 @@ def test_parquet_without_pyarrow_fails_before_writing_anything(files, tmp_path):
 def two_class_workload(tmp_path):
     import numpy as np
 
-    from servetune.trace import from_arrays
-    from servetune.workload import fit_workload, save_workload
+    from servetune.workloads.fitting import fit_workload, save_workload
+    from servetune.workloads.trace import from_arrays
 
     rng = np.random.default_rng(0)
     n = 300

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from servetune.errors import ServetuneError
-from servetune.trace_formats import detect_format, load_trace, parse_columns
+from servetune.workloads.formats import detect_format, load_trace, parse_columns
 
 AZURE = (
     "TIMESTAMP,ContextTokens,GeneratedTokens\n"
@@ -79,7 +79,7 @@ def test_unsorted_rows_are_sorted_stably(tmp_path):
 
 
 def test_chunk_boundaries_do_not_lose_or_split_rows(tmp_path, monkeypatch):
-    import servetune.trace_formats as tf
+    import servetune.workloads.formats as tf
 
     monkeypatch.setattr(tf, "CHUNK_BYTES", 37)  # a row or so per chunk
     monkeypatch.setattr(tf, "HEAD_BYTES", 50)
@@ -383,7 +383,7 @@ def test_any_chunking_gives_the_same_trace(rows, chunk_bytes):
     nothing is lost or invented (a file-order oracle built here)."""
     import tempfile
 
-    import servetune.trace_formats as tf
+    import servetune.workloads.formats as tf
 
     lines = ["ms,in,out,cls"]
     for ms, p, o, cls, blank in rows:
@@ -416,7 +416,7 @@ def test_any_chunking_gives_the_same_trace(rows, chunk_bytes):
 
 
 def test_a_line_longer_than_the_limit_is_an_error(tmp_path, monkeypatch):
-    import servetune.trace_formats as tf
+    import servetune.workloads.formats as tf
 
     monkeypatch.setattr(tf, "MAX_LINE_BYTES", 100)
     monkeypatch.setattr(tf, "HEAD_BYTES", 16)
@@ -436,8 +436,8 @@ def test_forced_generic_format_without_columns_says_what_is_missing(tmp_path):
 def test_interarrival_cv_survives_extreme_spans():
     # Gaps of 1e200 s square to inf: the CV must still be the scale-free 0.5, so
     # `trace stats --json` never prints Infinity.
-    from servetune.trace import from_arrays
-    from servetune.trace_stats import trace_stats
+    from servetune.workloads.stats import trace_stats
+    from servetune.workloads.trace import from_arrays
 
     for scale in (1e200, 1e-200):
         arrival = np.array([0.0, 1.0, 4.0, 5.0, 8.0]) * scale

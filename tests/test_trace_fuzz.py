@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from servetune.errors import ServetuneError
-from servetune.trace import Trace
-from servetune.trace_formats import FORMATS, load_trace
-from servetune.workload import sample_trace, workload_from_yaml_text
+from servetune.workloads.fitting import sample_trace, workload_from_yaml_text
+from servetune.workloads.formats import FORMATS, load_trace
+from servetune.workloads.trace import Trace
 
 FUZZ = settings(max_examples=120, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -210,8 +210,8 @@ def test_random_bytes_as_workload(data):
     st.sampled_from([None, 0.001, 1.0, 1e5]),
 )
 def test_fit_any_trace(rows, split, bands, window):
-    from servetune.trace import from_arrays
-    from servetune.workload import class_stats, fit_workload
+    from servetune.workloads.fitting import class_stats, fit_workload
+    from servetune.workloads.trace import from_arrays
 
     arr = np.array(rows, dtype=np.float64)
     trace = from_arrays(arr[:, 0], arr[:, 1].astype(np.int64), arr[:, 2].astype(np.int64),

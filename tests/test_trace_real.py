@@ -9,8 +9,8 @@ from conftest import shared_file
 from typer.testing import CliRunner
 
 from servetune.cli import app
-from servetune.trace_formats import load_trace
-from servetune.trace_stats import trace_stats
+from servetune.workloads.formats import load_trace
+from servetune.workloads.stats import trace_stats
 
 # ../shared/traces/README.md, "Summary statistics" and the min/max lines below it
 EXPECTED = {

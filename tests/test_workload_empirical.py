@@ -13,10 +13,7 @@ from typer.testing import CliRunner
 from servetune.cli import app
 from servetune.errors import ServetuneError
 from servetune.schemas.workload import knot_moments
-from servetune.trace import from_arrays
-from servetune.trace_formats import load_trace
-from servetune.trace_stats import trace_stats
-from servetune.workload import (
+from servetune.workloads.fitting import (
     EMPIRICAL_CV_THRESHOLD,
     GAP_QUANTILE_GRID,
     class_stats,
@@ -27,6 +24,9 @@ from servetune.workload import (
     workload_from_yaml_text,
     workload_to_yaml,
 )
+from servetune.workloads.formats import load_trace
+from servetune.workloads.stats import trace_stats
+from servetune.workloads.trace import from_arrays
 
 runner = CliRunner()
 N_SAMPLE = 200_000

@@ -12,10 +12,7 @@ from typer.testing import CliRunner
 
 from servetune.cli import app
 from servetune.errors import ServetuneError
-from servetune.trace import from_arrays
-from servetune.trace_formats import load_trace
-from servetune.trace_stats import trace_stats
-from servetune.workload import (
+from servetune.workloads.fitting import (
     QUANTILE_GRID,
     class_stats,
     fit_workload,
@@ -23,6 +20,9 @@ from servetune.workload import (
     sample_trace,
     workload_from_yaml_text,
 )
+from servetune.workloads.formats import load_trace
+from servetune.workloads.stats import trace_stats
+from servetune.workloads.trace import from_arrays
 
 runner = CliRunner()
 

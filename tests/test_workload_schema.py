@@ -9,7 +9,7 @@ import yaml
 
 from servetune.errors import ServetuneError
 from servetune.schemas.workload import Workload
-from servetune.workload import (
+from servetune.workloads.fitting import (
     class_stats,
     load_workload,
     save_workload,

@@ -36,7 +36,7 @@ def azure_timestamp(offset_s: float) -> str:
 
 def example_csv(workload_path: Path = WORKLOAD, *, seed: int = SEED,
                 duration_s: float = DURATION_S) -> str:
-    from servetune.workload import load_workload, sample_trace
+    from servetune.workloads.fitting import load_workload, sample_trace
 
     workload = load_workload(workload_path)
     trace = sample_trace(workload, duration_s=duration_s, seed=seed)

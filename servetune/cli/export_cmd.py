@@ -19,7 +19,7 @@ def load_profile_arg(path: Path | None) -> Any:
     if path is None:
         return None
     try:
-        from servetune.profiles import load_profile
+        from servetune.profiles.shipped import load_profile
     except ImportError:  # pragma: no cover - the profiles module ships with servetune
         raise ServetuneError(f"{path}: GPU profiles are not available in this build") from None
     return load_profile(path)
@@ -58,7 +58,7 @@ def register(app: typer.Typer) -> None:
                 f"--engine {engine!r} is not supported; choose one of {', '.join(ENGINES)}"
             )
         if output is not None:
-            from servetune.report import check_out_file
+            from servetune.apps.report import check_out_file
 
             check_out_file(output, "-o/--output")
         pol = load_document(policy, Policy)

@@ -88,7 +88,7 @@ def register(app: typer.Typer) -> None:
         ),
         as_json: bool = typer.Option(False, "--json", help="Print summary.json to stdout."),
     ) -> None:
-        from servetune.nightly import run_nightly
+        from servetune.apps.nightly import run_nightly
 
         outcome = run_nightly(
             trace, profile, slo, current, out_dir, engines=engines, min_gain=min_gain,
@@ -116,8 +116,8 @@ def register(app: typer.Typer) -> None:
         engine: str = typer.Option("vllm", "--engine", help="Engine model to simulate."),
         as_json: bool = typer.Option(False, "--json", help="Print summary.json to stdout."),
     ) -> None:
-        from servetune.nightly import file_digest, load_inputs
-        from servetune.report import (
+        from servetune.apps.nightly import file_digest, load_inputs
+        from servetune.apps.report import (
             Verdict,
             build_report,
             check_out_dir,
@@ -139,8 +139,8 @@ def register(app: typer.Typer) -> None:
         inputs = {name: f"{p.name} (sha256 {file_digest(p)[:16]})" for name, p in
                   (("trace", trace), ("profile", profile), ("slo", slo),
                    ("current policy", current), ("new policy", new))}
-        from servetune.nightly import model_reasons
-        from servetune.workload import fit_workload
+        from servetune.apps.nightly import model_reasons
+        from servetune.workloads.fitting import fit_workload
 
         reasons = model_reasons(fit_workload(tr, name=trace.stem), prof, slo_set, cur, nxt)
         files = build_report(comp, Verdict(headline), inputs=inputs, reasons=reasons)

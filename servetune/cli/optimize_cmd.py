@@ -35,7 +35,7 @@ def _file(path: Path, what: str) -> Path:
 
 
 def _sha(path: Path) -> str:
-    from servetune.solvers.optimize import sha256_file
+    from servetune.apps.optimize import sha256_file
 
     return sha256_file(path)
 
@@ -56,10 +56,10 @@ def run_optimize(
     progress: Any = None,
 ):
     """Load the inputs, record their hashes, and run :func:`optimize`."""
-    from servetune.profiles import load_profile
+    from servetune.apps.optimize import optimize, sha256_doc
+    from servetune.profiles.shipped import load_profile
     from servetune.schemas.slo import SLOSet
     from servetune.schemas.space import SearchSpace
-    from servetune.solvers.optimize import optimize, sha256_doc
 
     if (trace is None) == (workload is None):
         raise ServetuneError("give exactly one of --trace FILE or --workload W.yaml")
@@ -71,12 +71,12 @@ def run_optimize(
         raise ServetuneError(f"--requests must be >= 50 (got {requests})")
     inputs: dict[str, Any] = {}
     if trace is not None:
-        from servetune.trace_formats import load_trace
+        from servetune.workloads.formats import load_trace
 
         source = load_trace(_file(trace, "--trace"), trace_format)
         inputs["trace"] = {"file": trace.name, "sha256": _sha(trace)}
     else:
-        from servetune.workload import load_workload
+        from servetune.workloads.fitting import load_workload
 
         assert workload is not None
         source = load_workload(_file(workload, "--workload"))
@@ -120,7 +120,7 @@ def _profile_arg(base: Path, value: str) -> str:
 
 def _shipped_or_path(value: str) -> str:
     """A bare shipped-profile name (``h200-llama-3.1-8b``) becomes its file's path."""
-    from servetune.profiles import SHIPPED_DIR
+    from servetune.profiles.shipped import SHIPPED_DIR
 
     shipped = SHIPPED_DIR / f"{value}.yaml"
     if not Path(value).exists() and "/" not in value and shipped.is_file():

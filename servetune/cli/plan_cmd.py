@@ -1,8 +1,8 @@
 """CLI: ``servetune plan`` (GPU fleet for a forecast at SLOs, lowest cost) and
 ``servetune place`` (background jobs into the capacity a plan leaves free).
 
-Both are thin layers over :func:`servetune.solvers.capacity.run_plan` and
-:func:`servetune.solvers.placement.run_place`; the report plots use matplotlib's Agg
+Both are thin layers over :func:`servetune.apps.plan.run_plan` and
+:func:`servetune.apps.place.run_place`; the report plots use matplotlib's Agg
 backend (no display needed).
 """
 
@@ -51,7 +51,7 @@ def _need(path: Path, option: str) -> Path:
 
 def _check_outputs(output: Path, report: Path | None) -> None:
     """Refuse unusable output paths before the (long) run, so nothing is half written."""
-    from servetune.report import check_out_dir, check_out_file
+    from servetune.apps.report import check_out_dir, check_out_file
 
     check_out_file(output, "-o/--output")
     if report is not None:
@@ -90,8 +90,8 @@ def _progress(quiet: bool):
 
 def write_plan_report(plan: dict[str, Any], folder: Path) -> list[Path]:
     """cost_by_type.png, replicas_over_day.png, (with a sweep) cost_vs_growth.png and
-    plan.json, all written or none (:func:`servetune.report.commit_files`)."""
-    from servetune.report import commit_files, figure_bytes, pyplot
+    plan.json, all written or none (:func:`servetune.apps.report.commit_files`)."""
+    from servetune.apps.report import commit_files, figure_bytes, pyplot
 
     plt = pyplot()
     files: list[tuple[str, bytes]] = []
@@ -145,7 +145,7 @@ def write_plan_report(plan: dict[str, Any], folder: Path) -> list[Path]:
 def write_schedule_report(schedule: dict[str, Any], folder: Path) -> list[Path]:
     """spare_and_work.png (spare tokens per slot and the scheduled background work) and
     schedule.json, both written or neither."""
-    from servetune.report import commit_files, figure_bytes, pyplot
+    from servetune.apps.report import commit_files, figure_bytes, pyplot
 
     plt = pyplot()
     n = schedule["horizon_slots"]
@@ -246,7 +246,7 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed"),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
     ) -> None:
-        from servetune.solvers.capacity import run_plan
+        from servetune.apps.plan import run_plan
 
         for p, opt in ((workload, "--workload"), (forecast, "--forecast"), (fleet, "--fleet"),
                        (slo, "--slo")):
@@ -296,7 +296,7 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed"),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
     ) -> None:
-        from servetune.solvers.placement import run_place
+        from servetune.apps.place import run_place
 
         for p, opt in ((jobs, "--jobs"), (plan, "--plan"), (forecast, "--forecast")):
             _need(p, opt)

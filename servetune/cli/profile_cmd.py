@@ -1,6 +1,6 @@
 """CLI: ``servetune profile fit | check | measure | show | derive``.
 
-- ``fit``: a measured profile from a folder of timing CSVs (servetune.profile_fit).
+- ``fit``: a measured profile from a folder of timing CSVs (servetune.profiles.fit).
 - ``check``: a profile's predicted step times against a whole-step CSV.
 - ``measure``: time the operations and whole steps on this machine's CUDA GPU.
 - ``show``: memory, KV pool and step times at a few shapes.
@@ -18,8 +18,8 @@ from servetune.errors import ServetuneError
 
 
 def _save(profile, output: Path) -> None:
-    from servetune.profile_build import profile_header
-    from servetune.profiles import require_kv_pool
+    from servetune.profiles.build import profile_header
+    from servetune.profiles.shipped import require_kv_pool
     from servetune.schemas.base import save_document
 
     require_kv_pool(profile, f"{output} (not written)")
@@ -41,7 +41,7 @@ SHOW_SHAPES: tuple[tuple[str, int, int, int], ...] = (
 
 def show_data(profile) -> dict:
     """What ``profile show`` prints, as data."""
-    from servetune.steptime import prefill_attn_pairs
+    from servetune.profiles.steptime import prefill_attn_pairs
 
     rows = []
     for label, d, ctx, p in SHOW_SHAPES:
@@ -88,7 +88,7 @@ def register(app: typer.Typer) -> None:
         utilization: float = typer.Option(0.92, "--gpu-memory-utilization", min=0.01, max=1.0),
     ) -> None:
         """Fit a measured profile from per-operation (and whole-step) timings."""
-        from servetune.profile_build import fit_profile
+        from servetune.profiles.build import fit_profile
 
         profile, report = fit_profile(
             measurements, model, gpu=gpu, tensor_parallel=tp, name=name,
@@ -118,7 +118,7 @@ def register(app: typer.Typer) -> None:
         utilization: float = typer.Option(0.92, "--gpu-memory-utilization", min=0.01, max=1.0),
     ) -> None:
         """Derive a profile for another GPU / TP degree from measured per-op timings."""
-        from servetune.profile_build import derive_profile
+        from servetune.profiles.build import derive_profile
 
         profile = derive_profile(measurements, model, gpu, tensor_parallel=tp, name=name,
                                  gpu_memory_utilization=utilization,
@@ -142,9 +142,9 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Compare a profile's step times with measured whole steps."""
-        from servetune.measurements import STEP_COLUMNS, read_csv, step_rows
-        from servetune.profile_fit import check_rows
-        from servetune.profiles import load_profile
+        from servetune.profiles.fit import check_rows
+        from servetune.profiles.measurements import STEP_COLUMNS, read_csv, step_rows
+        from servetune.profiles.shipped import load_profile
 
         profile = load_profile(profile_path)
         table = read_csv(measured, STEP_COLUMNS)
@@ -174,7 +174,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Print a profile's memory, KV pool and step times at a few shapes."""
-        from servetune.profiles import load_profile
+        from servetune.profiles.shipped import load_profile
 
         profile = load_profile(profile_path)
         data = show_data(profile)
@@ -217,7 +217,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Time per-operation kernels and whole steps on this machine's CUDA GPU (needs the
         ``gpu`` extra: torch)."""
-        from servetune.profile_measure import measure
+        from servetune.profiles.measure import measure
 
         written = measure(output, models=model, whole_steps=steps, budget_s=budget_s,
                           log=lambda m: typer.echo(m, err=True))

@@ -78,7 +78,7 @@ def load_source(
         raise ServetuneError(
             "--trace-format, --columns, --arrival-unit and --on-bad-row apply to --trace only"
         )
-    from servetune.workload import load_workload
+    from servetune.workloads.fitting import load_workload
 
     assert workload is not None
     return load_workload(_need_file(workload, "--workload"))
@@ -93,7 +93,7 @@ def load_inputs(
             f"--engine {engine!r}: unknown engine; choose one of {', '.join(ENGINE_CHOICES)}"
         )
     source = load_source(trace, workload, options)
-    from servetune.profiles import load_profile, require_kv_pool
+    from servetune.profiles.shipped import load_profile, require_kv_pool
 
     prof = load_profile(profile)
     require_kv_pool(prof, profile)
@@ -103,7 +103,7 @@ def load_inputs(
 
 
 def _expected_requests(source: Any, n_requests: int | None) -> int:
-    from servetune.trace import Trace
+    from servetune.workloads.trace import Trace
 
     if isinstance(source, Trace):
         return len(source) if n_requests is None else min(n_requests, len(source))

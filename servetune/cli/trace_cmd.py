@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from servetune.trace import Trace
+from servetune.workloads.trace import Trace
 
 # Files at least this large show a progress bar while they load.
 PROGRESS_MIN_BYTES = 64 << 20
@@ -79,7 +79,7 @@ def load_trace_cli(
     on_bad_row: str,
 ) -> Trace:
     """Load a trace for a command, with a progress bar for large files and notices on stderr."""
-    from servetune.trace_formats import load_trace
+    from servetune.workloads.formats import load_trace
 
     with load_progress(path) as progress:
         trace = load_trace(
@@ -132,7 +132,7 @@ def register(app: typer.Typer) -> None:
         on_bad_row: OnBadRowOption = "error",
     ) -> None:
         """Request count, span, mean rate, burstiness and prompt/output length statistics."""
-        from servetune.trace_stats import per_class_stats, trace_stats
+        from servetune.workloads.stats import per_class_stats, trace_stats
 
         trace = load_trace_cli(file, trace_format, columns, arrival_unit, on_bad_row)
         result = trace_stats(trace)

@@ -26,7 +26,7 @@ SPLITS = ("none", "class", "prompt-quantiles")
 
 def class_table(workload: Any, title: str) -> Table:
     """Classes as columns, statistics as rows (fits a terminal for a few classes)."""
-    from servetune.workload import class_stats
+    from servetune.workloads.fitting import class_stats
 
     stats = class_stats(workload)
     table = Table(title=title, show_header=True, header_style="bold")
@@ -57,7 +57,7 @@ def _arrival_text(arrival: Any) -> str:
 
 
 def class_stats_json(workload: Any) -> dict[str, Any]:
-    from servetune.workload import class_stats
+    from servetune.workloads.fitting import class_stats
 
     classes = []
     for s in class_stats(workload):
@@ -112,7 +112,7 @@ def register(app: typer.Typer) -> None:
         on_bad_row: OnBadRowOption = "error",
     ) -> None:
         """Fit a Workload to a trace: classes, arrival process, length distributions."""
-        from servetune.workload import fit_workload, save_workload
+        from servetune.workloads.fitting import fit_workload, save_workload
 
         if split_by not in SPLITS:
             raise ServetuneError(
@@ -154,8 +154,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     ) -> None:
         """Show a workload's classes, or sample it and show the sample's statistics."""
-        from servetune.trace_stats import trace_stats
-        from servetune.workload import load_workload, sample_trace
+        from servetune.workloads.fitting import load_workload, sample_trace
+        from servetune.workloads.stats import trace_stats
 
         workload = load_workload(path)
         console = Console()

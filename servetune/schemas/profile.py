@@ -2,8 +2,8 @@
 
 A profile answers the two questions the simulator and the optimizer ask of hardware:
 how many KV blocks the engine has (:meth:`Profile.kv_blocks`, vLLM's arithmetic in
-:mod:`servetune.memory`) and how long one engine step takes (``step_time``, the
-:class:`~servetune.steptime.StepTimeModel`).
+:mod:`servetune.profiles.memory`) and how long one engine step takes (``step_time``, the
+:class:`~servetune.profiles.steptime.StepTimeModel`).
 
 ``kv_blocks_override`` fixes the pool the way vLLM's ``num_gpu_blocks_override`` does: the
 engine allocates exactly that many blocks and keeps one back as its null block, so
@@ -22,10 +22,10 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from servetune import memory
 from servetune.errors import ServetuneError
+from servetune.profiles import memory
+from servetune.profiles.steptime import StepTimeModel
 from servetune.schemas.base import Document, Strict
-from servetune.steptime import StepTimeModel
 
 DTypeName = Literal["bf16", "fp16", "fp8", "fp32"]
 

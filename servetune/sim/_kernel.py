@@ -24,7 +24,7 @@ admission).
 
 from __future__ import annotations
 
-from servetune.steptime import step_seconds as _step_seconds_py
+from servetune.profiles.steptime import step_seconds as _step_seconds_py
 
 if __name__.endswith("_pure"):
 

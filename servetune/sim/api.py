@@ -26,8 +26,8 @@ from servetune.sim import metrics as M
 from servetune.sim.goodput import GoodputResult, goodput_search
 from servetune.sim.records import write_records
 from servetune.sim.timeline import Window, build_timeline, write_timeline
-from servetune.trace import Trace
-from servetune.workload import check_rate_scale
+from servetune.workloads.fitting import check_rate_scale
+from servetune.workloads.trace import Trace
 
 ENGINE_NAMES = ("vllm", "sglang", "trtllm", "tgi")
 
@@ -65,7 +65,7 @@ def prepare_trace(
             trace = trace.take(slice(0, max(keep, 1)))
         return trace
     from servetune.schemas.workload import Workload
-    from servetune.workload import sample_trace
+    from servetune.workloads.fitting import sample_trace
 
     if isinstance(source, Workload):
         return sample_trace(
@@ -249,7 +249,7 @@ def simulate(
     if not isinstance(source, Trace) and policy.long_requests.enabled:
         # A request is long by its class's expected output: the workload's mean, not the
         # mean of this particular sample.
-        from servetune.workload import class_stats
+        from servetune.workloads.fitting import class_stats
 
         extra["expected_output"] = np.array([c.output_mean for c in class_stats(source)])
     started = time.perf_counter()

@@ -1,8 +1,8 @@
 """Engine models of continuous batching: vLLM V1 (default), SGLang, TensorRT-LLM, TGI.
 
-:func:`run_engine` replays a :class:`~servetune.trace.Trace` through one engine's
+:func:`run_engine` replays a :class:`~servetune.workloads.trace.Trace` through one engine's
 scheduler under a :class:`~servetune.schemas.policy.Policy`, a KV pool of ``kv_blocks``
-blocks of ``block_size`` tokens, and a :class:`~servetune.steptime.StepTimeModel`, and
+blocks of ``block_size`` tokens, and a :class:`~servetune.profiles.steptime.StepTimeModel`, and
 returns per-request timestamps and run totals (:class:`EngineOutput`).
 
 Semantics (``reference/engines.md``; the step loop is in :mod:`servetune.sim._kernel`):
@@ -96,10 +96,10 @@ from typing import Any
 import numpy as np
 
 from servetune.errors import ServetuneError
+from servetune.profiles.steptime import StepTimeModel
 from servetune.schemas.policy import Policy
 from servetune.sim import _kernel as K
-from servetune.steptime import StepTimeModel
-from servetune.trace import Trace
+from servetune.workloads.trace import Trace
 
 ENGINES = ("vllm", "sglang", "trtllm", "tgi")
 

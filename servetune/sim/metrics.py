@@ -32,7 +32,7 @@ from servetune.errors import ServetuneError
 from servetune.schemas.slo import ClassSLO, SLOSet
 
 if TYPE_CHECKING:
-    from servetune.trace import Trace
+    from servetune.workloads.trace import Trace
 
 STATUS_COMPLETED = 0
 STATUS_SHED = 1

@@ -1,4 +1,4 @@
-"""Load public LLM request traces into a columnar :class:`~servetune.trace.Trace`.
+"""Load public LLM request traces into a columnar :class:`~servetune.workloads.trace.Trace`.
 
 Formats (``../shared/reference/trace-formats.md``):
 
@@ -42,7 +42,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from servetune.errors import ServetuneError
-from servetune.trace import Trace, from_arrays
+from servetune.workloads.trace import Trace, from_arrays
 
 FORMATS = ("azure", "burstgpt", "mooncake", "vllm-bench", "csv", "jsonl")
 ROLES = ("arrival", "prompt", "output", "class", "priority", "max_tokens")

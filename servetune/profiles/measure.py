@@ -1,6 +1,6 @@
 """``servetune profile measure``: time one layer's operations and whole steps on a CUDA GPU.
 
-Writes the CSVs :mod:`servetune.measurements` reads (``linear.csv``, ``elementwise.csv``,
+Writes the CSVs :mod:`servetune.profiles.measurements` reads (``linear.csv``, ``elementwise.csv``,
 ``attn_prefill.csv``, ``attn_decode.csv``, ``lm_head.csv``, ``step_graph_<model>.csv``,
 ``env.txt``), so that ``servetune profile fit`` can calibrate a profile for this GPU.
 
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from servetune.catalog import MODELS
 from servetune.errors import ServetuneError
+from servetune.profiles.catalog import MODELS
 from servetune.schemas.base import write_text_atomic
 from servetune.schemas.profile import ModelArch
 

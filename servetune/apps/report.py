@@ -44,7 +44,7 @@ from servetune.errors import ServetuneError
 from servetune.schemas.base import FILE_MODE
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
-from servetune.trace import Trace
+from servetune.workloads.trace import Trace
 
 DEFAULT_STRESS = (1.2, 1.5)
 FIGURE_NAMES = ("ttft_cdf.png", "tpot_cdf.png", "kv_queue.png", "goodput.png")

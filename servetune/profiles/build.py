@@ -3,7 +3,7 @@ another GPU / model / TP degree from measured per-op curves and datasheet ratios
 
 :func:`fit_profile` is ``servetune profile fit``; :func:`derive_profile` is
 ``servetune profile derive`` and what ``gpu_profiles/regenerate.py`` uses for the shipped
-``calibration: derived`` profiles. The method is in :mod:`servetune.profile_fit`.
+``calibration: derived`` profiles. The method is in :mod:`servetune.profiles.fit`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from servetune import catalog, memory
 from servetune.errors import ServetuneError
-from servetune.measurements import Measurements, load_measurements, step_rows
-from servetune.profile_fit import (
+from servetune.profiles import catalog, memory
+from servetune.profiles.fit import (
     ALLREDUCE_EFFICIENCY,
     ALLREDUCE_LATENCY_S,
     H200_CORRECTION,
@@ -32,6 +31,7 @@ from servetune.profile_fit import (
     shape_ratios,
     step_time_from_perop,
 )
+from servetune.profiles.measurements import Measurements, load_measurements, step_rows
 from servetune.schemas.profile import (
     Calibration,
     CalibrationFile,
@@ -184,9 +184,10 @@ def fit_profile(
     assumptions = [
         "step time = per-operation timings of one layer x layers, with the launch-floor "
         "correction (launch_floor_s, gemv_bandwidth_Bps, gemm_scale, layer_overhead_s) "
-        f"learned from {corr.learned_from} (servetune.profile_fit docstring)",
+        f"learned from {corr.learned_from} (servetune.profiles.fit docstring)",
         "CPU scheduling and sampling time not included (the measurements exclude them)",
-        "activation_reserve_bytes estimated by servetune.memory.estimate_activation_reserve "
+        "activation_reserve_bytes estimated by "
+        "servetune.profiles.memory.estimate_activation_reserve "
         "(max_num_batched_tokens 8192, max_num_seqs 1024, 1.5 GiB CUDA graphs + non-torch)",
     ]
     if rows_name != arch.name:
@@ -290,8 +291,9 @@ def derive_profile(
         "efficiencies (fraction of peak reached) assumed equal to the measured GPU's",
         "shape ratios target/measured per GPU: "
         + ", ".join(f"{k}={v:.3g}" for k, v in ratios.items()),
-        "activation_reserve_bytes estimated by servetune.memory.estimate_activation_reserve",
-        "memory_bytes: the total the driver reports (servetune.catalog)",
+        "activation_reserve_bytes estimated by "
+        "servetune.profiles.memory.estimate_activation_reserve",
+        "memory_bytes: the total the driver reports (servetune.profiles.catalog)",
     ]
     if tp > 1:
         assumptions.append(_allreduce_assumption(target_hw))

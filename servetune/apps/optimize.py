@@ -361,7 +361,7 @@ def optimize(
     """Choose a policy (see the module docstring). ``source`` is a Workload or a Trace;
     ``inputs`` names the input files and their sha256 for the provenance."""
     from servetune.schemas.workload import Workload
-    from servetune.trace import Trace
+    from servetune.workloads.trace import Trace
 
     wall_start = time.perf_counter()
     say = progress or (lambda _msg: None)
@@ -372,7 +372,7 @@ def optimize(
     # The workload's moments and the sample the simulator replays.
     if isinstance(source, Workload):
         from servetune.sim.api import prepare_trace
-        from servetune.workload import class_stats
+        from servetune.workloads.fitting import class_stats
 
         load = LoadModel.from_class_stats(class_stats(source))
         sample = prepare_trace(source, seed=seed, n_requests=n_requests)

@@ -69,8 +69,8 @@ from servetune.schemas.workload import (
     WorkloadClass,
     knot_moments,
 )
-from servetune.trace import Trace, from_arrays
-from servetune.trace_stats import gap_cv
+from servetune.workloads.stats import gap_cv
+from servetune.workloads.trace import Trace, from_arrays
 
 POISSON_CV_TOLERANCE = 0.01
 EMPIRICAL_CV_THRESHOLD = 2.0

@@ -36,7 +36,7 @@ The method, per layer of a model (all times in seconds, ``m(.)`` a measured per-
    ``alpha`` and ``psi >= 0`` come from least squares of relative error; the score that
    picks ``B_gemv`` is median + max/4 of the relative errors.
 
-3. **Step-time model** (:mod:`servetune.steptime`):
+3. **Step-time model** (:mod:`servetune.profiles.steptime`):
    ``gemm_pieces`` is a convex piecewise-linear fit of ``L * G(T)`` over T in [1, 8192]
    (an LP in HiGHS minimising max + mean relative error over a hinge basis with
    non-negative kinks, so the result is convex and every piece's intercept >= 0);
@@ -61,10 +61,10 @@ from pathlib import Path
 import numpy as np
 
 from servetune.errors import ServetuneError
-from servetune.lp import solve_lp
-from servetune.measurements import GEMM_OPS, Measurements, StepRow
+from servetune.profiles.lp import solve_lp
+from servetune.profiles.measurements import GEMM_OPS, Measurements, StepRow
+from servetune.profiles.steptime import StepTimeModel
 from servetune.schemas.profile import Hardware, ModelArch
-from servetune.steptime import StepTimeModel
 
 # Interconnect assumptions for the TP all-reduce term (stated in every TP>1 profile).
 ALLREDUCE_EFFICIENCY = 0.7  # achieved share of per-direction NVLink bandwidth (NCCL busbw)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from servetune.trace import Trace
+from servetune.workloads.trace import Trace
 
 PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0))
 

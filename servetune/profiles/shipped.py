@@ -9,7 +9,7 @@ from servetune.errors import ServetuneError
 from servetune.schemas.base import load_document
 from servetune.schemas.profile import Profile
 
-SHIPPED_DIR = Path(__file__).resolve().parents[1] / "gpu_profiles"
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "gpu_profiles"
 
 
 def shipped_profiles() -> list[str]:

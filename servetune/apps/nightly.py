@@ -4,9 +4,9 @@
 
 1. loads the trace, the GPU profile, the SLO set and the policy in production
    (``--current``), and fits a workload to the trace;
-2. optimizes a new policy (:func:`servetune.solvers.optimize.optimize`);
+2. optimizes a new policy (:func:`servetune.apps.optimize.optimize`);
 3. simulates the current and the new policy on the trace at its own rate and at +20 % and
-   +50 % rate stress, and searches both policies' goodput (:mod:`servetune.report`);
+   +50 % rate stress, and searches both policies' goodput (:mod:`servetune.apps.report`);
 4. decides: the new policy replaces the current one only when its goodput is higher by at
    least ``min_gain`` (relative, 0.02 = 2 %) **and** its SLO attainment is not lower on any
    stress run **and** it differs from the current one;
@@ -32,9 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from servetune.errors import EXIT_INFEASIBLE, EXIT_KEPT_CURRENT, InfeasibleError, ServetuneError
-from servetune.export import ENGINES, ExportResult, export_policy, profile_memory_facts
-from servetune.report import (
+from servetune.apps.report import (
     DEFAULT_STRESS,
     FIGURE_NAMES,
     Comparison,
@@ -46,6 +44,8 @@ from servetune.report import (
     compare,
     report_file_list,
 )
+from servetune.errors import EXIT_INFEASIBLE, EXIT_KEPT_CURRENT, InfeasibleError, ServetuneError
+from servetune.export import ENGINES, ExportResult, export_policy, profile_memory_facts
 from servetune.schemas.base import document_to_yaml, load_document
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
@@ -156,8 +156,8 @@ def parse_engines(text: str | Sequence[str]) -> list[str]:
 
 
 def load_inputs(trace_path: Path, profile_path: Path, slo_path: Path) -> tuple[Any, Any, SLOSet]:
-    from servetune.profiles import load_profile
-    from servetune.trace_formats import load_trace
+    from servetune.profiles.shipped import load_profile
+    from servetune.workloads.formats import load_trace
 
     trace = load_trace(trace_path)
     if len(trace) < MIN_TRACE_REQUESTS:
@@ -264,7 +264,7 @@ def model_reasons(workload: Any, profile: Any, slo: SLOSet, current: Policy, new
     """:func:`knob_reasons` from the fluid model of ``workload`` on ``profile`` at ``slo``
     (with the optimizer loop's calibration when given)."""
     from servetune.models.fluid import Calibration, FluidModel, LoadModel, Platform, targets_for
-    from servetune.workload import class_stats
+    from servetune.workloads.fitting import class_stats
 
     load = LoadModel.from_class_stats(class_stats(workload))
     fluid = FluidModel(load, Platform.from_profile(profile), targets_for(load, slo))
@@ -291,7 +291,7 @@ def optimize_policy(
     current policy's values); raises InfeasibleError (exit 3) when nothing meets the SLOs.
     The reasons come from the fluid model the MILP is built on, calibrated as the loop
     left it."""
-    from servetune.solvers.optimize import DEFAULT_REQUESTS, optimize
+    from servetune.apps.optimize import DEFAULT_REQUESTS, optimize
 
     kwargs: dict[str, Any] = {}
     if time_limit_s is not None:
@@ -391,7 +391,7 @@ def run_nightly(
         "exit_codes": {str(k): v for k, v in EXIT_CODES.items()},
     }
 
-    from servetune.workload import fit_workload
+    from servetune.workloads.fitting import fit_workload
 
     _say(progress, f"fitting a workload to {len(trace)} requests")
     workload = fit_workload(trace, name=trace_path.stem, source=trace_path.name)
@@ -454,7 +454,7 @@ def run_nightly(
 def _write_outputs(out: Path, policy_text: str, exports: Sequence[ExportResult],
                    report: ReportFiles) -> list[Path]:
     """Policy and configs, then the report, ``summary.json`` last: all staged in full
-    before any is renamed into place (:func:`servetune.report.commit_files`)."""
+    before any is renamed into place (:func:`servetune.apps.report.commit_files`)."""
     files: list[tuple[str, bytes]] = []
     if policy_text:
         files.append(("policy.yaml", policy_text.encode("utf-8")))

@@ -1,0 +1,1016 @@
+"""Capacity planning: workload buckets, per-replica capacity, plan-then-validate.
+
+1. **Buckets.** A large sample of the workload is sliced by prompt and output length
+   (default prompt edges 1,024 and 4,096 tokens, output edge 256), as Melange does, so
+   that long and short requests may go to different GPU types. Each bucket keeps its
+   requests as a pool of (prompt, output, class) rows, and each class its share per
+   bucket, so a forecast of class rates becomes bucket rates ``lam[b,s]``.
+2. **Per-replica capacity** ``mu[t,b]``: the goodput (highest arrival rate meeting the
+   SLOs, by the simulator's bisection) of one replica of type t serving only bucket b
+   under its own optimized policy. ``method="auto"`` (the default) runs the project's
+   optimizer (:mod:`servetune.apps.optimize`, MILP loop) on the bucket and also
+   measures a few fixed candidate policies (vLLM's defaults and three smaller batch/token
+   caps); the policy with the higher simulated goodput wins, so the plan never rests on
+   a worse policy than an obvious one. ``"optimizer"`` uses the optimizer alone,
+   ``"candidates"`` the candidates alone (fast; tests use it). The requests measured must
+   arrive over at least ``MIN_WINDOW_S`` (240 s) at the goodput found, else the run is
+   repeated on a longer trace: a short burst never fills the KV cache and overstates
+   capacity several times over. Validation runs get the same window. Results are cached on
+   disk by a hash of every input (profile, bucket pool, SLO, engine, method), in
+   ``~/.cache/servetune/capacity`` unless ``SERVETUNE_CACHE_DIR`` or ``cache_dir`` says
+   otherwise, so re-planning and growth sweeps skip the simulations.
+3. **Plan, then validate.** The MILP of :mod:`servetune.models.capacity_milp` picks
+   replicas and routing. Each GPU type is then simulated as one replica at its planned
+   per-replica load, with the requests routed to it (a Poisson mix of its buckets) and
+   the policy of its dominant bucket, in every slot whose bucket mix differs (for each
+   distinct mix, its busiest slot; busiest first, stopping at the first miss). Where a
+   type misses the SLOs, the capacity coefficients of the buckets routed to it there are
+   lowered (x ``derate``) and the MILP is solved again, until every type in the plan
+   meets the SLOs in simulation.
+4. **Comparison.** The same loop restricted to each single GPU type gives the cheapest
+   single-type plan; a growth sweep re-plans at each load multiplier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from servetune.errors import InfeasibleError, ServetuneError
+from servetune.models.capacity_milp import (
+    CapacityInstance,
+    CapacitySolution,
+)
+from servetune.schemas.base import write_text_atomic
+from servetune.schemas.fleet import Fleet, Forecast
+from servetune.schemas.policy import Policy
+from servetune.schemas.slo import SLOSet
+from servetune.solvers.capacity import solve_capacity
+from servetune.workloads.trace import Trace
+
+CACHE_VERSION = 2  # 2: capacities measured over a steady-state window (MIN_WINDOW_S)
+CACHE_ENV = "SERVETUNE_CACHE_DIR"
+DEFAULT_PROMPT_EDGES = (1024, 4096)
+DEFAULT_OUTPUT_EDGES = (256,)
+# Candidate (max_num_seqs, max_num_batched_tokens) when the optimizer is not available:
+# vLLM serve's defaults on a >= 70 GiB GPU, then progressively tighter caps that trade
+# throughput for step time (TPOT).
+CANDIDATE_BATCHING = ((1024, 8192), (256, 8192), (128, 4096), (64, 2048))
+# A capacity or validation run must span this many seconds of arrivals at the rate it
+# measures. Shorter, the replica never fills its KV cache: 500 requests of the Azure
+# conversation bucket p0-1024/o256-inf "meet" the SLOs on one H100 at 112 req/s because they
+# arrive in 4 s, while runs of 200 s and more settle at 26-27 req/s (QA, 2026-12-01).
+MIN_WINDOW_S = 240.0
+MAX_WINDOW_REQUESTS = 20000  # the longest trace a capacity or validation run uses
+
+Progress = Callable[[str], Any]
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "servetune" / "capacity"
+
+
+# ----------------------------------------------------------------------------- buckets
+
+
+@dataclass(frozen=True)
+class Bucket:
+    name: str
+    prompt_lo: int
+    prompt_hi: int | None  # exclusive; None = unbounded
+    output_lo: int
+    output_hi: int | None
+
+    def contains(self, prompt: np.ndarray, output: np.ndarray) -> np.ndarray:
+        ok = (prompt >= self.prompt_lo) & (output >= self.output_lo)
+        if self.prompt_hi is not None:
+            ok &= prompt < self.prompt_hi
+        if self.output_hi is not None:
+            ok &= output < self.output_hi
+        return ok
+
+
+def make_buckets(
+    prompt_edges: Sequence[int] = DEFAULT_PROMPT_EDGES,
+    output_edges: Sequence[int] = DEFAULT_OUTPUT_EDGES,
+) -> list[Bucket]:
+    """The grid of buckets cut at the given edges (tokens), named like ``p1024-4096/o0-256``."""
+    for name, edges in (("prompt", prompt_edges), ("output", output_edges)):
+        if list(edges) != sorted(set(edges)) or any(e < 2 for e in edges):
+            raise ServetuneError(
+                f"--{name}-edges: give increasing token counts >= 2 (got {list(edges)})"
+            )
+    p_bounds = [0, *prompt_edges, None]
+    o_bounds = [0, *output_edges, None]
+    out = []
+    for i in range(len(p_bounds) - 1):
+        for k in range(len(o_bounds) - 1):
+            plo, phi = p_bounds[i], p_bounds[i + 1]
+            olo, ohi = o_bounds[k], o_bounds[k + 1]
+            name = f"p{plo}-{phi if phi else 'inf'}/o{olo}-{ohi if ohi else 'inf'}"
+            out.append(Bucket(name, int(plo), phi, int(olo), ohi))
+    return out
+
+
+@dataclass
+class WorkloadSlices:
+    """A sample of the workload cut into buckets: pools of request shapes per bucket."""
+
+    buckets: list[Bucket]
+    class_names: tuple[str, ...]
+    prompt: dict[str, np.ndarray]  # bucket -> prompt tokens of its pool
+    output: dict[str, np.ndarray]
+    class_id: dict[str, np.ndarray]
+    class_share: dict[str, dict[str, float]]  # class -> bucket -> share of the class
+    share: dict[str, float]  # bucket -> share of all sampled requests
+    class_weight: dict[str, float]  # class -> share of the workload's rate
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(b.name for b in self.buckets)
+
+    def pool_hash(self, bucket: str) -> str:
+        h = hashlib.sha256()
+        for arr in (self.prompt[bucket], self.output[bucket], self.class_id[bucket]):
+            h.update(np.ascontiguousarray(arr).astype(np.int64).tobytes())
+        h.update(json.dumps(self.class_names).encode())
+        return h.hexdigest()
+
+    def bucket_rates(self, forecast: Forecast, growth: float = 1.0) -> dict[tuple[str, int], float]:
+        """lam[b,s]: forecast class rates spread over the buckets by each class's shares."""
+        rates = class_rates_for(forecast, self.class_names, self.class_weight, growth)
+        lam: dict[tuple[str, int], float] = {}
+        for b in self.names:
+            for s in range(forecast.n_slots):
+                lam[b, s] = float(
+                    sum(rates[c][s] * self.class_share[c].get(b, 0.0) for c in rates)
+                )
+        return lam
+
+    def mixed_trace(self, rates: dict[str, float], n_requests: int, seed: int) -> Trace:
+        """Poisson arrivals of each bucket at its rate (req/s), shapes drawn from the bucket
+        pools with replacement; the first ``n_requests`` arrivals of the merge."""
+        rng = np.random.default_rng(seed)
+        total = sum(r for r in rates.values() if r > 0)
+        if total <= 0:
+            raise ValueError("mixed_trace: every rate is 0")
+        parts = []
+        for b in self.names:  # fixed order: deterministic
+            r = rates.get(b, 0.0)
+            if r <= 0:
+                continue
+            k = max(1, int(math.ceil(n_requests * r / total * 1.2)) + 8)
+            arrival = np.cumsum(rng.exponential(1.0 / r, size=k))
+            pick = rng.integers(0, len(self.prompt[b]), size=k)
+            parts.append((arrival, self.prompt[b][pick], self.output[b][pick],
+                          self.class_id[b][pick]))
+        arrival = np.concatenate([p[0] for p in parts])
+        order = np.argsort(arrival, kind="stable")[:n_requests]
+        return Trace(
+            arrival_s=arrival[order] - arrival[order][0],
+            prompt_tokens=np.concatenate([p[1] for p in parts])[order].astype(np.int64),
+            output_tokens=np.concatenate([p[2] for p in parts])[order].astype(np.int64),
+            class_id=np.concatenate([p[3] for p in parts])[order].astype(np.int32),
+            class_names=self.class_names,
+            source=f"capacity-mix seed={seed}",
+        )
+
+
+def class_rates_for(
+    forecast: Forecast,
+    class_names: tuple[str, ...],
+    class_weight: dict[str, float],
+    growth: float = 1.0,
+) -> dict[str, list[float]]:
+    """Forecast rates per workload class. Forecast classes name workload classes; a
+    forecast with only ``default`` is spread over the workload's classes by their rates."""
+    fc = forecast.class_rates(growth)
+    if set(fc) <= set(class_names):
+        return {c: fc[c] for c in class_names if c in fc}
+    if set(fc) == {"default"}:
+        return {c: [r * class_weight[c] for r in fc["default"]] for c in class_names}
+    unknown = sorted(set(fc) - set(class_names))
+    raise ServetuneError(
+        f"forecast: classes.{unknown[0]}: the workload has no such class "
+        f"(it has {', '.join(class_names)}); use those names or a single 'default'"
+    )
+
+
+def slice_workload(
+    workload: Any,
+    buckets: Sequence[Bucket],
+    *,
+    n_requests: int = 20000,
+    seed: int = 0,
+) -> WorkloadSlices:
+    """Sample ``n_requests`` from the workload and cut the sample into ``buckets``; buckets
+    that receive no request are dropped."""
+    from servetune.workloads.fitting import sample_trace
+
+    trace = sample_trace(workload, n_requests=n_requests, seed=seed)
+    names = tuple(trace.class_names)
+    cid = trace.class_ids()
+    rates = {c: workload.classes[c].arrival.rate_per_s for c in names}
+    total_rate = sum(rates.values())
+    kept: list[Bucket] = []
+    prompt, output, class_id, share = {}, {}, {}, {}
+    class_share: dict[str, dict[str, float]] = {c: {} for c in names}
+    for b in buckets:
+        sel = b.contains(trace.prompt_tokens, trace.output_tokens)
+        if not sel.any():
+            continue
+        kept.append(b)
+        prompt[b.name] = trace.prompt_tokens[sel]
+        output[b.name] = trace.output_tokens[sel]
+        class_id[b.name] = cid[sel]
+        share[b.name] = float(sel.mean())
+        for k, c in enumerate(names):
+            in_class = cid == k
+            if in_class.any():
+                class_share[c][b.name] = float((sel & in_class).sum() / in_class.sum())
+    return WorkloadSlices(
+        buckets=kept, class_names=names, prompt=prompt, output=output, class_id=class_id,
+        class_share=class_share, share=share,
+        class_weight={c: rates[c] / total_rate for c in names},
+    )
+
+
+# ------------------------------------------------------------------- per-replica capacity
+
+
+@dataclass
+class ReplicaCapacity:
+    rate_per_s: float
+    policy: Policy
+    method: str
+    simulations: int
+    cached: bool = False
+
+
+def _hash_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _optimizer() -> Callable[..., Any] | None:
+    try:
+        from servetune.apps.optimize import optimize  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return optimize
+
+
+def _candidate_policies() -> list[Policy]:
+    return [
+        Policy(name=f"candidate-{s}x{t}",
+               batching={"max_num_seqs": s, "max_num_batched_tokens": t})
+        for s, t in CANDIDATE_BATCHING
+    ]
+
+
+def window_requests(rate_per_s: float, n_requests: int, min_window_s: float | None = None
+                    ) -> int:
+    """Requests for a run at ``rate_per_s`` to span at least ``min_window_s`` (default
+    :data:`MIN_WINDOW_S`) seconds of arrivals (never fewer than ``n_requests``, never more
+    than :data:`MAX_WINDOW_REQUESTS`)."""
+    window = MIN_WINDOW_S if min_window_s is None else min_window_s
+    if not rate_per_s > 0:
+        return n_requests
+    need = int(math.ceil(rate_per_s * window))
+    return max(n_requests, min(MAX_WINDOW_REQUESTS, need))
+
+
+def _best_candidate(trace: Trace, profile: Any, slo: SLOSet, engine: str,
+                    policies: Sequence[Policy] | None = None, start: float = 1.0):
+    from servetune.sim import goodput
+
+    best: tuple[float, Policy] | None = None
+    sims = 0
+    for policy in (_candidate_policies() if policies is None else policies):
+        res = goodput(trace, policy, profile, slo, engine=engine, rel_tol=0.03, start=start)
+        sims += len(res.points)
+        if best is None or res.rate_per_s > best[0] * (1 + 1e-9):
+            best = (res.rate_per_s, policy)
+    assert best is not None
+    return best[0], best[1], sims
+
+
+def _optimized(trace: Trace, profile: Any, slo: SLOSet, engine: str, optimize: Callable,
+               seed: int):
+    """Run the project's optimizer (MILP loop) on one bucket's requests; return
+    (goodput req/s, policy, simulations)."""
+    res = optimize(trace, profile, slo, engine=engine, seed=seed, n_requests=len(trace),
+                   compare_defaults=False)
+    summary = res.summary
+    return float(summary["goodput_rate_per_s"]), res.policy, int(summary.get("simulations", 0))
+
+
+def replica_capacity(
+    profile: Any,
+    slices: WorkloadSlices,
+    bucket: str,
+    slo: SLOSet,
+    *,
+    engine: str = "vllm",
+    method: str = "auto",
+    n_requests: int = 1000,
+    seed: int = 0,
+    cache_dir: Path | None = None,
+    min_window_s: float | None = None,
+) -> ReplicaCapacity:
+    """Goodput (req/s) of one replica of ``profile`` serving bucket ``bucket`` alone under
+    its own best policy; cached on disk by input hash."""
+    optimize = _optimizer() if method in ("auto", "optimizer") else None
+    if method == "optimizer" and optimize is None:
+        raise ServetuneError("--capacity-method optimizer: servetune.apps.optimize is missing")
+    used = ("optimizer" if method == "optimizer" else "optimizer+candidates") if optimize \
+        is not None else "candidates"
+    key = _hash_json({
+        "v": CACHE_VERSION,
+        "profile": profile.model_dump(mode="json"),
+        "pool": slices.pool_hash(bucket),
+        "slo": slo.model_dump(mode="json"),
+        "engine": engine,
+        "method": used,
+        "candidates": CANDIDATE_BATCHING if "candidates" in used else None,
+        "n": n_requests,
+        "window": [MIN_WINDOW_S if min_window_s is None else min_window_s,
+                   MAX_WINDOW_REQUESTS],
+        "seed": seed,
+    })
+    cdir = cache_dir if cache_dir is not None else default_cache_dir()
+    path = cdir / f"{key}.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            return ReplicaCapacity(
+                float(data["rate_per_s"]), Policy.model_validate(data["policy"]),
+                data["method"], int(data["simulations"]), cached=True,
+            )
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged entry is recomputed and overwritten
+    # One request per second as the base rate; goodput scales it up or down.
+    trace = slices.mixed_trace({bucket: 1.0}, n_requests, seed)
+    rate, policy, sims = 0.0, Policy(), 0
+    if optimize is not None:
+        try:
+            rate, policy, sims = _optimized(trace, profile, slo, engine, optimize, seed)
+        except InfeasibleError:
+            pass  # no policy in the optimizer's space meets the SLOs on this bucket
+        except (ServetuneError, TypeError, KeyError) as exc:
+            if method == "optimizer":
+                raise ServetuneError(f"capacity of {getattr(profile, 'name', '?')} on bucket "
+                                     f"{bucket}: the optimizer failed: {exc}") from None
+            # auto: the candidates below still give a measured capacity
+    if "candidates" in used:
+        # The optimizer's answer competes with the fixed candidates: both are measured
+        # by simulated goodput, and the plan should rest on the better one.
+        c_rate, c_policy, c_sims = _best_candidate(trace, profile, slo, engine)
+        sims += c_sims
+        if c_rate > rate * (1 + 1e-9):
+            rate, policy = c_rate, c_policy
+    # Steady state: while the goodput's arrivals span less than MIN_WINDOW_S, measure again
+    # on a longer trace (the winner and the candidates; the optimizer runs once).
+    n = n_requests
+    contenders = [policy] + (_candidate_policies() if "candidates" in used else [])
+    for _ in range(3):
+        n_next = window_requests(rate, n, min_window_s)
+        if n_next <= n:
+            break
+        n = n_next
+        trace = slices.mixed_trace({bucket: 1.0}, n, seed)
+        # the base trace runs at 1 req/s, so a rate is a scale: start the search at the
+        # last one (an overestimate) instead of doubling up from 1
+        rate, policy, more = _best_candidate(trace, profile, slo, engine, contenders,
+                                             start=min(max(rate, 1.0 / 1024), 1024.0))
+        sims += more
+    policy = policy.model_copy(update={"metadata": {}})
+    result = ReplicaCapacity(rate, policy, used, sims)
+    try:
+        cdir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps({
+            "rate_per_s": rate, "policy": policy.model_dump(mode="json"), "method": used,
+            "simulations": sims, "profile": getattr(profile, "name", ""), "bucket": bucket,
+        }, sort_keys=True))
+    except ServetuneError:
+        pass  # an unwritable cache only costs time
+    return result
+
+
+# --------------------------------------------------------------------- plan and validate
+
+
+@dataclass
+class TypeCheck:
+    gpu_type: str
+    slot: int
+    per_replica_rate_per_s: float
+    meets_slo: bool
+    attainment: float
+    verdicts: dict[str, Any]
+
+
+@dataclass
+class PlanResult:
+    instance: CapacityInstance
+    solution: CapacitySolution
+    capacity: dict[tuple[str, str], ReplicaCapacity]
+    type_policy: dict[str, Policy]
+    checks: list[TypeCheck]
+    rounds: int
+    validated: bool
+    solver_s: float
+    simulation_s: float
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _dominant_bucket(inst: CapacityInstance, sol: CapacitySolution, t: str) -> str | None:
+    load = {
+        b: sum(sol.routing.get((b, t, s), 0.0) * inst.lam[b, s] / inst.mu[t, b]
+               for s in range(inst.n_slots))
+        for b in inst.buckets if inst.mu[t, b] > 0
+    }
+    load = {b: v for b, v in load.items() if v > 0}
+    return max(load, key=lambda b: (load[b], b)) if load else None
+
+
+def _slots_to_check(inst: CapacityInstance, sol: CapacitySolution, t: str) -> list[int]:
+    """The slots whose load on type t must be simulated: for each distinct mix of buckets
+    routed to t (shares rounded to 0.01), the slot with the highest per-replica rate;
+    busiest first. Among slots with the same mix, a lower rate is no harder."""
+    best: dict[tuple, tuple[float, int]] = {}
+    for s in range(inst.n_slots):
+        n = sol.replicas[t, s]
+        if n <= 0:
+            continue
+        rates = [sol.routing.get((b, t, s), 0.0) * inst.lam[b, s] / n for b in inst.buckets]
+        total = sum(rates)
+        if total <= 1e-12:
+            continue
+        mix = tuple(round(r / total, 2) for r in rates)
+        if mix not in best or total > best[mix][0] + 1e-12:
+            best[mix] = (total, s)
+    return [s for _r, s in sorted(best.values(), key=lambda x: (-x[0], x[1]))]
+
+
+def validate_type(
+    inst: CapacityInstance,
+    sol: CapacitySolution,
+    t: str,
+    slices: WorkloadSlices,
+    profile: Any,
+    policy: Policy,
+    slo: SLOSet,
+    *,
+    engine: str = "vllm",
+    n_requests: int = 2000,
+    seed: int = 0,
+    min_window_s: float | None = None,
+) -> list[TypeCheck]:
+    """Simulate one replica of type t at each slot of :func:`_slots_to_check` with the
+    requests routed to it; stop at the first slot that misses the SLOs."""
+    from servetune.sim import simulate
+
+    checks = []
+    for s in _slots_to_check(inst, sol, t):
+        n = sol.replicas[t, s]
+        rates = {b: sol.routing.get((b, t, s), 0.0) * inst.lam[b, s] / n for b in inst.buckets}
+        rates = {b: r for b, r in rates.items() if r > 1e-12}
+        n = window_requests(sum(rates.values()), n_requests, min_window_s)
+        trace = slices.mixed_trace(rates, n, seed + 1000 + s)
+        result = simulate(trace, policy, profile, engine=engine)
+        verdicts = result.slo_verdicts(slo)
+        check = TypeCheck(
+            gpu_type=t, slot=s, per_replica_rate_per_s=float(sum(rates.values())),
+            meets_slo=all(ok for ok, _ in verdicts.values()),
+            attainment=result.attainment(slo),
+            verdicts={c: {"meets_slo": ok, **{k: (None if v != v else v) for k, v in d.items()}}
+                      for c, (ok, d) in verdicts.items()},
+        )
+        checks.append(check)
+        if not check.meets_slo:
+            break
+    return checks
+
+
+def build_instance(
+    fleet: Fleet,
+    type_names: Sequence[str],
+    slices: WorkloadSlices,
+    lam: dict[tuple[str, int], float],
+    mu: dict[tuple[str, str], float],
+    n_slots: int,
+    hours: float,
+    budget: float | None = None,
+) -> CapacityInstance:
+    types = [fleet.type_named(n) for n in type_names]
+    return CapacityInstance(
+        types=tuple(type_names),
+        buckets=slices.names,
+        n_slots=n_slots,
+        lam=lam,
+        mu={(t, b): mu[t, b] for t in type_names for b in slices.names},
+        price={g.name: g.price_per_replica_hour() for g in types},
+        hours=hours,
+        headroom=fleet.utilization_headroom,
+        n_max={g.name: g.max_replicas() for g in types},
+        n_min={g.name: g.min_replicas() for g in types},
+        n_plus_one=fleet.redundancy == "n+1",
+        budget=budget,
+        static=fleet.scaling == "static",
+    )
+
+
+def plan_capacity(
+    fleet: Fleet,
+    forecast: Forecast,
+    slo: SLOSet,
+    slices: WorkloadSlices,
+    profiles: dict[str, Any],
+    capacity: dict[tuple[str, str], ReplicaCapacity],
+    *,
+    type_names: Sequence[str] | None = None,
+    growth: float = 1.0,
+    engine: str = "vllm",
+    budget: float | None = None,
+    validate: bool = True,
+    max_rounds: int = 8,
+    derate: float = 0.85,
+    validate_requests: int = 2000,
+    min_window_s: float | None = None,
+    seed: int = 0,
+    time_limit_s: float = 30.0,
+    progress: Progress | None = None,
+) -> PlanResult:
+    """Solve the planning MILP, validate every planned type in simulation, derate the
+    capacity of types that miss the SLOs, and re-solve until all meet them."""
+    names = list(type_names) if type_names is not None else [g.name for g in fleet.gpu_types]
+    lam = slices.bucket_rates(forecast, growth)
+    mu = {(t, b): capacity[t, b].rate_per_s for t in names for b in slices.names}
+    solver_s = sim_s = 0.0
+    history: list[dict[str, Any]] = []
+    checks: list[TypeCheck] = []
+    validated = not validate
+    rounds = 0
+    while True:
+        rounds += 1
+        inst = build_instance(fleet, names, slices, lam, mu, forecast.n_slots,
+                              forecast.slot_s / 3600.0, budget)
+        t0 = time.perf_counter()
+        sol = solve_capacity(inst, time_limit_s=time_limit_s)
+        solver_s += time.perf_counter() - t0
+        type_policy = {}
+        for t in names:
+            dom = _dominant_bucket(inst, sol, t)
+            type_policy[t] = capacity[t, dom].policy if dom else Policy()
+        if not validate:
+            break
+        t0 = time.perf_counter()
+        checks = []
+        for t in names:
+            checks += validate_type(inst, sol, t, slices, profiles[t], type_policy[t], slo,
+                                    engine=engine, n_requests=validate_requests, seed=seed,
+                                    min_window_s=min_window_s)
+        sim_s += time.perf_counter() - t0
+        failing = sorted({c.gpu_type for c in checks if not c.meets_slo}, key=names.index)
+        history.append({"round": rounds, "cost": sol.cost, "failing": failing})
+        if progress:
+            verdict = "derate " + ", ".join(failing) if failing else "all types meet the SLOs"
+            progress(f"round {rounds}: cost ${sol.cost:,.2f}, {verdict}")
+        if not failing:
+            validated = True
+            break
+        if rounds >= max_rounds:
+            break
+        # Lower the coefficients of the buckets the failing slot routed to that type.
+        for c in checks:
+            if not c.meets_slo:
+                for b in slices.names:
+                    if sol.routing.get((b, c.gpu_type, c.slot), 0.0) > 0:
+                        mu[c.gpu_type, b] *= derate
+    return PlanResult(inst, sol, dict(capacity), type_policy, checks, rounds, validated,
+                      solver_s, sim_s, history)
+
+
+def measure_capacities(
+    fleet: Fleet,
+    slices: WorkloadSlices,
+    profiles: dict[str, Any],
+    slo: SLOSet,
+    *,
+    engine: str = "vllm",
+    method: str = "auto",
+    n_requests: int = 1000,
+    seed: int = 0,
+    cache_dir: Path | None = None,
+    min_window_s: float | None = None,
+    progress: Progress | None = None,
+) -> dict[tuple[str, str], ReplicaCapacity]:
+    out = {}
+    for g in fleet.gpu_types:
+        for b in slices.names:
+            cap = replica_capacity(profiles[g.name], slices, b, slo, engine=engine,
+                                   method=method, n_requests=n_requests, seed=seed,
+                                   cache_dir=cache_dir, min_window_s=min_window_s)
+            out[g.name, b] = cap
+            if progress:
+                src = "cache" if cap.cached else f"{cap.simulations} simulations"
+                progress(f"capacity {g.name} {b}: {cap.rate_per_s:.3g} req/s ({src})")
+    return out
+
+
+def single_type_plans(
+    fleet: Fleet,
+    forecast: Forecast,
+    slo: SLOSet,
+    slices: WorkloadSlices,
+    profiles: dict[str, Any],
+    capacity: dict[tuple[str, str], ReplicaCapacity],
+    **kw: Any,
+) -> dict[str, dict[str, Any]]:
+    """For each GPU type alone: its validated plan's cost, or why it cannot serve."""
+    out: dict[str, dict[str, Any]] = {}
+    for g in fleet.gpu_types:
+        try:
+            res = plan_capacity(fleet, forecast, slo, slices, profiles, capacity,
+                                type_names=[g.name], **kw)
+        except InfeasibleError as err:
+            out[g.name] = {"feasible": False, "reason": err.message}
+            continue
+        out[g.name] = {
+            "feasible": True,
+            "cost": res.solution.cost,
+            "validated": res.validated,
+            "peak_replicas": max(res.solution.replicas[g.name, s]
+                                 for s in range(forecast.n_slots)),
+            "result": res,
+        }
+    return out
+
+
+# ------------------------------------------------------------------------ the plan file
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _r(x: float, nd: int = 6) -> float:
+    """Round for the plan file, so that solver noise below 1e-6 never changes its bytes."""
+    v = round(float(x), nd)
+    return 0.0 if v == 0 else v
+
+
+def plan_costs(inst: CapacityInstance, sol: CapacitySolution) -> dict[str, Any]:
+    hourly = [
+        _r(sum(inst.price[t] * sol.replicas[t, s] for t in inst.types), 4)
+        for s in range(inst.n_slots)
+    ]
+    by_type = {
+        t: _r(sum(inst.price[t] * inst.hours * sol.replicas[t, s] for s in range(inst.n_slots)), 4)
+        for t in inst.types
+    }
+    return {
+        "hourly_usd": hourly,
+        "total_usd": _r(sol.cost, 4),
+        "daily_usd": _r(sol.cost * (24.0 / (inst.n_slots * inst.hours)), 4),
+        "by_type_usd": by_type,
+        "peak_hourly_usd": max(hourly),
+    }
+
+
+def _per_type_checks(checks: list[TypeCheck]) -> dict[str, Any]:
+    """Per type: every slot simulated, whether all met the SLOs, and the busiest one."""
+    out: dict[str, Any] = {}
+    for c in checks:
+        row = out.setdefault(c.gpu_type, {"meets_slo": True, "slots_checked": []})
+        row["slots_checked"].append(c.slot)
+        row["meets_slo"] = row["meets_slo"] and c.meets_slo
+        if "busiest_slot" not in row:  # checks come busiest first
+            row["busiest_slot"] = c.slot
+            row["per_replica_rate_per_s"] = _r(c.per_replica_rate_per_s, 4)
+            row["attainment"] = _r(c.attainment, 4)
+    return out
+
+
+def best_single(single: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]] | None:
+    feasible = [(v["cost"], k) for k, v in single.items() if v.get("feasible")]
+    if not feasible:
+        return None
+    _cost, name = min(feasible)
+    return name, single[name]
+
+
+def plan_document(
+    result: PlanResult,
+    fleet: Fleet,
+    slices: WorkloadSlices,
+    single: dict[str, dict[str, Any]],
+    *,
+    profile_paths: dict[str, str],
+    inputs: dict[str, Any],
+    growth: float,
+    engine: str,
+    sample: dict[str, Any],
+    name: str = "plan",
+) -> dict[str, Any]:
+    """The CapacityPlan as plain data (deterministic: no wall-clock values)."""
+    inst, sol = result.instance, result.solution
+    S = range(inst.n_slots)
+    types = []
+    for t in inst.types:
+        g = fleet.type_named(t)
+        types.append({
+            "name": t,
+            "profile": profile_paths[t],
+            "price_per_gpu_hour": g.price_per_gpu_hour,
+            "gpus_per_replica": g.replica_gpus,
+            "capacity_rate_per_s": {b: _r(inst.mu[t, b], 4) for b in inst.buckets},
+            "policy": result.type_policy[t].model_dump(mode="json"),
+        })
+    routing: dict[str, dict[str, list[float]]] = {}
+    for b in inst.buckets:
+        routing[b] = {}
+        for t in inst.types:
+            row = [_r(sol.routing.get((b, t, s), 0.0), 6) for s in S]
+            if any(row):
+                routing[b][t] = row
+    bucket_rows = []
+    for bk in slices.buckets:
+        bucket_rows.append({
+            "name": bk.name, "prompt_tokens": [bk.prompt_lo, bk.prompt_hi],
+            "output_tokens": [bk.output_lo, bk.output_hi], "share": _r(slices.share[bk.name]),
+        })
+    best = best_single(single)
+    cost = plan_costs(inst, sol)
+    single_out = {
+        k: ({"feasible": True, "daily_usd": _r(v["cost"] * 24.0 / (inst.n_slots * inst.hours), 4),
+             "validated": v["validated"], "peak_replicas": v["peak_replicas"]}
+            if v.get("feasible") else {"feasible": False, "reason": v["reason"]})
+        for k, v in single.items()
+    }
+    if best is not None:
+        best_daily = best[1]["cost"] * 24.0 / (inst.n_slots * inst.hours)
+        single_out["best"] = best[0]
+        single_out["saving_pct"] = _r(
+            100.0 * (best_daily - cost["daily_usd"]) / best_daily if best_daily > 0 else 0.0, 2
+        )
+    return {
+        "apiVersion": "servetune/v1",
+        "kind": "CapacityPlan",
+        "name": name,
+        "inputs": inputs,
+        "growth": growth,
+        "slot_s": inst.hours * 3600.0,
+        "n_slots": inst.n_slots,
+        "engine": engine,
+        "sample": sample,
+        "buckets": bucket_rows,
+        "gpu_types": types,
+        "replicas": {t: [sol.replicas[t, s] for s in S] for t in inst.types},
+        "gpus": {t: [sol.replicas[t, s] * fleet.type_named(t).replica_gpus for s in S]
+                 for t in inst.types},
+        "routing": routing,
+        "cost": cost,
+        "single_type": single_out,
+        "validation": {
+            "validated": result.validated,
+            "rounds": result.rounds,
+            "history": [{**h, "cost": _r(h["cost"], 4)} for h in result.history],
+            "per_type": _per_type_checks(result.checks),
+        },
+        "solver": {"status": sol.status, "headroom": inst.headroom,
+                   "redundancy": fleet.redundancy, "scaling": fleet.scaling,
+                   "budget_usd": inst.budget, "served_share": _r(sol.served_share, 4)},
+    }
+
+
+# ------------------------------------------------------------------- the whole command
+
+
+@dataclass
+class PlanRun:
+    plan: dict[str, Any]
+    result: PlanResult
+    single: dict[str, dict[str, Any]]
+    sweep: list[dict[str, Any]]
+    timings: dict[str, float]
+    slices: WorkloadSlices
+
+
+def load_fleet_profiles(
+    fleet: Fleet, fleet_path: Path
+) -> tuple[Fleet, dict[str, Any], dict[str, Path]]:
+    """Load each GPU type's profile; errors name the fleet file and field. Returns the
+    fleet with every ``gpus_per_replica`` filled in from its profile."""
+    from servetune.profiles.shipped import load_profile
+
+    profiles, paths = {}, {}
+    types = []
+    for i, g in enumerate(fleet.gpu_types):
+        if g.profiles is not None and fleet.model is not None and fleet.model not in g.profiles:
+            continue  # this GPU type has no profile for the model: it cannot serve it
+        try:
+            path = g.profile_path(fleet.model, fleet_path.parent)
+        except ValueError as exc:
+            raise ServetuneError(f"{fleet_path}: gpu_types.{i}: {exc}") from None
+        if not path.exists() and path.suffix:
+            raise ServetuneError(
+                f"{fleet_path}: gpu_types.{i} ({g.name}): profile {path} not found; fix the "
+                "path (relative to the fleet file) or build it with `servetune profile fit`"
+            )
+        prof = load_profile(path)
+        tp = getattr(prof, "tensor_parallel", 1)
+        if g.gpus_per_replica is not None and tp != g.gpus_per_replica:
+            raise ServetuneError(
+                f"{fleet_path}: gpu_types.{i}.gpus_per_replica is {g.gpus_per_replica} but "
+                f"profile {path.name} runs on {tp} GPUs (tensor_parallel); make them agree"
+            )
+        types.append(g.model_copy(update={"gpus_per_replica": tp}))
+        profiles[g.name] = prof
+        paths[g.name] = path
+    if not types:
+        raise ServetuneError(
+            f"{fleet_path}: gpu_types: no GPU type has a profile for model {fleet.model!r}"
+        )
+    return fleet.model_copy(update={"gpu_types": types}), profiles, paths
+
+
+def _rel(path: Path, base: Path | None) -> str:
+    if base is None:
+        return str(path)
+    try:
+        return os.path.relpath(path.resolve(), base.resolve())
+    except ValueError:  # another drive
+        return str(path.resolve())
+
+
+def run_plan(
+    workload_path: Path,
+    forecast_path: Path,
+    fleet_path: Path,
+    slo_path: Path,
+    *,
+    out_path: Path | None = None,
+    growth: float = 1.0,
+    sweep: Sequence[float] | None = None,
+    cache_dir: Path | None = None,
+    engine: str = "vllm",
+    method: str = "auto",
+    prompt_edges: Sequence[int] = DEFAULT_PROMPT_EDGES,
+    output_edges: Sequence[int] = DEFAULT_OUTPUT_EDGES,
+    sample_requests: int = 20000,
+    capacity_requests: int = 1000,
+    validate_requests: int = 2000,
+    min_window_s: float | None = None,
+    budget: float | None = None,
+    compare_single: bool = True,
+    model: str | None = None,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> PlanRun:
+    """Everything ``servetune plan`` does, as a function: load, bucket, measure capacity
+    (cached), plan and validate, compare with single types, optionally sweep growth."""
+    from servetune.schemas.base import load_document
+    from servetune.workloads.fitting import load_workload
+
+    t_start = time.perf_counter()
+    workload = load_workload(workload_path)
+    forecast = load_document(forecast_path, Forecast)
+    fleet = load_document(fleet_path, Fleet)
+    if model is not None:
+        fleet = fleet.model_copy(update={"model": model})
+    slo = load_document(slo_path, SLOSet)
+    if not (growth > 0 and math.isfinite(growth)):
+        raise ServetuneError(f"--growth: factors must be > 0 (got {growth})")
+    all_types = [g.name for g in fleet.gpu_types]
+    fleet, profiles, profile_paths = load_fleet_profiles(fleet, fleet_path)
+    # GPU types without a profile for the model cannot serve it: say so, never drop silently
+    excluded = {t: f"no profile for model {fleet.model}" for t in all_types if t not in profiles}
+    # class names must line up before any simulation runs
+    buckets = make_buckets(prompt_edges, output_edges)
+    slices = slice_workload(workload, buckets, n_requests=sample_requests, seed=seed)
+    try:
+        class_rates_for(forecast, slices.class_names, slices.class_weight)
+    except ServetuneError as err:
+        raise ServetuneError(f"{forecast_path}: {err.message.removeprefix('forecast: ')}") from None
+    for c in slices.class_names:
+        try:
+            slo.for_class(c)
+        except KeyError:
+            raise ServetuneError(
+                f"{slo_path}: classes: no entry for workload class {c!r}; add it or 'default'"
+            ) from None
+    t0 = time.perf_counter()
+    capacity = measure_capacities(fleet, slices, profiles, slo, engine=engine, method=method,
+                                  n_requests=capacity_requests, seed=seed,
+                                  cache_dir=cache_dir, min_window_s=min_window_s,
+                                  progress=progress)
+    capacity_s = time.perf_counter() - t0
+    kw = dict(engine=engine, validate_requests=validate_requests, min_window_s=min_window_s,
+              seed=seed)
+    result = plan_capacity(fleet, forecast, slo, slices, profiles, capacity, growth=growth,
+                           budget=budget, progress=progress, **kw)
+    single: dict[str, dict[str, Any]] = {}
+    if compare_single and budget is None:
+        single = single_type_plans(fleet, forecast, slo, slices, profiles, capacity,
+                                   growth=growth, **kw)
+        best = best_single(single)
+        # A validated single-type plan is also a plan for the mixed fleet: never
+        # recommend a mix that costs more after validation derated it.
+        if best is not None and best[1]["cost"] < result.solution.cost - 1e-9 and (
+            best[1]["validated"] or not result.validated
+        ):
+            result = best[1]["result"]
+            _widen(result, fleet, capacity, slices)
+    base = out_path.parent if out_path is not None else Path.cwd()
+    inputs = {
+        name: {"path": _rel(p, base), "sha256": file_sha256(p)}
+        for name, p in (("workload", workload_path), ("forecast", forecast_path),
+                        ("fleet", fleet_path), ("slo", slo_path))
+    }
+    sample = {"requests": sample_requests, "seed": seed, "prompt_edges": list(prompt_edges),
+              "output_edges": list(output_edges), "capacity_requests": capacity_requests,
+              "min_window_s": MIN_WINDOW_S if min_window_s is None else min_window_s,
+              "capacity_method": sorted({c.method for c in capacity.values()})}
+    plan = plan_document(result, fleet, slices, single,
+                         profile_paths={t: _rel(p, base) for t, p in profile_paths.items()},
+                         inputs=inputs, growth=growth, engine=engine, sample=sample,
+                         name=f"{fleet.name}-{forecast.name}")
+    if excluded:
+        plan["excluded_gpu_types"] = excluded
+    rows: list[dict[str, Any]] = []
+    for g in sweep or ():
+        if g == growth and budget is None and compare_single:
+            # the plan above is this scenario: the same row, without planning it twice
+            res_g, best_g = result, best_single(single)
+        else:
+            single_g = single_type_plans(fleet, forecast, slo, slices, profiles, capacity,
+                                         growth=g, **kw)
+            best_g = best_single(single_g)
+            try:
+                res_g = plan_capacity(fleet, forecast, slo, slices, profiles, capacity,
+                                      growth=g, **kw)
+            except InfeasibleError as err:  # one scenario beyond the limits: say so, go on
+                rows.append({"growth": g, "feasible": False, "reason": err.message})
+                if progress:
+                    progress(f"growth x{g:g}: infeasible: {err.message}")
+                continue
+            if best_g is not None and best_g[1]["cost"] < res_g.solution.cost:
+                res_g = best_g[1]["result"]  # as for the main plan: never a dearer mix
+        scale = 24.0 / (forecast.n_slots * forecast.slot_s / 3600.0)
+        mixed = res_g.solution.cost * scale
+        row = {
+            "growth": g,
+            "feasible": True,
+            "daily_usd": _r(mixed, 2),
+            "peak_gpus": {
+                t: max(res_g.solution.replicas[t, s] for s in range(forecast.n_slots))
+                * fleet.type_named(t).replica_gpus for t in res_g.instance.types
+            },
+            "best_single": best_g[0] if best_g else None,
+            "best_single_daily_usd": _r(best_g[1]["cost"] * scale, 2) if best_g else None,
+            "validated": res_g.validated,
+        }
+        row["saving_pct"] = (
+            _r(100 * (row["best_single_daily_usd"] - mixed) / row["best_single_daily_usd"], 2)
+            if best_g else None
+        )
+        rows.append(row)
+        if progress:
+            progress(f"growth x{g:g}: ${mixed:,.0f}/day")
+    if rows:
+        plan["growth_sweep"] = rows
+    timings = {"capacity_s": capacity_s, "total_s": time.perf_counter() - t_start,
+               "solver_s": result.solver_s, "simulation_s": result.simulation_s}
+    return PlanRun(plan, result, single, rows, timings, slices)
+
+
+def _widen(result: PlanResult, fleet: Fleet, capacity: dict, slices: WorkloadSlices) -> None:
+    """Re-express a single-type result over every fleet type (the others at 0 replicas),
+    so the plan file always lists the whole fleet."""
+    inst, sol = result.instance, result.solution
+    names = [g.name for g in fleet.gpu_types]
+    mu = dict(inst.mu)
+    for t in names:
+        for b in inst.buckets:
+            mu.setdefault((t, b), capacity[t, b].rate_per_s)
+    wide = build_instance(fleet, names, slices, inst.lam, mu, inst.n_slots, inst.hours,
+                          inst.budget)
+    replicas = {(t, s): sol.replicas.get((t, s), 0) for t in names for s in range(inst.n_slots)}
+    result.instance = wide
+    result.solution = CapacitySolution(sol.status, replicas, sol.routing, sol.cost,
+                                       sol.served_share, sol.solver_s)
+    for t in names:
+        result.type_policy.setdefault(t, Policy())

@@ -1,0 +1,1 @@
+"""Request traces and workloads: trace formats, statistics, fitting and sampling."""
