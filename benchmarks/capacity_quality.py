@@ -124,22 +124,22 @@ def azure_plans() -> list[dict]:
                                out_path=Path(tmp) / "plan.yaml")
                 times[label] = time.perf_counter() - t0
             plan = run.plan
-            single = plan["single_type"]
+            single = plan.single_type
             best = single.get("best")
             out.append({
                 "forecast": name,
                 "peak_rate_per_s": peak,
-                "mixed_usd_per_day": plan["cost"]["daily_usd"],
-                "mixed_peak_gpus": {t: max(v) for t, v in plan["gpus"].items() if max(v)},
+                "mixed_usd_per_day": plan.cost["daily_usd"],
+                "mixed_peak_gpus": {t: max(v) for t, v in plan.gpus.items() if max(v)},
                 "best_single": best,
                 "best_single_usd_per_day": single[best]["daily_usd"] if best else None,
                 "saving_pct": single.get("saving_pct"),
                 "single_types": {t: (v["daily_usd"] if v.get("feasible") else "infeasible")
                                  for t, v in single.items() if isinstance(v, dict)},
-                "validated": plan["validation"]["validated"],
-                "per_type": plan["validation"]["per_type"],
-                "rounds": plan["validation"]["rounds"],
-                "capacity_method": plan["sample"]["capacity_method"],
+                "validated": plan.validation["validated"],
+                "per_type": plan.validation["per_type"],
+                "rounds": plan.validation["rounds"],
+                "capacity_method": plan.sample["capacity_method"],
                 "plan_s_cold": round(times["cold"], 1) if times["cold"] else None,
                 "plan_s_warm": round(times["warm"], 1),
             })

@@ -1,4 +1,4 @@
-"""Simulator speed benchmark (issue 3, item 6).
+"""Simulator speed benchmark.
 
 Measures, on one core:
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from servetune.io import write_text_atomic
 from servetune.profiles.build import derive_profile, fit_profile, profile_header
-from servetune.schemas.base import document_to_yaml, write_text_atomic
+from servetune.schemas.base import document_to_yaml
 
 HERE = Path(__file__).resolve().parent
 H200 = HERE / "calibration" / "h200"

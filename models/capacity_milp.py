@@ -56,8 +56,6 @@ import pyomo.environ as pyo
 
 from servetune.errors import InfeasibleError
 
-_EPS = 1e-9
-
 
 @dataclass(frozen=True)
 class CapacityInstance:

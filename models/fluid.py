@@ -51,10 +51,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from statistics import NormalDist
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from servetune.conditions import Condition, Family
+from servetune.knobs import MODELED as MODELED_KNOBS
 from servetune.profiles.steptime import (
     COEF_ALLREDUCE,
     COEF_CONSTANT,
@@ -65,6 +67,14 @@ from servetune.profiles.steptime import (
     COEF_PREFILL_PAIR,
     StepTimeModel,
 )
+from servetune.schemas.space import normalise_path
+
+if TYPE_CHECKING:  # only for annotations: the model layer reads these documents' fields
+    from servetune.schemas.policy import Policy
+    from servetune.schemas.profile import Profile
+    from servetune.schemas.slo import ClassSLO, SLOSet
+    from servetune.workloads.fitting import ClassStats
+    from servetune.workloads.trace import Trace
 
 # Quantile grid used to integrate moments from quantile functions (midpoint rule).
 _N_MOMENT_BINS = 400
@@ -238,7 +248,7 @@ class LoadModel:
     rate_per_s: float
 
     @staticmethod
-    def from_class_stats(stats: Sequence[Any]) -> LoadModel:
+    def from_class_stats(stats: Sequence[ClassStats]) -> LoadModel:
         """From ``servetune.workloads.fitting.class_stats(workload)`` (anything with the same
         attributes: name, share, rate_per_s, priority, interarrival_cv, prompt_mean,
         output_mean, prompt_quantile(q), output_quantile(q))."""
@@ -258,7 +268,7 @@ class LoadModel:
         return LoadModel(classes, float(sum(float(s.rate_per_s) for s in stats)))
 
     @staticmethod
-    def from_trace(trace: Any) -> LoadModel:
+    def from_trace(trace: Trace) -> LoadModel:
         """Empirical moments of a Trace, per class."""
         n = len(trace)
         duration = max(float(trace.duration_s), 1e-9)
@@ -287,7 +297,8 @@ class LoadModel:
 
 @dataclass(frozen=True, order=True)
 class Knobs:
-    """The policy settings the fluid model and the MILP choose among."""
+    """The policy settings the fluid model and the MILP choose among: the knob table's
+    modeled knobs (``servetune.knobs``), one field each, named as the policy field."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -296,25 +307,11 @@ class Knobs:
     max_queued_requests: int | None = None
     max_queued_prompt_tokens: int | None = None
 
-    FIELDS = {
-        "batching.max_num_seqs": "max_num_seqs",
-        "batching.max_num_batched_tokens": "max_num_batched_tokens",
-        "batching.long_prefill_token_threshold": "long_prefill_token_threshold",
-        "admission.kv_watermark": "kv_watermark",
-        "admission.max_queued_requests": "max_queued_requests",
-        "admission.max_queued_prompt_tokens": "max_queued_prompt_tokens",
-    }
+    FIELDS = {k.path: k.name for k in MODELED_KNOBS}  # dotted path -> field
 
     @staticmethod
-    def from_policy(policy: Any) -> Knobs:
-        return Knobs(
-            max_num_seqs=policy.batching.max_num_seqs,
-            max_num_batched_tokens=policy.batching.max_num_batched_tokens,
-            long_prefill_token_threshold=policy.batching.long_prefill_token_threshold,
-            kv_watermark=policy.admission.kv_watermark,
-            max_queued_requests=policy.admission.max_queued_requests,
-            max_queued_prompt_tokens=policy.admission.max_queued_prompt_tokens,
-        )
+    def from_policy(policy: Policy) -> Knobs:
+        return Knobs(**{k.name: k.value(policy) for k in MODELED_KNOBS})
 
     def as_dotted(self) -> dict[str, Any]:
         return {path: getattr(self, name) for path, name in self.FIELDS.items()}
@@ -329,7 +326,7 @@ class Platform:
     block_size: int = 16
 
     @staticmethod
-    def from_profile(profile: Any) -> Platform:
+    def from_profile(profile: Profile) -> Platform:
         return Platform(profile.step_time, int(profile.kv_blocks()), int(profile.block_size))
 
     @property
@@ -346,12 +343,12 @@ class Target:
     q: float
 
     @staticmethod
-    def from_class_slo(slo: Any) -> Target:
+    def from_class_slo(slo: ClassSLO) -> Target:
         q = slo.percentile / 100.0 if slo.percentile is not None else float(slo.attainment)
         return Target(ttft_s=slo.ttft_s, tpot_s=slo.tpot_s, q=q)
 
 
-def targets_for(load: LoadModel, slo: Any) -> dict[str, Target]:
+def targets_for(load: LoadModel, slo: SLOSet) -> dict[str, Target]:
     """Per-class targets from an SLOSet (its ``default`` entry covers unnamed classes)."""
     return {c.name: Target.from_class_slo(slo.for_class(c.name)) for c in load.classes}
 
@@ -417,10 +414,16 @@ class FluidState:
 class Limit:
     """The largest arrivals-per-step one condition allows, and the value at x -> 0."""
 
-    name: str
+    condition: Condition
     x_max: float
     floor_value: float | None = None  # the metric's value at vanishing load
     target: float | None = None
+
+
+def binding_limit(limits: dict[Condition, Limit]) -> Limit:
+    """The tightest of a point's limits (the smallest ``x_max``; ties go to the first
+    condition by key, so the choice is deterministic)."""
+    return min(limits.values(), key=lambda lim: (lim.x_max, lim.condition.key))
 
 
 @dataclass
@@ -639,52 +642,62 @@ class FluidModel:
         return out
 
     # Conditions -----------------------------------------------------------------------
-    def conditions(self, knobs: Knobs, st: FluidState) -> dict[str, tuple[np.ndarray, float]]:
+    def conditions(
+        self, knobs: Knobs, st: FluidState
+    ) -> dict[Condition, tuple[np.ndarray, float]]:
         """Each condition as (value, limit): it holds where value <= limit."""
         cap_tokens = self.platform.kv_tokens * (1.0 - knobs.kv_watermark)
-        out: dict[str, tuple[np.ndarray, float]] = {
-            "budget": (st.budget_util, BUDGET_UTIL_MAX),
-            "seats": (st.running_q, float(knobs.max_num_seqs)),
-            "kv_memory": (st.kv_q_tokens, cap_tokens),
+        out: dict[Condition, tuple[np.ndarray, float]] = {
+            Condition(Family.BUDGET): (st.budget_util, BUDGET_UTIL_MAX),
+            Condition(Family.SEATS): (st.running_q, float(knobs.max_num_seqs)),
+            Condition(Family.KV_MEMORY): (st.kv_q_tokens, cap_tokens),
         }
         for name, tgt in self.targets.items():
             if tgt.ttft_s is not None:
-                out[f"ttft[{name}]"] = (st.ttft_q_s[name], tgt.ttft_s)
+                out[Condition(Family.TTFT, name)] = (st.ttft_q_s[name], tgt.ttft_s)
             if tgt.tpot_s is not None:
-                out[f"tpot[{name}]"] = (st.tpot_q_s[name], tgt.tpot_s)
+                out[Condition(Family.TPOT, name)] = (st.tpot_q_s[name], tgt.tpot_s)
         if knobs.max_queued_requests is not None:
-            out["queue_requests"] = (st.queued_q, float(knobs.max_queued_requests))
+            out[Condition(Family.QUEUE_REQUESTS)] = (
+                st.queued_q, float(knobs.max_queued_requests)
+            )
         if knobs.max_queued_prompt_tokens is not None:
-            out["queue_prompt_tokens"] = (
+            out[Condition(Family.QUEUE_PROMPT_TOKENS)] = (
                 st.queued_prompt_tokens_q, float(knobs.max_queued_prompt_tokens)
             )
         return out
 
-    def violations(self, knobs: Knobs, x: float, *, only_stability: bool = False) -> list[str]:
+    def violations(
+        self, knobs: Knobs, x: float, *, only_stability: bool = False
+    ) -> list[Condition]:
+        """The conditions broken at ``x`` (only the stability ones with
+        ``only_stability``)."""
         st = self.state(knobs, x)
-        names = []
-        for name, (value, limit) in self.conditions(knobs, st).items():
-            if only_stability and name not in ("budget", "seats", "kv_memory"):
+        broken = []
+        for cond, (value, limit) in self.conditions(knobs, st).items():
+            if only_stability and not cond.stability:
                 continue
             if not float(value[0]) <= limit:
-                names.append(name)
-        return names
+                broken.append(cond)
+        return broken
 
     def x_upper(self, knobs: Knobs) -> float:
         """No load beyond this keeps the budget stable."""
         return BUDGET_UTIL_MAX * knobs.max_num_batched_tokens / self.tokens
 
-    def limits(self, knobs: Knobs, *, grid: int = 96, refine: int = 30) -> dict[str, Limit]:
+    def limits(
+        self, knobs: Knobs, *, grid: int = 96, refine: int = 30
+    ) -> dict[Condition, Limit]:
         """For each condition, the largest x that meets it (vectorised scan + bisection)."""
         return self.limits_many([knobs], grid=grid, refine=refine)[0]
 
     def limits_many(
         self, points: Sequence[Knobs], *, grid: int = 96, refine: int = 30
-    ) -> list[dict[str, Limit]]:
+    ) -> list[dict[Condition, Limit]]:
         """:meth:`limits` for many points at once. The state depends only on the token
         budget and the chunk cap (seats, watermark and queue caps only move the limits),
         so points sharing those two share every state evaluation."""
-        out: list[dict[str, Limit] | None] = [None] * len(points)
+        out: list[dict[Condition, Limit] | None] = [None] * len(points)
         groups: dict[tuple[int, int], list[int]] = {}
         for i, k in enumerate(points):
             key = (k.max_num_batched_tokens, k.long_prefill_token_threshold)
@@ -695,23 +708,23 @@ class FluidModel:
             hi = self.x_upper(rep)
             xs = hi * np.concatenate([[1e-9], np.geomspace(1e-6, 1.0, grid)])
             st = self.state(rep, xs)
-            pairs: list[tuple[int, str, float]] = []  # (point, condition, its limit)
+            pairs: list[tuple[int, Condition, float]] = []  # (point, condition, its limit)
             lo_l: list[float] = []
             up_l: list[float] = []
             for i in members:
-                res: dict[str, Limit] = {}
-                for name, (value, limit) in self.conditions(points[i], st).items():
+                res: dict[Condition, Limit] = {}
+                for cond, (value, limit) in self.conditions(points[i], st).items():
                     ok = np.asarray(value <= limit)
                     floor_value = float(value[0])
                     bad = np.flatnonzero(~ok)
                     if not ok[0]:
-                        res[name] = Limit(name, 0.0, floor_value, limit)
+                        res[cond] = Limit(cond, 0.0, floor_value, limit)
                     elif len(bad) == 0:
-                        res[name] = Limit(name, float(xs[-1]), floor_value, limit)
+                        res[cond] = Limit(cond, float(xs[-1]), floor_value, limit)
                     else:
                         j = int(bad[0])
-                        res[name] = Limit(name, float(xs[j - 1]), floor_value, limit)
-                        pairs.append((i, name, limit))
+                        res[cond] = Limit(cond, float(xs[j - 1]), floor_value, limit)
+                        pairs.append((i, cond, limit))
                         lo_l.append(float(xs[j - 1]))
                         up_l.append(float(xs[j]))
                 out[i] = res
@@ -723,32 +736,30 @@ class FluidModel:
                 mid = 0.5 * (lo + up)
                 mid_conds = self.conditions(rep, self.state(rep, mid))
                 values = np.array(
-                    [float(mid_conds[name][0][j]) for j, (_, name, _) in enumerate(pairs)]
+                    [float(mid_conds[cond][0][j]) for j, (_, cond, _) in enumerate(pairs)]
                 )
                 limits = np.array([lim for _, _, lim in pairs])
                 good = values <= limits
                 lo = np.where(good, mid, lo)
                 up = np.where(good, up, mid)
-            for j, (i, name, _) in enumerate(pairs):
-                prev = out[i][name]
-                out[i][name] = Limit(name, float(lo[j]), prev.floor_value, prev.target)
+            for j, (i, cond, _) in enumerate(pairs):
+                prev = out[i][cond]
+                out[i][cond] = Limit(cond, float(lo[j]), prev.floor_value, prev.target)
         return [o or {} for o in out]
 
-    def goodput(self, knobs: Knobs) -> tuple[float, str, dict[str, Limit]]:
+    def goodput(self, knobs: Knobs) -> tuple[float, Condition, dict[Condition, Limit]]:
         """(largest sustainable rate at the SLOs, the binding condition, all limits)."""
         lims = self.limits(knobs)
-        binding = min(lims.values(), key=lambda lim: (lim.x_max, lim.name))
+        binding = binding_limit(lims)
         x = binding.x_max
         rate = float(x / self.mean_step_s(x)) if x > 0 else 0.0
-        return rate, binding.name, lims
+        return rate, binding.condition, lims
 
 
 def knobs_grid(space_knobs: dict[str, list[Any]], base: Knobs | None = None) -> list[Knobs]:
     """Every valid Knobs combination of a search space (``max_num_batched_tokens >=
     max_num_seqs``, as vLLM requires); knobs the fluid model does not know are ignored
     here and handled by the caller."""
-    from servetune.schemas.space import normalise_path
-
     base = base or Knobs(1024, 8192)
     space_knobs = {normalise_path(p): v for p, v in space_knobs.items()}
     names = [p for p in space_knobs if p in Knobs.FIELDS]
@@ -767,25 +778,3 @@ def knobs_grid(space_knobs: dict[str, list[Any]], base: Knobs | None = None) -> 
 
     rec(0, {})
     return out
-
-
-def describe_binding(name: str, limit: Limit) -> str:
-    """A sentence for a condition that cannot hold even at vanishing load."""
-    if name.startswith("tpot["):
-        return (
-            f"TPOT cannot go below {limit.floor_value * 1e3:.0f} ms on this GPU and model; "
-            f"target {limit.target * 1e3:.0f} ms"
-        )
-    if name.startswith("ttft["):
-        return (
-            f"TTFT cannot go below {limit.floor_value:.3g} s on this GPU and model; "
-            f"target {limit.target:.3g} s"
-        )
-    if name == "kv_memory":
-        return (
-            f"the KV cache ({limit.target:.0f} tokens after the watermark) cannot hold even "
-            f"a few requests ({limit.floor_value:.0f} tokens needed)"
-        )
-    if name == "seats":
-        return "max_num_seqs is too small for even the lightest load"
-    return f"{name} cannot be met even at vanishing load"

@@ -40,11 +40,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from servetune.models.fluid import ClassLoad, FluidModel, Knobs, poisson_quantile
+
+if TYPE_CHECKING:  # ortools loads only when a model is built
+    from ortools.sat.python import cp_model
 
 DEFAULT_THRESHOLDS = (2048, 4096, 8192, 16384, 32768, 65536)
 _MIDS = (np.arange(800) + 0.5) / 800
@@ -132,7 +135,7 @@ def build_instance(
     kv_free = int(fluid.platform.kv_blocks * (1.0 - knobs.kv_watermark))
     out = []
     for h in thresholds:
-        long_rate = short_rate = 0.0
+        long_rate = 0.0
         long_res = short_res = 0.0  # request-seconds in system per second (Little)
         long_kv = short_kv = 0.0  # token-seconds per second
         one_long = 0.0
@@ -153,7 +156,6 @@ def build_instance(
                     long_kv += rate * frac * seconds * holding
                     one_long = max(one_long, lh + c.output_mean)
                 else:
-                    short_rate += rate * frac
                     short_res += rate * frac * seconds
                     short_kv += rate * frac * seconds * holding
                     short_hi = max(short_hi, sh)
@@ -211,15 +213,15 @@ def feasible(inst: LaneInstance, h: int, r: int, m: int, R: int, Mk: int) -> boo
 class LaneModel:
     """The CP-SAT model of one instance, and how to read a solution back."""
 
-    model: Any  # ortools.sat.python.cp_model.CpModel
-    u: dict[int, Any]
-    r: Any
-    m: Any
-    R: Any
-    Mk: Any
+    model: cp_model.CpModel
+    u: dict[int, cp_model.IntVar]
+    r: cp_model.IntVar
+    m: cp_model.IntVar
+    R: cp_model.IntVar
+    Mk: cp_model.IntVar
     inst: LaneInstance
 
-    def decode(self, solver: Any) -> LaneChoice:
+    def decode(self, solver: cp_model.CpSolver) -> LaneChoice:
         """The chosen threshold and lane sizes from a solved ``CpSolver``."""
         h = next(i for i in sorted(self.u) if solver.Value(self.u[i]))
         return LaneChoice(
@@ -245,6 +247,8 @@ NO_USABLE_THRESHOLD = "no threshold both splits off long requests and keeps shor
 def build_model(inst: LaneInstance) -> LaneModel | None:
     """The CP-SAT model, named as in the module docstring; ``None`` when no threshold is
     usable (the model would be infeasible by ``usable`` alone)."""
+    # lazy: OR-Tools takes 0.5 s to import; the optimizer imports this module on every
+    # run, and builds a lane model only for some
     from ortools.sat.python import cp_model
 
     if not inst.usable():

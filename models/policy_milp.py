@@ -55,7 +55,8 @@ from dataclasses import dataclass
 
 import pyomo.environ as pyo
 
-from servetune.models.fluid import FluidModel, Knobs, Limit
+from servetune.conditions import QUEUE_CAPS, Condition, Family
+from servetune.models.fluid import FluidModel, Knobs, Limit, binding_limit
 
 # The smallest goodput worth returning, as a share of the workload's rate.
 RATE_MIN_SHARE = 1e-3
@@ -70,7 +71,7 @@ class Candidate:
     knobs: Knobs
     rate_per_s: float  # goodput predicted by the MILP
     steps_per_s: float
-    binding: str  # the condition that limits it
+    binding: Condition  # the condition that limits it
 
 
 @dataclass
@@ -78,7 +79,7 @@ class MilpInstance:
     points: list[Knobs]
     shares: dict[str, float]
     pieces: list[tuple[float, float]]
-    limits: list[dict[str, Limit]]  # per point: condition name -> Limit
+    limits: list[dict[Condition, Limit]]  # per point: condition -> Limit
     rate_scale: float = 1.0  # a typical goodput (req/s), scales the tie-break weight
 
     @staticmethod
@@ -91,18 +92,18 @@ class MilpInstance:
             rate_scale=fluid.load.rate_per_s,
         )
 
-    def redundant(self, p: int, family: str, cls: str | None = None) -> bool:
+    def redundant(self, p: int, family: Family, cls: str | None = None) -> bool:
         """A condition whose limit is above another condition's on the same candidate
         can never bind; leaving it out keeps the model small (HiGHS's presolve would
-        drop it too). Ties keep the first by name, so one always stays."""
+        drop it too). Ties keep the first by key, so one always stays."""
         x = self.x_limit(p, family, cls)
-        name = family if cls is None else f"{family}[{cls}]"
+        cond = Condition(family, cls)
         for other, lim in self.limits[p].items():
-            if other.startswith("queue_"):
-                other = "queue"
-            if other == name:
+            if other.family in QUEUE_CAPS:
+                other = Condition(Family.QUEUE)  # the queue caps are one constraint
+            if other == cond:
                 continue
-            if lim.x_max < x or (lim.x_max == x and other < name):
+            if lim.x_max < x or (lim.x_max == x and other.key < cond.key):
                 return True
         return False
 
@@ -116,14 +117,15 @@ class MilpInstance:
             margin = (xs[1] - xs[0]) / xs[1]
         return 0.99 * margin + 0.01 * (1.0 - p / max(len(self.points), 1))
 
-    def x_limit(self, p: int, family: str, cls: str | None = None) -> float:
+    def x_limit(self, p: int, family: Family, cls: str | None = None) -> float:
         """X[p, g]: the limit of one condition (inf when the candidate has none)."""
         lims = self.limits[p]
-        if family == "queue":
-            vals = [lims[n].x_max for n in ("queue_requests", "queue_prompt_tokens") if n in lims]
+        if family is Family.QUEUE:
+            caps = (Condition(Family.QUEUE_REQUESTS), Condition(Family.QUEUE_PROMPT_TOKENS))
+            vals = [lims[c].x_max for c in caps if c in lims]
             return min(vals) if vals else float("inf")
-        name = family if cls is None else f"{family}[{cls}]"
-        return lims[name].x_max if name in lims else float("inf")
+        cond = Condition(family, cls)
+        return lims[cond].x_max if cond in lims else float("inf")
 
 
 def build_model(inst: MilpInstance, *, rate_min: float, excluded: set[int] = frozenset()):
@@ -149,7 +151,7 @@ def build_model(inst: MilpInstance, *, rate_min: float, excluded: set[int] = fro
         m.P, m.K, rule=lambda m, p, k: m.c0[k] * m.steps[p] + m.c1[k] * m.rate[p] <= m.z[p]
     )
 
-    def policy_wide(family: str):
+    def policy_wide(family: Family):
         def rule(m, p):
             x_max = inst.x_limit(p, family)
             if x_max == float("inf") or inst.redundant(p, family):
@@ -157,12 +159,12 @@ def build_model(inst: MilpInstance, *, rate_min: float, excluded: set[int] = fro
             return m.rate[p] <= x_max * m.steps[p]
         return rule
 
-    m.budget_stability = pyo.Constraint(m.P, rule=policy_wide("budget"))
-    m.seats = pyo.Constraint(m.P, rule=policy_wide("seats"))
-    m.kv_memory = pyo.Constraint(m.P, rule=policy_wide("kv_memory"))
-    m.queue_caps = pyo.Constraint(m.P, rule=policy_wide("queue"))
+    m.budget_stability = pyo.Constraint(m.P, rule=policy_wide(Family.BUDGET))
+    m.seats = pyo.Constraint(m.P, rule=policy_wide(Family.SEATS))
+    m.kv_memory = pyo.Constraint(m.P, rule=policy_wide(Family.KV_MEMORY))
+    m.queue_caps = pyo.Constraint(m.P, rule=policy_wide(Family.QUEUE))
 
-    def per_class(family: str):
+    def per_class(family: Family):
         def rule(m, p, c):
             x_max = inst.x_limit(p, family, c)
             if x_max == float("inf") or inst.redundant(p, family, c):
@@ -170,8 +172,8 @@ def build_model(inst: MilpInstance, *, rate_min: float, excluded: set[int] = fro
             return m.flow[p, c] <= m.share[c] * x_max * m.steps[p]
         return rule
 
-    m.ttft = pyo.Constraint(m.P, m.C, rule=per_class("ttft"))
-    m.tpot = pyo.Constraint(m.P, m.C, rule=per_class("tpot"))
+    m.ttft = pyo.Constraint(m.P, m.C, rule=per_class(Family.TTFT))
+    m.tpot = pyo.Constraint(m.P, m.C, rule=per_class(Family.TPOT))
     m.min_rate = pyo.Constraint(expr=sum(m.rate[p] for p in m.P) >= rate_min)
     m.excluded = pyo.Constraint(
         sorted(excluded), rule=lambda m, p: m.z[p] == 0
@@ -191,7 +193,7 @@ def decoder(inst: MilpInstance) -> Callable[[pyo.ConcreteModel], tuple[int, Cand
     def decode(m: pyo.ConcreteModel) -> tuple[int, Candidate]:
         p = max(m.P, key=lambda p: pyo.value(m.z[p]))
         lims = inst.limits[p]
-        binding = min(lims.values(), key=lambda lim: (lim.x_max, lim.name)).name
+        binding = binding_limit(lims).condition
         return p, Candidate(
             knobs=inst.points[p],
             rate_per_s=float(pyo.value(m.rate[p])),

@@ -4,13 +4,22 @@ Everything that reaches a user because of their input (a bad file, a missing col
 an impossible SLO) is raised as :class:`ServetuneError` (or a subclass) with a one-line
 message that names the file, field or row and what to do. The CLI prints that line to
 stderr and exits with ``exit_code``; nothing else escapes as a traceback.
+
+A message names a function argument as ``argument `name```, in the library's own terms; a
+front end that took the values under other names (the CLI, by its flags) shows the message
+with those names through :meth:`ServetuneError.message_for`.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+
 EXIT_USER_ERROR = 2
 EXIT_INFEASIBLE = 3
 EXIT_KEPT_CURRENT = 10
+
+_ARGUMENT = re.compile(r"argument `([A-Za-z_][A-Za-z0-9_]*)`")
 
 
 class ServetuneError(Exception):
@@ -27,6 +36,11 @@ class ServetuneError(Exception):
     @property
     def message(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+    def message_for(self, names: Mapping[str, str]) -> str:
+        """The message with each ``argument `name``` that ``names`` knows written as
+        ``names[name]`` (the CLI passes its flags, e.g. ``{"n_requests": "--requests"}``)."""
+        return _ARGUMENT.sub(lambda m: names.get(m[1], m[0]), self.message)
 
 
 class InfeasibleError(ServetuneError):

@@ -1,8 +1,8 @@
 """Baselines over the same search space, judged by the same simulator.
 
 - engine defaults: ``vllm serve`` on a GPU with >= 70 GiB that is not an A100 (1024
-  sequences, 8192 batched tokens; engines.md 1.4) and SGLang's (chunked prefill 8192 on
-  a < 160 GB GPU, engines.md 2.1; ``max_running_requests`` = min(KV tokens / 2, the
+  sequences, 8192 batched tokens; docs/engines.md 1.4) and SGLang's (chunked prefill 8192 on
+  a < 160 GB GPU, docs/engines.md 2.1; ``max_running_requests`` = min(KV tokens / 2, the
   request-pool size, which SGLang sizes between 2048 and 4096 slots), simulated with the
   ``sglang`` admission model when the simulator has it;
 - exhaustive grid: every point of the space simulated, goodput by bracketing and bisection
@@ -25,17 +25,26 @@ from typing import Any
 
 import numpy as np
 
+from servetune.engines import engine
 from servetune.models.fluid import Knobs
 from servetune.solvers.loop import Evaluated, Simulator, find_goodput, refine_goodput
 
-VLLM_DEFAULTS = Knobs(max_num_seqs=1024, max_num_batched_tokens=8192)
-SGLANG_CHUNKED_PREFILL = 8192
-SGLANG_REQ_POOL_MAX = 4096
+
+def engine_default_knobs(name: str, kv_tokens: int) -> Knobs:
+    """Engine ``name``'s own batching defaults (the engine table's) for a KV pool of
+    ``kv_tokens`` tokens; the other knobs at the Policy defaults."""
+    default_batching = engine(name).default_batching
+    if default_batching is None:
+        raise ValueError(f"servetune does not model {name}'s default batching")
+    seqs, tokens = default_batching(kv_tokens)
+    return Knobs(max_num_seqs=seqs, max_num_batched_tokens=tokens)
+
+
+VLLM_DEFAULTS = engine_default_knobs("vllm", 0)  # vLLM's do not depend on the pool
 
 
 def sglang_default_knobs(kv_tokens: int) -> Knobs:
-    seats = max(1, min(kv_tokens // 2, SGLANG_REQ_POOL_MAX))
-    return Knobs(max_num_seqs=seats, max_num_batched_tokens=max(SGLANG_CHUNKED_PREFILL, seats))
+    return engine_default_knobs("sglang", kv_tokens)
 
 
 @dataclass
@@ -75,7 +84,7 @@ def _evaluate(
 ) -> Evaluated:
     policy = make_policy(knobs)
     est = find_goodput(sim, policy, start_scale=1.0, factor=2.0, rel_tol=rel_tol)
-    return Evaluated(i, knobs, math.nan, "", est, policy, label=label)
+    return Evaluated(i, knobs, math.nan, None, est, policy, label=label)
 
 
 def grid_search(
@@ -130,7 +139,7 @@ def random_search(
 
 
 def optuna_available() -> bool:
-    try:
+    try:  # lazy: optuna is an optional extra (servetune[optuna])
         import optuna  # noqa: F401
     except ImportError:
         return False
@@ -151,7 +160,7 @@ def optuna_search(
     if not optuna_available():
         return BaselineResult("optuna", None, skipped="optuna is not installed "
                               "(pip install 'servetune[optuna]')")
-    import optuna
+    import optuna  # lazy: an optional extra, present (checked above)
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     index = {k: i for i, k in enumerate(points)}

@@ -4,7 +4,9 @@ HiGHS, slot by slot when one model is too large, and the explanation when no pla
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
+from pyomo.contrib import appsi
 
 from servetune.errors import InfeasibleError
 from servetune.models.capacity_milp import (
@@ -18,12 +20,13 @@ from servetune.models.capacity_milp import (
 )
 from servetune.solvers.drivers import SolveStatus, solve_highs
 
+if TYPE_CHECKING:
+    import pyomo.environ as pyo
 
-def _solve_milp(m: Any, time_limit_s: float) -> tuple[str, float]:
+
+def _solve_milp(m: pyo.ConcreteModel, time_limit_s: float) -> tuple[str, float]:
     """Solve a capacity model with HiGHS; returns "optimal", "feasible" (time limit with a
     solution), "infeasible" or the driver's message, and the seconds spent."""
-    from pyomo.contrib import appsi
-
     t0 = time.perf_counter()
     outcome = None
     for presolve in ("on", "off"):

@@ -16,9 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyomo.environ as pyo
+from pyomo.contrib import appsi
+from pyomo.contrib.appsi.base import TerminationCondition as TC
+
+if TYPE_CHECKING:  # ortools loads only when a CP-SAT model is solved
+    from ortools.sat.python import cp_model
 
 
 class SolveStatus(StrEnum):
@@ -68,8 +73,6 @@ class TopK:
 
 
 def _highs() -> Any:
-    from pyomo.contrib import appsi
-
     solver = appsi.solvers.Highs()
     if not solver.available():
         return None
@@ -81,8 +84,6 @@ def solve_highs(
 ) -> tuple[SolveOutcome, Any]:
     """Solve a Pyomo model with HiGHS (persistent appsi interface, so a later call after
     adding a cut re-uses the loaded model). Returns the outcome and the solver to re-use."""
-    from pyomo.contrib.appsi.base import TerminationCondition as TC
-
     if solver is None:
         solver = _highs()
         if solver is None:
@@ -160,6 +161,7 @@ def top_k_highs(
 
 def cpsat_status(code: int) -> SolveStatus:
     """Map an OR-Tools CP-SAT status code to ours."""
+    # lazy: OR-Tools takes 0.5 s to import; runs that solve only MILPs never need it
     from ortools.sat.python import cp_model
 
     if code == cp_model.OPTIMAL:
@@ -172,9 +174,10 @@ def cpsat_status(code: int) -> SolveStatus:
 
 
 def solve_cpsat(
-    model: Any, *, time_limit_s: float, seed: int = 0, workers: int = 1
-) -> tuple[SolveOutcome, Any]:
+    model: cp_model.CpModel, *, time_limit_s: float, seed: int = 0, workers: int = 1
+) -> tuple[SolveOutcome, cp_model.CpSolver]:
     """Solve a CP-SAT model deterministically (one worker, fixed seed) within the limit."""
+    # lazy: as in cpsat_status
     from ortools.sat.python import cp_model
 
     solver = cp_model.CpSolver()

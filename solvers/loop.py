@@ -38,8 +38,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from servetune import knobs as knob_table
+from servetune.conditions import Condition, Family
 from servetune.models.fluid import Calibration, FluidModel, Knobs
 from servetune.models.policy_milp import MilpInstance
+from servetune.search import GoodputResult
+from servetune.search import goodput_search as _goodput_search
+from servetune.search import refine_goodput as _refine_goodput
 from servetune.solvers.formulations import solve_policy_milp
 
 CAL_CLAMP = (1.0 / 32, 32.0)
@@ -53,7 +58,8 @@ class SimPoint:
     rate_per_s: float
     meets_slo: bool
     attainment: float
-    measured: dict[str, float] = field(default_factory=dict)  # ttft[c], tpot[c], kv_peak_util
+    # by Condition key (ttft[c], tpot[c]), and kv_peak_tokens, sample_window_s
+    measured: dict[str, float] = field(default_factory=dict)
     judged: dict[str, Any] = field(default_factory=dict)  # the simulator's per-class verdicts
 
     def as_dict(self) -> dict[str, Any]:
@@ -76,22 +82,6 @@ class Simulator(Protocol):
     def run(self, policy: Any, rate_scale: float) -> SimPoint: ...
 
 
-@dataclass
-class GoodputEstimate:
-    rate_scale: float  # highest passing scale found; 0 when none passed
-    rate_per_s: float
-    points: list[SimPoint]
-
-    @property
-    def best_point(self) -> SimPoint | None:
-        passing = [p for p in self.points if p.meets_slo]
-        return max(passing, key=lambda p: p.rate_scale) if passing else None
-
-    @property
-    def passed(self) -> bool:
-        return self.best_point is not None
-
-
 def find_goodput(
     sim: Simulator,
     policy: Any,
@@ -103,89 +93,31 @@ def find_goodput(
     max_scale: float = 256.0,
     max_sims: int = 14,
     prune_at: float | None = None,
-) -> GoodputEstimate:
+) -> GoodputResult[SimPoint]:
     """Bracket the goodput around ``start_scale`` with steps that grow (x factor, then
-    squared each time), then bisect geometrically to ``rel_tol``.
+    squared each time), then bisect geometrically to ``rel_tol``
+    (:func:`servetune.search.goodput_search`, at most ``max_sims`` simulations).
 
     With ``prune_at`` (the best scale found so far elsewhere), the search stops as soon
     as a failing scale at or below it is known: this policy cannot beat that one, so its
     exact goodput does not matter (branch and bound); its estimate is then a lower bound."""
-    points: list[SimPoint] = []
-    seen: dict[float, bool] = {}
-
-    def passes(scale: float) -> bool:
-        if scale not in seen:
-            pt = sim.run(policy, scale)
-            points.append(pt)
-            seen[scale] = pt.meets_slo
-        return seen[scale]
-
-    start = min(max(start_scale, min_scale), max_scale)
-    step = factor
-    lo = hi = None
-    if passes(start):
-        lo = start
-        while len(points) < max_sims:
-            cand = min(lo * step, max_scale)
-            if cand <= lo:
-                break
-            if passes(cand):
-                lo = cand
-                step *= step
-            else:
-                hi = cand
-                break
-    else:
-        hi = start
-        while len(points) < max_sims and not (prune_at is not None and hi <= prune_at):
-            cand = max(hi / step, min_scale)
-            if cand >= hi:
-                break
-            if passes(cand):
-                lo = cand
-                break
-            hi = cand
-            if prune_at is not None and hi <= prune_at:
-                break
-            step *= step
-    if lo is not None and hi is not None:
-        while hi / lo > 1.0 + rel_tol and len(points) < max_sims:
-            if prune_at is not None and hi <= prune_at:
-                break
-            mid = math.sqrt(lo * hi)
-            if passes(mid):
-                lo = mid
-            else:
-                hi = mid
-    scale = lo or 0.0
-    return GoodputEstimate(scale, scale * sim.base_rate_per_s, points)
+    return _goodput_search(
+        lambda scale: sim.run(policy, scale), base_rate_per_s=sim.base_rate_per_s,
+        start=start_scale, rel_tol=rel_tol, min_scale=min_scale, max_scale=max_scale,
+        factor=factor, accelerate=True, max_evaluations=max_sims, prune_at=prune_at,
+    )
 
 
 def refine_goodput(
-    sim: Simulator, policy: Any, est: GoodputEstimate, *, rel_tol: float, max_sims: int = 6
-) -> GoodputEstimate:
+    sim: Simulator, policy: Any, est: GoodputResult[SimPoint], *, rel_tol: float,
+    max_sims: int = 6,
+) -> GoodputResult[SimPoint]:
     """Narrow a finished estimate's bracket (its best passing scale and the lowest
-    failing scale above it) to ``rel_tol`` by more bisection; the estimate stays a lower
-    bound, only a tighter one. Unchanged when nothing passed or nothing failed above."""
-    best = est.best_point
-    if best is None:
-        return est
-    above = [p.rate_scale for p in est.points if not p.meets_slo and p.rate_scale > best.rate_scale]
-    if not above:
-        return est
-    lo, hi = best.rate_scale, min(above)
-    points = list(est.points)
-    used = 0
-    while hi / lo > 1.0 + rel_tol and used < max_sims:
-        mid = math.sqrt(lo * hi)
-        pt = sim.run(policy, mid)
-        points.append(pt)
-        used += 1
-        if pt.meets_slo:
-            lo = mid
-        else:
-            hi = mid
-    return GoodputEstimate(lo, lo * sim.base_rate_per_s, points)
+    failing scale above it) to ``rel_tol`` by more bisection
+    (:func:`servetune.search.refine_goodput`); the estimate stays a lower bound, only a
+    tighter one. Unchanged when nothing passed or nothing failed above."""
+    return _refine_goodput(lambda scale: sim.run(policy, scale), est, rel_tol=rel_tol,
+                           max_evaluations=max_sims, base_rate_per_s=sim.base_rate_per_s)
 
 
 @dataclass
@@ -193,8 +125,8 @@ class Evaluated:
     index: int
     knobs: Knobs
     predicted_rate_per_s: float
-    binding: str
-    goodput: GoodputEstimate
+    binding: Condition | None  # what the model says limits it (None: no model prediction)
+    goodput: GoodputResult[SimPoint]
     policy: Any = None
     label: str = ""
 
@@ -204,7 +136,7 @@ class Evaluated:
             "label": self.label,
             "knobs": self.knobs.as_dotted(),
             "predicted_rate_per_s": self.predicted_rate_per_s,
-            "binding": self.binding,
+            "binding": self.binding.key if self.binding is not None else "",
             "simulated_rate_per_s": self.goodput.rate_per_s,
             "passed": self.goodput.passed,
             "simulations": len(self.goodput.points),
@@ -249,9 +181,10 @@ def recalibrate(
         for key, value in pt.measured.items():
             if not (value and math.isfinite(value) and value > 0):
                 continue
-            if key.startswith("ttft[") or key.startswith("tpot["):
-                fam, cls = key[:4], key[5:-1]
-                p = pred[f"{fam}_q_s"].get(cls)
+            cond = _latency_condition(key)
+            if cond is not None:
+                fam = cond.family.value
+                p = pred[f"{fam}_q_s"].get(cond.request_class)
                 if p and p > 0 and math.isfinite(p):
                     measured[fam].append(value / p)
             elif key == "kv_peak_tokens":
@@ -285,6 +218,15 @@ def recalibrate(
 
     return Calibration(ttft=fit("ttft", base.ttft), tpot=fit("tpot", base.tpot),
                        kv=fit("kv", base.kv))
+
+
+def _latency_condition(key: str) -> Condition | None:
+    """The TTFT or TPOT condition a measured value's key names (None for other keys)."""
+    try:
+        cond = Condition.parse(key)
+    except ValueError:
+        return None
+    return cond if cond.family in (Family.TTFT, Family.TPOT) else None
 
 
 def search(
@@ -486,7 +428,7 @@ def _screen(
         policy = make_policy(unique[j])
         # A failure at the bar ends it: it cannot beat the leader by the tolerance.
         est = find_goodput(sim, policy, start_scale=bar, rel_tol=rel_tol, prune_at=bar)
-        ev = Evaluated(reps[j], unique[j], rate, "", est, policy, label="screen")
+        ev = Evaluated(reps[j], unique[j], rate, None, est, policy, label="screen")
         screened.append(ev)
         if log:
             log(f"screen: {_short(unique[j])} simulated {_verdict(est)} "
@@ -516,7 +458,7 @@ def _incumbent(
     return leader
 
 
-def _verdict(est: GoodputEstimate) -> str:
+def _verdict(est: GoodputResult[SimPoint]) -> str:
     if est.passed:
         return f"{est.rate_per_s:.2f} req/s"
     low = min((p.rate_per_s for p in est.points), default=0.0)
@@ -539,13 +481,10 @@ def _bias(evaluated: list[Evaluated]) -> float:
 
 
 def equivalence_key(k: Knobs) -> tuple:
-    """Knobs the simulator cannot tell apart share a key: a per-request chunk cap at or
-    above the step budget caps nothing (the budget already does)."""
-    chunk = k.long_prefill_token_threshold
-    if chunk >= k.max_num_batched_tokens:
-        chunk = 0
-    return (k.max_num_seqs, k.max_num_batched_tokens, chunk, k.kv_watermark,
-            k.max_queued_requests, k.max_queued_prompt_tokens)
+    """Knobs the simulator cannot tell apart share a key (the knob table's rule: a
+    per-request chunk cap at or above the step budget caps nothing, the budget already
+    does); the values in ``Knobs.FIELDS`` order."""
+    return knob_table.equivalence_key(k.as_dotted())
 
 
 def shape_key(k: Knobs) -> tuple:

@@ -53,9 +53,9 @@ def test_buckets_partition_every_request() -> None:
 
 
 def test_bad_edges() -> None:
-    with pytest.raises(ServetuneError, match="--prompt-edges"):
+    with pytest.raises(ServetuneError, match="argument `prompt_edges`"):
         C.make_buckets((2048, 512), (128,))
-    with pytest.raises(ServetuneError, match="--output-edges"):
+    with pytest.raises(ServetuneError, match="argument `output_edges`"):
         C.make_buckets((512,), (1,))
 
 

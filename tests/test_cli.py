@@ -8,7 +8,7 @@ import sys
 from typer.testing import CliRunner
 
 from servetune import __version__
-from servetune.cli import app, new_group
+from servetune.cli import ARGUMENT_FLAGS, COMMAND_FLAGS, app, error_line, new_group
 from servetune.errors import InfeasibleError, ServetuneError
 
 runner = CliRunner()
@@ -43,6 +43,28 @@ def test_errors_become_one_line_and_exit_code():
     result = runner.invoke(outer, ["t", "hopeless"])
     assert result.exit_code == 3
     assert "41 ms" in result.stderr
+
+
+def test_library_argument_names_become_the_flags_of_the_command(monkeypatch):
+    err = ServetuneError("argument `n_requests` must be >= 1 (got 0); or set argument `method`")
+    assert error_line(err) == "servetune: error: --requests must be >= 1 (got 0); or set --method"
+    assert error_line(err, "plan").endswith("or set --capacity-method")
+    unknown = ServetuneError("argument `colour` is not a knob")
+    assert unknown.message_for(ARGUMENT_FLAGS) == "argument `colour` is not a knob"
+
+    # the frame looks the flags up by the path of the sub-command that raised
+    group = new_group("test group")
+
+    @group.command("bad")
+    def bad() -> None:
+        raise ServetuneError("argument `colour` 'mauve': choose red or blue")
+
+    outer = new_group("outer")
+    outer.add_typer(group, name="t")
+    monkeypatch.setitem(COMMAND_FLAGS, "t bad", {"colour": "--color"})
+    result = runner.invoke(outer, ["t", "bad"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "servetune: error: --color 'mauve': choose red or blue"
 
 
 def test_console_script_runs_as_a_module():

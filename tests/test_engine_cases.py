@@ -1,5 +1,5 @@
 """Hand-worked cases of the engine models and the known failure shapes, reproduced and
-then fixed by policy (issue 3's Tests section)."""
+then fixed by policy."""
 
 from __future__ import annotations
 
@@ -234,7 +234,7 @@ def test_chunking_off_resumed_request_over_the_budget_is_chunked_not_stuck():
 
 def test_watermark_binds_at_admission_not_on_the_whole_output():
     # Pool 100 blocks of 4, watermark 50 blocks. vLLM admits the 40-token prompt
-    # (10 blocks + 50 free) and lets it decode to 60 blocks (engines.md 1.1: the
+    # (10 blocks + 50 free) and lets it decode to 60 blocks (docs/engines.md 1.1: the
     # watermark applies to admission only). TensorRT-LLM and TGI must reserve
     # prompt + max output (60 blocks) beside the watermark, so for them it never fits.
     tr = trace_of([(0, 40, 200)])

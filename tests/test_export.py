@@ -1,6 +1,6 @@
-"""Engine config export: every emitted key is one the engine accepts (the key tables of
-``reference/engines.md`` kept here as data), conversions checked by hand, nothing dropped
-silently, the CLI's exit codes and atomic output."""
+"""Engine config export: every emitted key is one the engine accepts (the engines' option
+names, read from the sources ``docs/engines.md`` names, kept here as data), conversions
+checked by hand, nothing dropped silently, the CLI's exit codes and atomic output."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from servetune.export.trtllm import free_gpu_memory_fraction
 from servetune.schemas.base import dump_yaml
 from servetune.schemas.policy import Policy
 
-# --- engines.md key tables, as data -------------------------------------------------------
+# --- the engines' option names, as data (numbers: docs/engines.md sections) ---------------
 
 # 1.2 SchedulerConfig and 1.3 CacheConfig knobs, as `vllm serve --config` keys (kebab-case).
 VLLM_KEYS = {
@@ -321,7 +321,7 @@ def test_trtllm_needs_memory_facts():
     with pytest.raises(ServetuneError) as err:
         export_policy(policy, "trtllm")
     msg = err.value.message
-    assert "gpu_memory_bytes" in msg and "weight_bytes" in msg and "--profile" in msg
+    assert "gpu_memory_bytes" in msg and "weight_bytes" in msg and "argument `profile`" in msg
     # an explicit profile mapping fills the gap
     result = export_policy(policy, "trtllm", profile=dict(FACTS))
     assert body(result.text)["kv_cache_config"]["free_gpu_memory_fraction"] == 0.8828
@@ -483,6 +483,7 @@ def test_cli_user_errors_exit_2_without_output(tmp_path):
                               "-o", str(out)])
     assert res.exit_code == 2
     assert "free_gpu_memory_fraction needs" in res.output
+    assert "no --profile was given" in res.output and "pass --profile P.yaml" in res.output
     assert not out.exists()
     res = runner.invoke(app, ["export", "--policy", str(pol), "--engine", "vllm2"])
     assert res.exit_code == 2 and "choose one of" in res.output

@@ -10,8 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from servetune.errors import ServetuneError
-from servetune.schemas.base import document_from_data, load_document, save_document
-from servetune.schemas.fleet import Fleet, Forecast, Jobs
+from servetune.schemas.base import (
+    document_data,
+    document_from_data,
+    load_document,
+    save_document,
+)
+from servetune.schemas.fleet import CapacityPlan, Fleet, Forecast, Jobs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -208,3 +213,30 @@ def test_whole_document_checks_read_cleanly() -> None:
     assert err.value.message == (
         "in.yaml: classes.default.rate_per_s: give 24 hourly rates (got 23)"
     )
+
+
+def _plan(**extra) -> CapacityPlan:
+    return CapacityPlan(
+        name="p", n_slots=1,
+        buckets=[{"name": "all", "prompt_tokens": [0, None], "output_tokens": [0, None],
+                  "share": 1.0}],
+        gpu_types=[{"name": "h100", "profile": "h100.yaml", "price_per_gpu_hour": 3.0,
+                    "gpus_per_replica": 1, "capacity_rate_per_s": {"all": 10.0}}],
+        replicas={"h100": [2]}, gpus={"h100": [2]}, routing={"all": {"h100": [1.0]}},
+        **extra,
+    )
+
+
+def test_plan_file_leaves_out_empty_optional_sections(tmp_path: Path) -> None:
+    plain = document_data(_plan())
+    assert "excluded_gpu_types" not in plain and "growth_sweep" not in plain
+    assert list(plain)[:3] == ["apiVersion", "kind", "name"]
+    full = document_data(_plan(excluded_gpu_types={"l40s": "no profile for model x"},
+                               growth_sweep=[{"growth": 2.0, "feasible": False}]))
+    assert list(full)[-2:] == ["excluded_gpu_types", "growth_sweep"]
+    # what `servetune plan` writes, `servetune place` reads back unchanged
+    path = tmp_path / "plan.yaml"
+    plan = _plan(excluded_gpu_types={"l40s": "no profile for model x"})
+    save_document(plan, path)
+    assert load_document(path, CapacityPlan) == plan
+    assert "growth_sweep" not in path.read_text()

@@ -143,7 +143,7 @@ def test_tight_tpot_target_is_infeasible_at_any_load():
     fm = fluid(tpot_s=0.004)  # below the 5 ms minimum step of STEP
     rate, binding, lims = fm.goodput(Knobs(64, 512))
     assert rate == 0.0
-    assert binding == "tpot[default]"
+    assert binding.key == "tpot[default]"
     assert lims[binding].floor_value == pytest.approx(5e-3, rel=0.05)
 
 

@@ -1,4 +1,4 @@
-"""Metrics of a run, worked by hand on five requests (DESIGN.md metric definitions)."""
+"""Metrics of a run, worked by hand on five requests (definitions in servetune.sim.metrics)."""
 
 from __future__ import annotations
 

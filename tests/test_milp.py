@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from optimizer_fixtures import SMALL_SPACE, fluid
 
+from servetune.conditions import Family
 from servetune.models.fluid import knobs_grid
 from servetune.models.policy_milp import (
     RATE_MIN_SHARE,
@@ -140,7 +141,8 @@ def test_per_class_flows_and_targets():
     idx, cand = out.solutions[0]
     best = _brute(fm, points)[0][0]
     assert cand.rate_per_s == pytest.approx(best, rel=1e-6)
-    assert cand.binding.endswith("[chat]") or cand.binding in ("budget", "seats", "kv_memory")
+    assert cand.binding.request_class == "chat" or cand.binding.stability
     # The chat class's tighter TTFT binds before the docs class's looser one.
     lims = fm.limits(points[idx])
-    assert lims["ttft[chat]"].x_max <= lims["ttft[docs]"].x_max
+    ttft = {c.request_class: lim.x_max for c, lim in lims.items() if c.family is Family.TTFT}
+    assert ttft["chat"] <= ttft["docs"]

@@ -236,7 +236,7 @@ def test_second_run_with_new_policy_keeps_it(tiny, first_run):
 
 
 def test_interrupted_run_leaves_previous_outputs(tiny, first_run, monkeypatch):
-    import servetune.apps.report as report_mod
+    import servetune.io as io_mod
 
     out, res = first_run
     assert res.exit_code == 0
@@ -246,15 +246,15 @@ def test_interrupted_run_leaves_previous_outputs(tiny, first_run, monkeypatch):
         (target / name).write_bytes(b"previous run's " + name.encode())
     before = snapshot(target)
     calls = {"n": 0}
-    real = report_mod._stage_one
+    real = io_mod._stage
 
-    def dying_stage(folder, name, data):
+    def dying_stage(folder, name, data, **kw):
         calls["n"] += 1
         if calls["n"] == 5:
             raise KeyboardInterrupt  # the job is killed while writing its files
-        return real(folder, name, data)
+        return real(folder, name, data, **kw)
 
-    monkeypatch.setattr(report_mod, "_stage_one", dying_stage)
+    monkeypatch.setattr(io_mod, "_stage", dying_stage)
     with pytest.raises(KeyboardInterrupt):
         from servetune.apps.nightly import run_nightly
 

@@ -191,9 +191,11 @@ def test_trace_input(tmp_path):
 
 def test_simulation_infeasibility_names_the_metric():
     from servetune.apps.optimize import explain_sim_infeasible
+    from servetune.conditions import Condition
     from servetune.models.fluid import Knobs
     from servetune.schemas.slo import SLOSet
-    from servetune.solvers.loop import Evaluated, GoodputEstimate, SimPoint
+    from servetune.search import GoodputResult
+    from servetune.solvers.loop import Evaluated, SimPoint
 
     slo = load_document(SLO, SLOSet)
     pts = [
@@ -202,7 +204,8 @@ def test_simulation_infeasibility_names_the_metric():
         SimPoint(0.05, 0.25, False, 0.95,
                  judged={"default": {"p99_ttft_s": 2.6, "p99_tpot_s": 0.04}}),
     ]
-    ev = Evaluated(0, Knobs(64, 512), 1.0, "ttft[default]", GoodputEstimate(0.0, 0.0, pts))
+    ev = Evaluated(0, Knobs(64, 512), 1.0, Condition.parse("ttft[default]"),
+                   GoodputResult(0.0, 0.0, pts))
     msg, details = explain_sim_infeasible([ev], slo)
     assert details["binding"] == "ttft[default]"
     assert "TTFT stays at 2.6 s" in msg and "target 2 s" in msg

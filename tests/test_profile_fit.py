@@ -259,13 +259,18 @@ def test_missing_column_is_named(tmp_path):
         fit_profile(d, "llama-3.1-8b")
 
 
+def _set_cell(path: Path, line: int, column: int, value: str) -> None:
+    """Replace one cell of a CSV file (``line`` counts from 0, the header)."""
+    lines = path.read_text().splitlines()
+    parts = lines[line].split(",")
+    parts[column] = value
+    lines[line] = ",".join(parts)
+    path.write_text("\n".join(lines) + "\n")
+
+
 def test_bad_value_names_file_line_and_column(tmp_path):
     d = _copy(tmp_path)
-    lines = (d / "linear.csv").read_text().splitlines()
-    parts = lines[3].split(",")
-    parts[6] = "fast"
-    lines[3] = ",".join(parts)
-    (d / "linear.csv").write_text("\n".join(lines) + "\n")
+    _set_cell(d / "linear.csv", 3, 6, "fast")
     with pytest.raises(ServetuneError,
                        match=r"linear\.csv: line 4, column 'ms': expected a number"):
         fit_profile(d, "llama-3.1-8b")
@@ -273,11 +278,7 @@ def test_bad_value_names_file_line_and_column(tmp_path):
 
 def test_negative_time_is_rejected(tmp_path):
     d = _copy(tmp_path)
-    lines = (d / "elementwise.csv").read_text().splitlines()
-    parts = lines[1].split(",")
-    parts[2] = "-0.1"
-    lines[1] = ",".join(parts)
-    (d / "elementwise.csv").write_text("\n".join(lines) + "\n")
+    _set_cell(d / "elementwise.csv", 1, 2, "-0.1")
     with pytest.raises(ServetuneError, match=r"elementwise\.csv: line 2, column 'ms': must be"):
         fit_profile(d, "llama-3.1-8b")
 

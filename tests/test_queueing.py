@@ -1,4 +1,4 @@
-"""Queueing-theory oracles for the engine (issue 3, "Tests").
+"""Queueing-theory oracles for the engine.
 
 With one sequence at a time (``max_num_seqs = 1``), a constant step time ``c`` and a
 prompt that fits one step's token budget, a request is served in ``output_tokens`` steps

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import string
 from pathlib import Path
 
@@ -130,6 +129,9 @@ SLO_HEAD = "apiVersion: servetune/v1\nkind: SLOSet\n"
         ("classes:\n  default: {percentile: 99}\n", "at least one of ttft_s"),
         ("classes:\n  default: {ttft_s: -1, percentile: 99}\n", "classes.default.ttft_s"),
         ("classes:\n  default: {tpot_s: 0.1, attainment: 1.2}\n", "classes.default.attainment"),
+        # an infinite limit is no limit: it would be written back as null
+        ("classes:\n  default: {ttft_s: .inf, percentile: 99}\n", "classes.default.ttft_s"),
+        ("classes:\n  chat: {tpot_s: .nan, percentile: 99}\n", "classes.chat.tpot_s"),
     ],
 )
 def test_slo_rejections(tmp_path, body, needle):
@@ -276,26 +278,3 @@ def test_fuzz_mutated_documents(tmp_path, data, rel):
         # Whatever loads must survive a round trip unchanged.
         path.write_text(document_to_yaml(loaded))
         assert load_document(path, kind) == loaded
-
-
-def test_atomic_write_gives_a_normal_file_mode_and_leaves_no_temp(tmp_path):
-    from servetune.schemas import write_text_atomic
-
-    target = tmp_path / "out" / "policy.yaml"
-    write_text_atomic(target, "a: 1\n")
-    write_text_atomic(target, "a: 2\n")
-    assert target.read_text() == "a: 2\n"
-    umask = os.umask(0)
-    os.umask(umask)
-    assert target.stat().st_mode & 0o777 == 0o666 & ~umask
-    assert [p.name for p in target.parent.iterdir()] == ["policy.yaml"]
-
-
-def test_atomic_write_below_a_file_names_the_file(tmp_path):
-    from servetune.schemas import write_text_atomic
-
-    blocker = tmp_path / "report"
-    blocker.write_text("not a folder")
-    with pytest.raises(ServetuneError, match=r"report is a file, not a folder"):
-        write_text_atomic(blocker / "sub" / "policy.yaml", "a: 1\n")
-    assert blocker.read_text() == "not a folder"

@@ -38,7 +38,7 @@ def hand_made():
     return SimResult(trace=trace, output=output, sim_wall_s=0.01)
 
 
-def test_summary_has_the_issue_3_shape_and_hand_values():
+def test_summary_has_its_documented_shape_and_hand_values():
     r = hand_made()
     slo = SLOSet(classes={"default": {"ttft_s": 1.5, "tpot_s": 1.0, "attainment": 0.5}})
     s = r.summary(slo)

@@ -69,6 +69,6 @@ def test_bad_arguments():
         search_rate_scale(lambda x: True, rel_tol=0)
     with pytest.raises(ServetuneError):
         search_rate_scale(lambda x: True, start=2.0, max_scale=1.0)
-    with pytest.raises(ServetuneError, match="--seeds"):
+    with pytest.raises(ServetuneError, match="argument `n_seeds`"):
         seeds_for(0)
     assert seeds_for(3, 5) == (5, 6, 7)

@@ -145,5 +145,5 @@ def test_parse_window(text, expected):
 
 @pytest.mark.parametrize("text", ["10", "a:b", "5:5", "9:3", "-1:4", "1:2:3", "nan:4"])
 def test_parse_window_rejects(text):
-    with pytest.raises(ServetuneError, match="--timeline-window"):
+    with pytest.raises(ServetuneError, match="argument `window`"):
         parse_window(text)

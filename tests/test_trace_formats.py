@@ -98,7 +98,7 @@ def test_bad_row_names_file_and_row(tmp_path):
         load_trace(path)
     msg = err.value.message
     assert str(path) in msg and "row 5 (line 6)" in msg and "GeneratedTokens" in msg
-    assert "'oops'" in msg and "--on-bad-row skip" in msg and "\n" not in msg
+    assert "'oops'" in msg and "argument `on_bad_row` skip" in msg and "\n" not in msg
 
 
 @pytest.mark.parametrize(
@@ -322,7 +322,7 @@ def test_generic_jsonl(tmp_path):
 
 def test_generic_needs_mapping_and_valid_columns(tmp_path):
     path = write(tmp_path, "g.csv", "a,b,c\n1,2,3\n")
-    with pytest.raises(ServetuneError, match="--columns arrival="):
+    with pytest.raises(ServetuneError, match="argument `columns` arrival="):
         load_trace(path)
     with pytest.raises(ServetuneError, match="no column 'zz' for prompt; the header has a, b, c"):
         load_trace(path, columns="arrival=a,prompt=zz,output=c")
@@ -334,9 +334,9 @@ def test_generic_needs_mapping_and_valid_columns(tmp_path):
         parse_columns("arrival")
     with pytest.raises(ServetuneError, match="unknown trace format"):
         load_trace(path, fmt="parquet")
-    with pytest.raises(ServetuneError, match="--on-bad-row"):
+    with pytest.raises(ServetuneError, match="argument `on_bad_row`"):
         load_trace(path, on_bad_row="ignore")
-    with pytest.raises(ServetuneError, match="--columns applies"):
+    with pytest.raises(ServetuneError, match="argument `columns` applies"):
         load_trace(path, fmt="azure", columns="arrival=a,prompt=b,output=c")
 
 
@@ -429,7 +429,7 @@ def test_a_line_longer_than_the_limit_is_an_error(tmp_path, monkeypatch):
 def test_forced_generic_format_without_columns_says_what_is_missing(tmp_path):
     path = write(tmp_path, "azure.csv", AZURE)
     for fmt in ("csv", "jsonl"):
-        with pytest.raises(ServetuneError, match=f"--trace-format {fmt} needs a column mapping"):
+        with pytest.raises(ServetuneError, match=f"argument `fmt` {fmt} needs a column mapping"):
             load_trace(path, fmt=fmt)
 
 
@@ -450,7 +450,8 @@ def test_arrivals_over_decades_are_a_unit_error_not_a_trace(tmp_path):
     # ns epoch timestamps read as seconds: a 1-hour trace would span 3.6e12 "seconds",
     # where float64 arrival times cannot resolve one engine step.
     path = write(tmp_path, "ns.csv", "ts,p,o\n1700000000000000000,5,2\n1700003600000000000,5,2\n")
-    with pytest.raises(ServetuneError, match=r"ns.csv: arrivals span .* years.*--arrival-unit"):
+    with pytest.raises(ServetuneError,
+                       match=r"ns.csv: arrivals span .* years.*argument `arrival_unit`"):
         load_trace(path, columns="arrival=ts,prompt=p,output=o")
     trace = load_trace(path, columns="arrival=ts,prompt=p,output=o", arrival_unit="ns")
     assert trace.duration_s == pytest.approx(3600.0)

@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from conftest import workload_from_yaml_text
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from servetune.errors import ServetuneError
-from servetune.workloads.fitting import sample_trace, workload_from_yaml_text
+from servetune.workloads.fitting import sample_trace
 from servetune.workloads.formats import FORMATS, load_trace
 from servetune.workloads.trace import Trace
 

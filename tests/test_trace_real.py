@@ -1,4 +1,5 @@
-"""The real Azure 2023 traces in ../shared/traces: statistics equal the README's figures."""
+"""The real Azure 2023 traces (read from ../shared/traces when present): statistics equal
+reference figures for the published files."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from servetune.cli import app
 from servetune.workloads.formats import load_trace
 from servetune.workloads.stats import trace_stats
 
-# ../shared/traces/README.md, "Summary statistics" and the min/max lines below it
+# Reference figures for the published files: count, span, rate, inter-arrival CV, length
+# (mean, p50, p99, max) and minimum lengths
 EXPECTED = {
     "AzureLLMInferenceTrace_conv.csv": dict(
         requests=19366, duration_s=3501.7, rate=5.530, cv=1.09,

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO, shared_file
+from conftest import REPO, shared_file, workload_from_yaml_text
 from typer.testing import CliRunner
 
 from servetune.cli import app
@@ -21,7 +21,6 @@ from servetune.workloads.fitting import (
     load_workload,
     sample_trace,
     save_workload,
-    workload_from_yaml_text,
     workload_to_yaml,
 )
 from servetune.workloads.formats import load_trace
@@ -222,7 +221,7 @@ def test_fit_choice_and_forcing():
     # too few gaps to trust knots: gamma, even when bursty
     few = from_arrays(bursty[:50], np.full(50, 3), np.full(50, 2))
     assert fit_workload(few).classes["default"].arrival.process == "gamma"
-    with pytest.raises(ServetuneError, match="--arrival must be one of"):
+    with pytest.raises(ServetuneError, match="argument `arrival_process` must be one of"):
         fit_workload(t, arrival_process="hawkes")
     # the knots are the gaps' quantiles (Hazen positions) up to one scale, with mean 1
     knots = fit_workload(t).classes["default"].arrival.interarrival_gaps

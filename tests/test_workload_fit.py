@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import yaml
-from conftest import shared_file
+from conftest import shared_file, workload_from_yaml_text
 from typer.testing import CliRunner
 
 from servetune.cli import app
@@ -18,7 +18,6 @@ from servetune.workloads.fitting import (
     fit_workload,
     load_workload,
     sample_trace,
-    workload_from_yaml_text,
 )
 from servetune.workloads.formats import load_trace
 from servetune.workloads.stats import trace_stats
@@ -67,7 +66,7 @@ def test_fit_then_sample_matches_trace(name):
             assert _rel(got[key][stat], want[key][stat]) < 0.02, (key, stat)
     # the sample's mean gap is a mean of n renewal gaps: its relative error is about
     # CV/sqrt(n) (0.24% for conv, 2.9% for the CV-13 code trace); allow 3 standard errors
-    # and never more slack than the 2% the issue asks for on conv
+    # and never more slack than the fit's 2% accuracy target on conv
     tol = max(3 * want["interarrival_cv"] / np.sqrt(n), 0.02 if want["interarrival_cv"] < 2
               else 0.0)
     assert _rel(got["rate_per_s"], want["rate_per_s"]) < tol
@@ -260,7 +259,7 @@ def test_fit_rejections():
         fit_workload(t, split="class")
     with pytest.raises(ServetuneError, match="unknown split"):
         fit_workload(t, split="colour")
-    with pytest.raises(ServetuneError, match="--rate-windows"):
+    with pytest.raises(ServetuneError, match="argument `rate_windows_s`"):
         fit_workload(t, rate_windows_s=0)
 
 

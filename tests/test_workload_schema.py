@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import workload_from_yaml_text
 
 from servetune.errors import ServetuneError
 from servetune.schemas.workload import Workload
@@ -13,7 +14,6 @@ from servetune.workloads.fitting import (
     class_stats,
     load_workload,
     save_workload,
-    workload_from_yaml_text,
     workload_to_yaml,
 )
 

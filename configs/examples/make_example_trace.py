@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         same = args.output.exists() and args.output.read_text() == text
         print(f"{args.output}: {'up to date' if same else 'DIFFERS'}")
         return 0 if same else 1
-    from servetune.schemas.base import write_text_atomic
+    from servetune.io import write_text_atomic
 
     write_text_atomic(args.output, text)
     print(f"wrote {args.output} ({text.count(chr(10)) - 1} requests, {DURATION_S:g} s)")

@@ -17,6 +17,8 @@
 Exit codes (:data:`EXIT_CODES`): 0 new policy written, 10 current policy kept, 2 user error,
 3 infeasible (no policy in the search space meets the SLOs; the report says what binds).
 
+``run_report(...)`` is ``servetune report``: steps 3 and 5 for two given policies.
+
 Every file is built in memory first and written with a temporary file and a rename, so an
 interrupted run leaves the previous outputs intact; nothing here reads a clock, so the same
 inputs give the same files.
@@ -24,14 +26,15 @@ inputs give the same files.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from servetune import knobs as knob_table
+from servetune.apps.optimize import DEFAULT_REQUESTS, optimize
 from servetune.apps.report import (
     DEFAULT_STRESS,
     FIGURE_NAMES,
@@ -39,16 +42,25 @@ from servetune.apps.report import (
     ReportFiles,
     Verdict,
     build_report,
-    check_out_dir,
-    commit_files,
     compare,
     report_file_list,
+    write_report,
 )
+from servetune.engines import ENGINE_NAMES
 from servetune.errors import EXIT_INFEASIBLE, EXIT_KEPT_CURRENT, InfeasibleError, ServetuneError
 from servetune.export import ENGINES, ExportResult, export_policy, profile_memory_facts
+from servetune.io import check_out_dir, commit_files, drop_timings, sha256_file
+from servetune.models.fluid import Calibration, FluidModel, Knobs, LoadModel, Platform, targets_for
+from servetune.profiles.shipped import load_profile
 from servetune.schemas.base import document_to_yaml, load_document
 from servetune.schemas.policy import Policy
+from servetune.schemas.profile import Profile
 from servetune.schemas.slo import SLOSet
+from servetune.schemas.space import SearchSpace
+from servetune.schemas.workload import Workload
+from servetune.workloads.fitting import class_stats, fit_workload
+from servetune.workloads.formats import load_trace
+from servetune.workloads.trace import Trace
 
 EXIT_NEW_POLICY = 0
 EXIT_CODES = {
@@ -81,19 +93,12 @@ class NightlyOutcome:
     summary: dict[str, Any]
 
 
-def file_digest(path: str | os.PathLike[str]) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def same_knobs(a: Policy, b: Policy) -> bool:
-    """Same scheduling settings (names and provenance aside)."""
-    return a.knobs() == b.knobs() and {k: v.priority for k, v in a.classes.items()} == {
-        k: v.priority for k, v in b.classes.items()
-    }
+    """Same scheduling settings (names and provenance aside): every knob of the knob
+    table equal, exactly, and the same class priorities."""
+    return knob_table.values(a) == knob_table.values(b) and {
+        k: v.priority for k, v in a.classes.items()
+    } == {k: v.priority for k, v in b.classes.items()}
 
 
 def decide(comp: Comparison, min_gain: float) -> Decision:
@@ -142,23 +147,24 @@ def decide(comp: Comparison, min_gain: float) -> Decision:
 # --------------------------------------------------------------------------- inputs
 
 
-def parse_engines(text: str | Sequence[str]) -> list[str]:
-    items = text.split(",") if isinstance(text, str) else list(text)
-    engines = [e.strip() for e in items if e.strip()]
-    if not engines:
-        raise ServetuneError("--engines: name at least one engine (e.g. vllm,sglang)")
-    for e in engines:
+def parse_engines(engines: str | Sequence[str]) -> list[str]:
+    """The engine names in ``engines`` (comma-separated or a list), checked, in order,
+    without repeats."""
+    items = engines.split(",") if isinstance(engines, str) else list(engines)
+    names = [e.strip() for e in items if e.strip()]
+    if not names:
+        raise ServetuneError("argument `engines`: name at least one engine (e.g. vllm,sglang)")
+    for e in names:
         if e not in ENGINES:
             raise ServetuneError(
-                f"--engines: {e!r} is not supported; choose from {', '.join(ENGINES)}"
+                f"argument `engines`: {e!r} is not supported; choose from {', '.join(ENGINES)}"
             )
-    return list(dict.fromkeys(engines))
+    return list(dict.fromkeys(names))
 
 
-def load_inputs(trace_path: Path, profile_path: Path, slo_path: Path) -> tuple[Any, Any, SLOSet]:
-    from servetune.profiles.shipped import load_profile
-    from servetune.workloads.formats import load_trace
-
+def load_inputs(
+    trace_path: Path, profile_path: Path, slo_path: Path
+) -> tuple[Trace, Profile, SLOSet]:
     trace = load_trace(trace_path)
     if len(trace) < MIN_TRACE_REQUESTS:
         raise ServetuneError(
@@ -179,10 +185,10 @@ def load_inputs(trace_path: Path, profile_path: Path, slo_path: Path) -> tuple[A
     return trace, profile, slo
 
 
-def with_profile_facts(policy: Policy, profile: Any) -> Policy:
+def with_profile_facts(policy: Policy, profile: Profile) -> Policy:
     """The policy with ``metadata.profile`` completed from the profile (the activation
-    reserve, for instance), so its engine configs can be re-exported without
-    ``--profile``; values the optimizer wrote are kept."""
+    reserve, for instance), so its engine configs can be re-exported without the
+    profile; values the optimizer wrote are kept."""
     meta = policy.metadata.get("profile")
     facts = {**profile_memory_facts(profile), **(meta if isinstance(meta, dict) else {})}
     facts = {k: v for k, v in facts.items() if v is not None}
@@ -199,35 +205,13 @@ class Optimized:
     info: dict[str, Any]  # method, statuses, simulations (no wall times)
 
 
-CONDITION_WORDS = {
-    "budget": "the per-step token budget (demand must stay below max_num_batched_tokens)",
-    "seats": "the running seats (max_num_seqs)",
-    "kv_memory": "KV-cache memory",
-    "queue": "the queue caps (shedding)",
-    "queue_requests": "the cap on queued requests",
-    "queue_prompt_tokens": "the cap on queued prompt tokens",
-}
-
-
-def condition_words(name: str) -> str:
-    """A binding condition of the fluid model / MILP, in words."""
-    if name.startswith(("ttft[", "tpot[")):
-        metric, cls = name[:4].upper(), name[5:-1]
-        return f"the {metric} target of class '{cls}'"
-    return CONDITION_WORDS.get(name, name)
-
-
 def _shown(value: Any) -> str:
     return "off" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def knob_reasons(fluid: Any, current: Policy, new: Policy) -> dict[str, str]:
+def knob_reasons(fluid: FluidModel, current: Policy, new: Policy) -> dict[str, str]:
     """For each changed knob the fluid model knows: the model's goodput and binding
     condition with the new value and with the current value put back, all else equal."""
-    from dataclasses import replace
-
-    from servetune.models.fluid import Knobs
-
     new_knobs = Knobs.from_policy(new)
     cur_knobs = Knobs.from_policy(current)
     rate_new, binding_new, _ = fluid.goodput(new_knobs)
@@ -247,25 +231,23 @@ def knob_reasons(fluid: Any, current: Policy, new: Policy) -> dict[str, str]:
         if math.isclose(rate_alt, rate_new, rel_tol=5e-4):
             reasons[path] = (
                 f"model: no goodput difference ({rate_new:.2f} req/s with {shown_b} or "
-                f"{shown_a}, limited by {condition_words(binding_new)}); the simulator-"
+                f"{shown_a}, limited by {binding_new.words()}); the simulator-"
                 "validated search settled on this value"
             )
         else:
             reasons[path] = (
                 f"model: {rate_new:.2f} req/s with {shown_b}, limited by "
-                f"{condition_words(binding_new)}; {rate_alt:.2f} req/s with {shown_a} "
-                f"(limited by {condition_words(binding_alt)})"
+                f"{binding_new.words()}; {rate_alt:.2f} req/s with {shown_a} "
+                f"(limited by {binding_alt.words()})"
             )
     return reasons
 
 
-def model_reasons(workload: Any, profile: Any, slo: SLOSet, current: Policy, new: Policy, *,
-                  calibration: dict[str, float] | None = None) -> dict[str, str]:
+def model_reasons(workload: Workload, profile: Profile, slo: SLOSet, current: Policy,
+                  new: Policy, *, calibration: dict[str, float] | None = None
+                  ) -> dict[str, str]:
     """:func:`knob_reasons` from the fluid model of ``workload`` on ``profile`` at ``slo``
     (with the optimizer loop's calibration when given)."""
-    from servetune.models.fluid import Calibration, FluidModel, LoadModel, Platform, targets_for
-    from servetune.workloads.fitting import class_stats
-
     load = LoadModel.from_class_stats(class_stats(workload))
     fluid = FluidModel(load, Platform.from_profile(profile), targets_for(load, slo))
     if calibration:
@@ -274,13 +256,13 @@ def model_reasons(workload: Any, profile: Any, slo: SLOSet, current: Policy, new
 
 
 def optimize_policy(
-    trace: Any,
-    workload: Any,
-    profile: Any,
+    trace: Trace,
+    workload: Workload,
+    profile: Profile,
     slo: SLOSet,
     *,
     current: Policy,
-    space: Any = None,
+    space: SearchSpace | None = None,
     time_limit_s: float | None = None,
     seed: int = 0,
     inputs: dict[str, str] | None = None,
@@ -291,8 +273,6 @@ def optimize_policy(
     current policy's values); raises InfeasibleError (exit 3) when nothing meets the SLOs.
     The reasons come from the fluid model the MILP is built on, calibrated as the loop
     left it."""
-    from servetune.apps.optimize import DEFAULT_REQUESTS, optimize
-
     kwargs: dict[str, Any] = {}
     if time_limit_s is not None:
         kwargs["time_limit_s"] = time_limit_s
@@ -353,36 +333,32 @@ def run_nightly(
 ) -> NightlyOutcome:
     """The whole job (module docstring). Returns the exit code and what was written."""
     if not (isinstance(min_gain, int | float) and math.isfinite(min_gain) and min_gain >= 0):
-        raise ServetuneError(f"--min-gain must be a number >= 0 (got {min_gain})")
+        raise ServetuneError(f"argument `min_gain` must be a number >= 0 (got {min_gain})")
     engines = parse_engines(engines)
-    from servetune.sim.api import ENGINE_NAMES
-
     if sim_engine not in ENGINE_NAMES:
         raise ServetuneError(
-            f"--sim-engine {sim_engine!r}: choose one of {', '.join(ENGINE_NAMES)}"
+            f"argument `sim_engine` {sim_engine!r}: choose one of {', '.join(ENGINE_NAMES)}"
         )
     trace_path, profile_path, slo_path, current_path = (
         Path(trace_path), Path(profile_path), Path(slo_path), Path(current_path))
     out = Path(out_dir)
-    check_out_dir(out, "--out-dir")
+    check_out_dir(out, "argument `out_dir`")
 
     _say(progress, f"loading {trace_path.name}, {profile_path.name}, {slo_path.name}")
     trace, profile, slo = load_inputs(trace_path, profile_path, slo_path)
     current = load_document(current_path, Policy)
     space = None
     if space_path is not None:
-        from servetune.schemas.space import SearchSpace
-
         space = load_document(space_path, SearchSpace)
     inputs = {
-        "trace": f"{trace_path.name} (sha256 {file_digest(trace_path)[:16]})",
-        "profile": f"{profile_path.name} (sha256 {file_digest(profile_path)[:16]})",
-        "slo": f"{slo_path.name} (sha256 {file_digest(slo_path)[:16]})",
-        "current policy": f"{current_path.name} (sha256 {file_digest(current_path)[:16]})",
+        "trace": f"{trace_path.name} (sha256 {sha256_file(trace_path)[:16]})",
+        "profile": f"{profile_path.name} (sha256 {sha256_file(profile_path)[:16]})",
+        "slo": f"{slo_path.name} (sha256 {sha256_file(slo_path)[:16]})",
+        "current policy": f"{current_path.name} (sha256 {sha256_file(current_path)[:16]})",
     }
     if space_path is not None:
         inputs["search space"] = (
-            f"{Path(space_path).name} (sha256 {file_digest(space_path)[:16]})")
+            f"{Path(space_path).name} (sha256 {sha256_file(space_path)[:16]})")
     base_summary: dict[str, Any] = {
         "min_gain": min_gain,
         "engines": engines,
@@ -390,8 +366,6 @@ def run_nightly(
         "inputs": inputs,
         "exit_codes": {str(k): v for k, v in EXIT_CODES.items()},
     }
-
-    from servetune.workloads.fitting import fit_workload
 
     _say(progress, f"fitting a workload to {len(trace)} requests")
     workload = fit_workload(trace, name=trace_path.stem, source=trace_path.name)
@@ -454,25 +428,13 @@ def run_nightly(
 def _write_outputs(out: Path, policy_text: str, exports: Sequence[ExportResult],
                    report: ReportFiles) -> list[Path]:
     """Policy and configs, then the report, ``summary.json`` last: all staged in full
-    before any is renamed into place (:func:`servetune.apps.report.commit_files`)."""
+    before any is renamed into place (:func:`servetune.io.commit_files`)."""
     files: list[tuple[str, bytes]] = []
     if policy_text:
         files.append(("policy.yaml", policy_text.encode("utf-8")))
         files += [(ex.filename, ex.text.encode("utf-8")) for ex in exports]
     files += report_file_list(report)
     return commit_files(out, files)
-
-
-TIMING_KEYS = frozenset({"wall_s", "solver_s", "simulation_s", "sim_wall_s", "solve_s"})
-
-
-def drop_timings(value: Any) -> Any:
-    """Remove wall-clock figures, so that the same inputs give the same summary bytes."""
-    if isinstance(value, dict):
-        return {k: drop_timings(v) for k, v in value.items() if k not in TIMING_KEYS}
-    if isinstance(value, list | tuple):
-        return [drop_timings(v) for v in value]
-    return value
 
 
 def _write_infeasible(out: Path, err: InfeasibleError, comp: Comparison,
@@ -503,3 +465,47 @@ def _write_infeasible(out: Path, err: InfeasibleError, comp: Comparison,
     written = commit_files(out, report_file_list(report))
     return NightlyOutcome(exit_code=EXIT_INFEASIBLE, status="infeasible", files=written,
                           summary=report.summary)
+
+
+# --------------------------------------------------------------------- two given policies
+
+
+@dataclass
+class ReportOutcome:
+    headline: str
+    files: list[Path]
+    summary: dict[str, Any]
+
+
+def run_report(
+    trace_path: str | os.PathLike[str],
+    profile_path: str | os.PathLike[str],
+    slo_path: str | os.PathLike[str],
+    current_path: str | os.PathLike[str],
+    new_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    engine: str = "vllm",
+    progress: Progress | None = None,
+) -> ReportOutcome:
+    """``servetune report``: compare two given policies on a trace (steps 3 and 5 of the
+    module docstring, without the optimizer or a decision) and write the report."""
+    trace_path, profile_path, slo_path, current_path, new_path = (
+        Path(trace_path), Path(profile_path), Path(slo_path), Path(current_path),
+        Path(new_path))
+    trace, profile, slo = load_inputs(trace_path, profile_path, slo_path)
+    current = load_document(current_path, Policy)
+    new = load_document(new_path, Policy)
+    _say(progress, "simulating both policies (trace, +20%, +50%, goodput)")
+    comp = compare(trace, current, new, profile, slo, engine=engine)
+    g_cur, g_new = comp.current.goodput.rate_per_s, comp.new.goodput.rate_per_s
+    headline = (f"Goodput {g_cur:.3f} req/s (current `{current.name}`) vs {g_new:.3f} req/s "
+                f"(new `{new.name}`).")
+    inputs = {name: f"{p.name} (sha256 {sha256_file(p)[:16]})" for name, p in
+              (("trace", trace_path), ("profile", profile_path), ("slo", slo_path),
+               ("current policy", current_path), ("new policy", new_path))}
+    reasons = model_reasons(fit_workload(trace, name=trace_path.stem), profile, slo, current,
+                            new)
+    files = build_report(comp, Verdict(headline), inputs=inputs, reasons=reasons)
+    written = write_report(files, out_dir)
+    return ReportOutcome(headline=headline, files=written, summary=files.summary)

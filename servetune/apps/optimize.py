@@ -22,69 +22,69 @@ says which condition binds, the best value reachable and what would make it feas
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from servetune import __version__
+from servetune import knobs as knob_table
+from servetune.conditions import Condition, Family
 from servetune.errors import InfeasibleError, ServetuneError
+from servetune.io import round_floats, sha256_doc, sha256_file
 from servetune.models.fluid import (
+    Calibration,
     FluidModel,
     Knobs,
     LoadModel,
     Platform,
-    describe_binding,
     knobs_grid,
     targets_for,
 )
 from servetune.models.lanes_cpsat import build_instance
-from servetune.schemas.base import document_to_yaml
+from servetune.profiles.shipped import load_profile, shipped_or_path
+from servetune.schemas.base import document_to_yaml, load_document
+from servetune.schemas.job import METHODS_IN_WORDS
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
 from servetune.schemas.space import SearchSpace, apply_knobs
+from servetune.schemas.workload import Workload
+from servetune.sim import metrics as M
+from servetune.sim import simulate
+from servetune.sim.api import base_rate_per_s, prepare_trace
 from servetune.solvers import baselines
 from servetune.solvers.formulations import solve_lanes
 from servetune.solvers.loop import (
     Evaluated,
-    GoodputEstimate,
+    LoopResult,
     SimPoint,
     find_goodput,
     search,
 )
+from servetune.steady_state import MAX_WINDOW_REQUESTS, arrivals_in, steady_window_s
+from servetune.workloads.fitting import class_stats, load_workload
+from servetune.workloads.formats import load_trace
+from servetune.workloads.trace import Trace
 
-DEFAULT_SPACE_KNOBS: dict[str, list[Any]] = {
-    "batching.max_num_seqs": [32, 64, 128, 256, 512, 1024],
-    "batching.max_num_batched_tokens": [512, 1024, 2048, 4096, 8192, 16384],
-    "batching.long_prefill_token_threshold": [0, 512, 2048],
-    "admission.kv_watermark": [0.0, 0.01, 0.05],
-    "admission.max_queued_requests": [None, 2048],
-}
+if TYPE_CHECKING:
+    from servetune.schemas.profile import Profile
+
+DEFAULT_SPACE_KNOBS: dict[str, list[Any]] = knob_table.default_space_knobs()
 DEFAULT_REQUESTS = 3000
-# The longest sample a simulation uses when a high rate needs a longer window.
-MAX_SAMPLE_REQUESTS = 20000
 # Cap on the minimum simulated window (seconds): see min_window_s().
 MAX_MIN_WINDOW_S = 600.0
 RANDOM_BUDGET = 60  # simulations for random / optuna when run on their own
 
 
 def min_window_s(slo: SLOSet, rel_tol: float) -> float:
-    """The shortest stretch of arrivals a simulation should cover to judge a rate.
-
-    Overload by the goodput search's tolerance (a share ``rel_tol`` of the rate) builds a
-    backlog of ``rel_tol * rate * W`` requests over a window ``W``: about ``rel_tol * W``
-    seconds of extra wait. Only when that reaches the TTFT target can a run tell a
-    sustainable rate from one ``rel_tol`` too high, so ``W >= ttft / rel_tol`` (67 s for a
-    2 s target at 3%); capped at ``MAX_MIN_WINDOW_S``. No TTFT target: no minimum."""
-    ttft = [c.ttft_s for c in slo.classes.values() if c.ttft_s]
-    if not ttft or rel_tol <= 0:
-        return 0.0
-    return min(max(ttft) / rel_tol, MAX_MIN_WINDOW_S)
+    """The shortest stretch of arrivals a simulation should cover to judge a rate at the
+    goodput search's tolerance ``rel_tol``: the steady-state window
+    (:func:`servetune.steady_state.steady_window_s`) of the TTFT target over ``rel_tol``
+    (67 s for a 2 s target at 3%), capped at ``MAX_MIN_WINDOW_S``; no TTFT target: no
+    minimum."""
+    return steady_window_s(slo, rate_tolerance=rel_tol, cap_s=MAX_MIN_WINDOW_S)
 
 
 def default_space() -> SearchSpace:
@@ -103,12 +103,10 @@ class TraceSimulator:
     search reuses a few of them), replayed at the same arrival rate."""
 
     def __init__(
-        self, trace: Any, profile: Any, slo: SLOSet, *, engine: str = "vllm",
-        source: Any = None, seed: int = 0, min_window_s: float = 0.0,
-        max_requests: int = MAX_SAMPLE_REQUESTS,
+        self, trace: Trace, profile: Profile, slo: SLOSet, *, engine: str = "vllm",
+        source: Trace | Workload | None = None, seed: int = 0, min_window_s: float = 0.0,
+        max_requests: int = MAX_WINDOW_REQUESTS,
     ) -> None:
-        from servetune.sim.api import base_rate_per_s
-
         self.trace = trace
         self.profile = profile
         self.slo = slo
@@ -127,7 +125,7 @@ class TraceSimulator:
         """The trace a run at ``rate_scale`` (times the base rate) replays, and the rate
         scale that gives that trace the same arrival rate."""
         rate = rate_scale * self.base_rate_per_s
-        need = math.ceil(rate * self.min_window_s) + 1
+        need = arrivals_in(rate, self.min_window_s) + 1  # n arrivals span n - 1 gaps
         if self.source is None or need <= len(self.trace) or rate <= 0:
             return self.trace, rate_scale
         size = len(self.trace)
@@ -135,8 +133,6 @@ class TraceSimulator:
         if n <= size:
             return self.trace, rate_scale
         if n not in self._longer:
-            from servetune.sim.api import base_rate_per_s, prepare_trace
-
             longer = prepare_trace(self.source, seed=self.seed, n_requests=n)
             if len(longer) <= size:
                 longer = self.trace
@@ -147,9 +143,6 @@ class TraceSimulator:
         return longer, rate / base
 
     def run(self, policy: Policy, rate_scale: float) -> SimPoint:
-        from servetune.sim import metrics as M
-        from servetune.sim import simulate
-
         trace, own_scale = self.sample_for(rate_scale)
         started = time.perf_counter()
         res = simulate(trace, policy, self.profile, engine=self.engine,
@@ -170,8 +163,8 @@ class TraceSimulator:
                 m.ttft_s[sel], m.tpot_s[sel], m.e2e_s[sel], m.completed[sel],
                 m.output_tokens[sel], m.status[sel], m.class_id[sel],
             )
-            measured[f"ttft[{name}]"] = M.percentile_value(sub, "ttft_s", q)
-            measured[f"tpot[{name}]"] = M.percentile_value(sub, "tpot_s", q)
+            measured[Condition(Family.TTFT, name).key] = M.percentile_value(sub, "ttft_s", q)
+            measured[Condition(Family.TPOT, name).key] = M.percentile_value(sub, "tpot_s", q)
         peak = getattr(res.output, "kv_util_peak", float("nan"))
         measured["kv_peak_tokens"] = float(peak) * self.kv_tokens
         measured["sample_window_s"] = float(res.trace.duration_s)
@@ -195,27 +188,6 @@ class OptimizeResult:
     evaluated: list[Evaluated] = field(default_factory=list)
 
 
-def sha256_file(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def sha256_doc(doc: Any) -> str:
-    return hashlib.sha256(doc.model_dump_json().encode()).hexdigest()
-
-
-def _round(value: Any, digits: int = 6) -> Any:
-    if isinstance(value, dict):
-        return {k: _round(v, digits) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_round(v, digits) for v in value]
-    if isinstance(value, float | np.floating):
-        v = float(value)
-        if not math.isfinite(v):
-            return None
-        return float(f"{v:.{digits}g}")
-    return value
-
-
 def base_policy_for(space: SearchSpace, base: Policy | None = None) -> Policy:
     """The base policy: defaults (or ``base``) with every knob the models do not choose
     set to its first listed value in the space."""
@@ -230,48 +202,31 @@ def base_policy_for(space: SearchSpace, base: Policy | None = None) -> Policy:
 def explain_model_infeasible(fluid: FluidModel, points: list[Knobs]) -> tuple[str, dict]:
     """Which condition binds at vanishing load on every candidate, its best value over
     the space, and what would help."""
-    best_floor: dict[str, tuple[float, float]] = {}  # name -> (ratio, floor)
-    targets: dict[str, float] = {}
-    limits_by_name: dict[str, Any] = {}
+    best_floor: dict[Condition, tuple[float, float]] = {}  # condition -> (ratio, floor)
+    limits_of: dict[Condition, Any] = {}
     for k in points:
-        for name, lim in fluid.limits(k).items():
+        for cond, lim in fluid.limits(k).items():
             if lim.floor_value is None or lim.target is None:
                 continue
             ratio = lim.floor_value / lim.target if lim.target > 0 else math.inf
-            if name not in best_floor or ratio < best_floor[name][0]:
-                best_floor[name] = (ratio, lim.floor_value)
-                targets[name] = lim.target
-                limits_by_name[name] = lim
-    blocking = {n: r for n, (r, _) in best_floor.items() if r > 1.0}
+            if cond not in best_floor or ratio < best_floor[cond][0]:
+                best_floor[cond] = (ratio, lim.floor_value)
+                limits_of[cond] = lim
+    blocking = {c: r for c, (r, _) in best_floor.items() if r > 1.0}
     if not blocking:
-        name = "stability"
         msg = "no candidate in the space sustains any load at the SLOs"
-        return msg + "; widen the search space or use a larger GPU", {"binding": name}
-    name = max(blocking, key=lambda n: (blocking[n], n))
-    lim = limits_by_name[name]
-    sentence = describe_binding(name, lim)
-    if name.startswith("tpot["):
-        helps = [
-            f"raise the TPOT target to at least {lim.floor_value * 1e3:.0f} ms",
-            "use a faster GPU profile or tensor parallelism",
-        ]
-    elif name.startswith("ttft["):
-        helps = [
-            f"raise the TTFT target to at least {lim.floor_value:.3g} s",
-            "add larger max_num_batched_tokens values to the space",
-            "use a faster GPU profile, or serve very long prompts elsewhere",
-        ]
-    elif name == "kv_memory":
-        helps = ["use a GPU with more memory, an fp8 KV cache, or a lower kv_watermark"]
-    else:
-        helps = ["widen the search space"]
+        return (msg + "; widen the search space or use a larger GPU",
+                {"binding": Condition(Family.STABILITY).key})
+    cond = max(blocking, key=lambda c: (blocking[c], c.key))
+    lim = limits_of[cond]
+    sentence = cond.floor_sentence(lim.floor_value, lim.target)
+    helps = cond.advice(lim.floor_value)
     quantile = ""
-    if "[" in name:
-        cls = name[name.index("[") + 1 : -1]
-        quantile = f"p{fluid.targets[cls].q * 100:g} "
+    if cond.request_class is not None:
+        quantile = f"p{fluid.targets[cond.request_class].q * 100:g} "
     message = f"{quantile}{sentence}; " + "; ".join(helps)
     return message, {
-        "binding": name,
+        "binding": cond.key,
         "best_value": lim.floor_value,
         "target": lim.target,
         "source": "model",
@@ -282,7 +237,7 @@ def explain_model_infeasible(fluid: FluidModel, points: list[Knobs]) -> tuple[st
 def explain_sim_infeasible(evaluated: list[Evaluated], slo: SLOSet) -> tuple[str, dict]:
     """From the simulations: for each judged metric its best (lowest) value over every
     point tried; the metric whose best is furthest above its target binds."""
-    best_of: dict[str, tuple[float, float, float]] = {}  # name -> (value, limit, rate)
+    best_of: dict[Condition, tuple[float, float, float]] = {}  # -> (value, limit, rate)
     for ev in evaluated:
         for pt in ev.goodput.points:
             for cls, judged in pt.judged.items():
@@ -293,31 +248,24 @@ def explain_sim_infeasible(evaluated: list[Evaluated], slo: SLOSet) -> tuple[str
                     value = judged.get(f"p{target.percentile:g}_{metric}")
                     if value is None or not math.isfinite(value):
                         continue
-                    name = f"{metric[:-2]}[{cls}]"
-                    if name not in best_of or value < best_of[name][0]:
-                        best_of[name] = (value, limit, pt.rate_per_s)
-    failing = {n: v for n, v in best_of.items() if v[0] > v[1]}
+                    cond = Condition(Family.of_metric(metric), cls)
+                    if cond not in best_of or value < best_of[cond][0]:
+                        best_of[cond] = (value, limit, pt.rate_per_s)
+    failing = {c: v for c, v in best_of.items() if v[0] > v[1]}
     if not failing:
         return (
             "no candidate met the SLOs in simulation at any rate tried; widen the search "
             "space, relax the SLOs or use a larger GPU",
             {"binding": "simulation", "source": "simulation"},
         )
-    name = max(failing, key=lambda n: (failing[n][0] / failing[n][1], n))
-    value, limit, rate = failing[name]
-    metric = name.split("[")[0].upper()
-    unit_value = f"{value * 1e3:.0f} ms" if metric == "TPOT" else f"{value:.3g} s"
-    unit_limit = f"{limit * 1e3:.0f} ms" if metric == "TPOT" else f"{limit:.3g} s"
-    msg = (
-        f"{metric} stays at {unit_value} or more in simulation, even at {rate:.3g} req/s "
-        f"(target {unit_limit}); relax the {metric} target, widen the search space or use a "
-        "faster GPU"
-    )
-    return msg, {"binding": name, "best_value": value, "target": limit, "source": "simulation",
+    cond = max(failing, key=lambda c: (failing[c][0] / failing[c][1], c.key))
+    value, limit, rate = failing[cond]
+    msg = cond.simulated_floor_sentence(value, limit, rate)
+    return msg, {"binding": cond.key, "best_value": value, "target": limit, "source": "simulation",
                  "rate_per_s": rate}
 
 
-def _profile_meta(profile: Any) -> dict[str, Any]:
+def _profile_meta(profile: Profile) -> dict[str, Any]:
     out: dict[str, Any] = {
         "name": profile.name,
         "gpu_memory_utilization": float(profile.gpu_memory_utilization),
@@ -338,9 +286,85 @@ def _profile_meta(profile: Any) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class SearchInputs:
+    """What an optimization method searches with: the model, the candidates, the
+    simulator, and its budget (``deadline``: a ``time.perf_counter()`` value after which no
+    new work starts; ``budget``: simulations, for the sampling baselines)."""
+
+    fluid: FluidModel
+    points: list[Knobs]
+    make_policy: Callable[[Knobs], Policy]
+    sim: TraceSimulator
+    space: SearchSpace
+    seed: int
+    rel_tol: float
+    budget: int
+    deadline: float
+    k: int
+    max_iterations: int
+    say: Callable[[str], Any]
+
+
+def _run_milp(run: SearchInputs) -> LoopResult:
+    return search(
+        run.fluid, run.points, run.make_policy, run.sim, k=run.k,
+        max_iterations=run.max_iterations, time_limit_s=run.deadline - time.perf_counter(),
+        rel_tol=run.rel_tol, log=run.say,
+    )
+
+
+def _run_grid(run: SearchInputs) -> baselines.BaselineResult:
+    say = run.say
+    return baselines.grid_search(
+        run.points, run.make_policy, run.sim, rel_tol=run.rel_tol, deadline=run.deadline,
+        progress=lambda i, n: say(f"grid: {i}/{n} points simulated") if i % 25 == 0
+        or i == n else None,
+    )
+
+
+def _run_random(run: SearchInputs) -> baselines.BaselineResult:
+    return baselines.random_search(
+        run.points, run.make_policy, run.sim, budget=run.budget, seed=run.seed,
+        rel_tol=run.rel_tol, deadline=run.deadline,
+    )
+
+
+def _run_optuna(run: SearchInputs) -> baselines.BaselineResult:
+    return baselines.optuna_search(
+        run.space.knobs, run.points, run.make_policy, run.sim, budget=run.budget,
+        seed=run.seed, rel_tol=run.rel_tol,
+    )
+
+
+@dataclass(frozen=True)
+class Method:
+    """An optimization method: its name, what runs it, whether it is a baseline (judged
+    by the simulator alone, compared with the model-guided loop), and what it does."""
+
+    name: str
+    run: Callable[[SearchInputs], Any]
+    baseline: bool
+    help: str
+
+
+# The methods of `servetune optimize --method`, in the order of METHODS (schemas.job).
+METHOD_TABLE: dict[str, Method] = {m.name: m for m in (
+    Method("milp", _run_milp, False,
+           "the policy MILP on the fluid model, its answers simulated and the model "
+           "recalibrated; then long-request lanes sized with CP-SAT"),
+    Method("grid", _run_grid, True,
+           "every point of the search space simulated (the brute-force oracle)"),
+    Method("random", _run_random, True,
+           "points in a seeded random order until the simulation budget is spent"),
+    Method("optuna", _run_optuna, True,
+           "Optuna's TPE sampler over the knobs, same budget (the optional extra optuna)"),
+)}
+
+
 def optimize(
-    source: Any,
-    profile: Any,
+    source: Trace | Workload,
+    profile: Profile,
     slo: SLOSet,
     space: SearchSpace | None = None,
     *,
@@ -360,27 +384,21 @@ def optimize(
 ) -> OptimizeResult:
     """Choose a policy (see the module docstring). ``source`` is a Workload or a Trace;
     ``inputs`` names the input files and their sha256 for the provenance."""
-    from servetune.schemas.workload import Workload
-    from servetune.workloads.trace import Trace
-
     wall_start = time.perf_counter()
     say = progress or (lambda _msg: None)
     space = space or default_space()
-    if method not in ("milp", "grid", "random", "optuna"):
-        raise ServetuneError(f"--method {method!r}: choose milp, grid, random or optuna")
+    spec = METHOD_TABLE.get(method)
+    if spec is None:
+        raise ServetuneError(f"argument `method` {method!r}: choose {METHODS_IN_WORDS}")
 
     # The workload's moments and the sample the simulator replays.
     if isinstance(source, Workload):
-        from servetune.sim.api import prepare_trace
-        from servetune.workloads.fitting import class_stats
-
         load = LoadModel.from_class_stats(class_stats(source))
-        sample = prepare_trace(source, seed=seed, n_requests=n_requests)
     elif isinstance(source, Trace):
         load = LoadModel.from_trace(source)
-        sample = source.head(n_requests)
     else:
         raise ServetuneError("optimize: give a Workload or a Trace")
+    sample = prepare_trace(source, seed=seed, n_requests=n_requests)
     platform = Platform.from_profile(profile)
     try:
         fluid = FluidModel(load, platform, targets_for(load, slo))
@@ -413,12 +431,13 @@ def optimize(
     predicted = None
     converged = None
     calibration = None
-    if method == "milp":
-        deadline_left = time_limit_s - (time.perf_counter() - wall_start)
-        loop = search(
-            fluid, points, make_policy, sim, k=k, max_iterations=max_iterations,
-            time_limit_s=deadline_left, rel_tol=rel_tol, log=say,
-        )
+    run = SearchInputs(
+        fluid, points, make_policy, sim, space, seed=seed, rel_tol=rel_tol,
+        budget=budget or RANDOM_BUDGET, deadline=wall_start + time_limit_s, k=k,
+        max_iterations=max_iterations, say=say,
+    )
+    if not spec.baseline:
+        loop = spec.run(run)
         iterations = loop.iterations
         solver_s = loop.solver_s
         evaluated = list(loop.evaluated)
@@ -432,12 +451,12 @@ def optimize(
         if not loop.evaluated:
             if not loop.first_status:
                 raise ServetuneError(
-                    f"--time-limit {time_limit_s:g} s ran out before any candidate was "
+                    f"argument `time_limit_s` {time_limit_s:g} s ran out before any candidate was "
                     "simulated; allow more time"
                 )
             raise ServetuneError(
                 f"the policy MILP stopped with status {loop.first_status!r} before finding a "
-                "candidate; allow more time (--time-limit) or use a smaller search space"
+                "candidate; allow more time (argument `time_limit_s`) or use a smaller search space"
             )
         if best is not None:
             best, lanes_info, lanes_s = _try_lanes(
@@ -457,25 +476,9 @@ def optimize(
         if all(fluid.goodput(kn)[0] <= 0 for kn in points):
             message, details = explain_model_infeasible(fluid, points)
             _raise_infeasible(message, details, sim, 0.0, wall_start, method, [])
-        if method == "grid":
-            res = baselines.grid_search(
-                points, make_policy, sim, rel_tol=rel_tol,
-                deadline=wall_start + time_limit_s,
-                progress=lambda i, n: say(f"grid: {i}/{n} points simulated") if i % 25 == 0
-                or i == n else None,
-            )
-        elif method == "random":
-            res = baselines.random_search(
-                points, make_policy, sim, budget=budget or RANDOM_BUDGET, seed=seed,
-                rel_tol=rel_tol, deadline=wall_start + time_limit_s,
-            )
-        else:
-            res = baselines.optuna_search(
-                space.knobs, points, make_policy, sim, budget=budget or RANDOM_BUDGET,
-                seed=seed, rel_tol=rel_tol,
-            )
-            if res.skipped:
-                raise ServetuneError(f"--method optuna: {res.skipped}")
+        res = spec.run(run)
+        if res.skipped:
+            raise ServetuneError(f"argument `method` {method}: {res.skipped}")
         best = res.best
         evaluated = res.evaluated
         converged = not res.stopped_at_deadline
@@ -507,7 +510,7 @@ def optimize(
     assert point is not None  # best passed the simulator
     policy = best.policy.model_copy(deep=True)
     policy.name = f"servetune-{method}"
-    policy.metadata = _round(
+    policy.metadata = round_floats(
         {
             "generated_by": f"servetune {__version__}",
             "method": method,
@@ -519,7 +522,7 @@ def optimize(
             "objective": {
                 "name": "goodput_rate_per_s",
                 "predicted": predicted,
-                "binding": best.binding or None,
+                "binding": best.binding.key if best.binding is not None else None,
             },
             "simulated": {
                 "goodput_rate_per_s": best.goodput.rate_per_s,
@@ -564,14 +567,12 @@ def optimize(
         "sample_window_s": window_at_goodput,
         "min_window_s": window,
         "warnings": warnings,
-        "iterations": _round(iterations),
+        "iterations": round_floats(iterations),
     }
     return OptimizeResult(policy, text, summary, evaluated=evaluated)
 
 
 def _cal(cal: dict[str, float] | None):
-    from servetune.models.fluid import Calibration
-
     return Calibration(**cal) if cal else Calibration()
 
 
@@ -580,7 +581,7 @@ def _raise_infeasible(message, details, sim, solver_s, wall_start, method, itera
         "method": method,
         "status": "infeasible",
         "explanation": message,
-        "infeasible": _round(details),
+        "infeasible": round_floats(details),
         "policy": None,
         "goodput_rate_per_s": 0.0,
         "defaults_goodput_rate_per_s": None,
@@ -589,15 +590,15 @@ def _raise_infeasible(message, details, sim, solver_s, wall_start, method, itera
         "solver_s": solver_s,
         "simulation_s": sim.simulation_s,
         "wall_s": time.perf_counter() - wall_start,
-        "iterations": _round(iterations),
+        "iterations": round_floats(iterations),
     }
     raise InfeasibleError(f"no policy in the space meets the SLOs: {message}",
                           details={"summary": summary, **details})
 
 
 def _try_lanes(
-    fluid: FluidModel, best: Evaluated, sim: Any, space: SearchSpace, *, rel_tol: float,
-    seed: int, say: Callable[[str], Any],
+    fluid: FluidModel, best: Evaluated, sim: TraceSimulator, space: SearchSpace, *,
+    rel_tol: float, seed: int, say: Callable[[str], Any],
 ) -> tuple[Evaluated, dict[str, Any] | None, float]:
     """Size long-request lanes for the best candidate with CP-SAT at its simulated
     goodput; simulate the lane variant and keep it only when it does better."""
@@ -620,7 +621,7 @@ def _try_lanes(
         info["message"] = f"lane policy rejected: {exc}"
         return best, info, lanes_s
     # It must beat the best: a failure at the best's own rate ends the search.
-    est: GoodputEstimate = find_goodput(
+    est = find_goodput(
         sim, policy, start_scale=best.goodput.rate_scale, rel_tol=rel_tol,
         prune_at=best.goodput.rate_scale,
     )
@@ -635,3 +636,43 @@ def _try_lanes(
         f"{choice.threshold_tokens}, simulated {est.rate_per_s:.2f} req/s"
         f"{' (kept)' if better else ' (not better; dropped)'}")
     return (ev if better else best), info, lanes_s
+
+
+def optimize_files(
+    *,
+    trace: Path | None,
+    workload: Path | None,
+    profile: str,
+    slo: Path,
+    space: Path | None,
+    trace_format: str | None = None,
+    **kwargs: Any,
+) -> OptimizeResult:
+    """:func:`optimize` on input files: loads them (a trace, or else a workload; a profile
+    path or shipped name; the SLO set; the search space, or the default one), records
+    each file's name and sha256 as the policy's provenance, and passes ``kwargs`` on."""
+    inputs: dict[str, Any] = {}
+    source: Trace | Workload
+    if trace is not None:
+        source = load_trace(trace, trace_format)
+        inputs["trace"] = {"file": trace.name, "sha256": sha256_file(trace)}
+    else:
+        assert workload is not None
+        source = load_workload(workload)
+        inputs["workload"] = {"file": workload.name, "sha256": sha256_file(workload)}
+    profile = shipped_or_path(profile)
+    prof = load_profile(profile)
+    prof_path = Path(profile)
+    if prof_path.is_file():
+        inputs["profile"] = {"file": prof_path.name, "sha256": sha256_file(prof_path)}
+    else:
+        inputs["profile"] = {"file": profile, "sha256": sha256_doc(prof)}
+    slo_set = load_document(slo, SLOSet)
+    inputs["slo"] = {"file": slo.name, "sha256": sha256_file(slo)}
+    space_doc = None
+    if space is not None:
+        space_doc = load_document(space, SearchSpace)
+        inputs["space"] = {"file": space.name, "sha256": sha256_file(space)}
+    else:
+        inputs["space"] = {"file": "(built-in default)"}
+    return optimize(source, prof, slo_set, space_doc, inputs=inputs, **kwargs)

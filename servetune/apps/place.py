@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -39,33 +39,42 @@ from servetune.apps.plan import (
     CACHE_VERSION,
     Progress,
     WorkloadSlices,
-    _hash_json,
     _r,
     _rel,
     class_rates_for,
     default_cache_dir,
-    file_sha256,
     make_buckets,
     slice_workload,
 )
 from servetune.errors import InfeasibleError, ServetuneError
+from servetune.io import sha256_file, sha256_json, write_text_atomic
 from servetune.models.placement_cpsat import (
     PlacementInstance,
     PlacementJob,
     PlacementSolution,
     explain_unplaced,
 )
-from servetune.schemas.base import write_text_atomic
-from servetune.schemas.fleet import CapacityPlan, Forecast, Job, Jobs
+from servetune.profiles.shipped import load_profile
+from servetune.schemas.base import load_document
+from servetune.schemas.fleet import CapacityPlan, Forecast, Job, Jobs, LengthDistribution
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import ClassSLO, SLOSet
+from servetune.search import search_scale
+from servetune.sim import simulate
 from servetune.solvers.placement import solve_placement
+from servetune.steady_state import steady_window_s
+from servetune.workloads.fitting import load_workload
 from servetune.workloads.trace import Trace
+
+if TYPE_CHECKING:
+    from servetune.schemas.profile import Profile
 
 BACKGROUND = "background"
 BACKGROUND_PRIORITY = 1_000_000  # lower value is served first: this one comes last
 KEEP_UP = 0.95  # share of the early background work that must be done by the window's end
 OFFERED_SHARE = 0.8
+# The steady-state window of a joint run (servetune.steady_state): longer than a capacity
+# run's, so that the background backlog has time to show whether it keeps up.
 MIN_WINDOW_S = 300.0
 SPARE_METHOD_VERSION = 3  # part of the cache key: bump when the measurement changes
 MAX_PLACE_ROUNDS = 5
@@ -78,7 +87,7 @@ WORK_UNITS_MAX = 4000  # CP-SAT units of the largest job that can fit
 # ------------------------------------------------------------------------ job lengths
 
 
-def sample_lengths(dist: Any, n: int, rng: np.random.Generator) -> np.ndarray:
+def sample_lengths(dist: LengthDistribution, n: int, rng: np.random.Generator) -> np.ndarray:
     """Lognormal lengths with the distribution's mean and CV, clipped to [min, max]."""
     if dist.cv <= 0:
         x = np.full(n, dist.mean)
@@ -196,10 +205,9 @@ class JointRun:
 
 def run_joint(
     slices: WorkloadSlices, interactive: dict[str, float], mix: JobMix, background_rate: float,
-    duration_s: float, policy: Policy, profile: Any, slo: SLOSet, *, engine: str, seed: int,
+    duration_s: float, policy: Policy, profile: Profile, slo: SLOSet, *, engine: str,
+    seed: int,
 ) -> JointRun:
-    from servetune.sim import simulate
-
     trace = joint_trace(slices, interactive, mix, background_rate, duration_s, seed)
     pol = with_background(policy, slices.class_names)
     judge = interactive_slo(slo, slices.class_names)
@@ -216,6 +224,13 @@ def run_joint(
     with np.errstate(invalid="ignore"):
         done = early & (status == 0) & (finish <= duration_s)
     return JointRun(ok, att, float(tokens[early].sum()), float(tokens[done].sum()))
+
+
+def joint_window_s(interactive_requests: int, interactive_rate: float) -> float:
+    """How long a joint run lasts: the time its interactive requests take to arrive,
+    and at least the steady-state window :data:`MIN_WINDOW_S`."""
+    span = interactive_requests / interactive_rate if interactive_rate > 0 else 0.0
+    return max(steady_window_s(floor_s=MIN_WINDOW_S), span)
 
 
 # ------------------------------------------------------------------- spare capacity
@@ -245,7 +260,7 @@ def measure_spare(
     peak_rate: float,
     mix: JobMix,
     policy: Policy,
-    profile: Any,
+    profile: Profile,
     slo: SLOSet,
     *,
     levels: int = 5,
@@ -255,14 +270,12 @@ def measure_spare(
     cache_dir: Path | None = None,
 ) -> SpareCurve:
     """The spare curve of one type, by bisection on the background rate per level."""
-    from servetune.sim.goodput import search_rate_scale
-
     total_w = sum(bucket_weights.values())
     weights = {b: w / total_w for b, w in bucket_weights.items() if w > 0} if total_w else {}
     level_rates = [peak_rate * k / (levels - 1) for k in range(levels)] if levels > 1 else [
         peak_rate
     ]
-    key = _hash_json({
+    key = sha256_json({
         "v": CACHE_VERSION, "kind": "spare", "method": SPARE_METHOD_VERSION,
         "profile": profile.model_dump(mode="json"),
         "pools": {b: slices.pool_hash(b) for b in sorted(weights)}, "weights": weights,
@@ -282,7 +295,7 @@ def measure_spare(
     sims = 0
     for li, rate in enumerate(level_rates):
         interactive = {b: rate * w for b, w in weights.items()}
-        duration = max(MIN_WINDOW_S, interactive_requests / rate if rate > 0 else 0.0)
+        duration = joint_window_s(interactive_requests, rate)
         def passes(scale: float, interactive=interactive, duration=duration, li=li) -> bool:
             nonlocal sims
             sims += 1
@@ -290,8 +303,8 @@ def measure_spare(
                             profile, slo, engine=engine, seed=seed + 17 * li)
             return run.meets_slo and run.keeps_up
 
-        scale, _ = search_rate_scale(passes, start=1.0, rel_tol=0.05, min_scale=1 / 64,
-                                     max_scale=512.0)
+        scale = search_scale(passes, start=1.0, rel_tol=0.05, min_scale=1 / 64,
+                             max_scale=512.0).scale
         # scale x 1 req/s of background, less a margin: the search stops at the edge
         spare.append(SPARE_HEADROOM * scale * mix.mean_tokens)
     # More interactive load never leaves more room: keep the curve non-increasing, taking
@@ -358,10 +371,6 @@ def run_place(
     progress: Progress | None = None,
 ) -> PlacementRun:
     """Everything ``servetune place`` does, as a function."""
-    from servetune.profiles.shipped import load_profile
-    from servetune.schemas.base import load_document
-    from servetune.workloads.fitting import load_workload
-
     t_start = time.perf_counter()
     jobs_doc = load_document(jobs_path, Jobs)
     plan = load_document(plan_path, CapacityPlan)
@@ -491,7 +500,7 @@ def run_place(
     spare_tok_s = {(t, h): v * scale[t] for (t, h), v in spare_tok_s.items()}
     base_out = out_path.parent if out_path is not None else Path.cwd()
     inputs = {
-        name: {"path": _rel(p, base_out), "sha256": file_sha256(p)}
+        name: {"path": _rel(p, base_out), "sha256": sha256_file(p)}
         for name, p in (("jobs", jobs_path), ("plan", plan_path), ("forecast", forecast_path))
     }
     validation = {
@@ -549,7 +558,7 @@ def _check_slot(
     bg_rate = bg_tok_s / mix.mean_tokens
     interactive = load[t, fs]
     irate = sum(interactive.values())
-    duration = max(MIN_WINDOW_S, interactive_requests / irate if irate > 0 else 0.0)
+    duration = joint_window_s(interactive_requests, irate)
     run = run_joint(slices, interactive, mix, bg_rate, duration, policies[t], profiles[t],
                     slo, engine=plan.engine, seed=seed + 991)
     return {

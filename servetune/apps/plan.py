@@ -41,21 +41,31 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from servetune.apps.optimize import optimize
 from servetune.errors import InfeasibleError, ServetuneError
+from servetune.io import sha256_file, sha256_json, write_text_atomic
 from servetune.models.capacity_milp import (
     CapacityInstance,
     CapacitySolution,
 )
-from servetune.schemas.base import write_text_atomic
-from servetune.schemas.fleet import Fleet, Forecast
+from servetune.profiles.shipped import load_profile
+from servetune.schemas.base import load_document
+from servetune.schemas.fleet import CapacityPlan, Fleet, Forecast, PlanBucket, PlanGPUType
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
+from servetune.sim import goodput, simulate
 from servetune.solvers.capacity import solve_capacity
+from servetune.steady_state import MAX_WINDOW_REQUESTS, arrivals_in, steady_window_s
+from servetune.workloads.fitting import load_workload, sample_trace
 from servetune.workloads.trace import Trace
+
+if TYPE_CHECKING:
+    from servetune.schemas.profile import Profile
+    from servetune.schemas.workload import Workload
 
 CACHE_VERSION = 2  # 2: capacities measured over a steady-state window (MIN_WINDOW_S)
 CACHE_ENV = "SERVETUNE_CACHE_DIR"
@@ -66,11 +76,9 @@ DEFAULT_OUTPUT_EDGES = (256,)
 # throughput for step time (TPOT).
 CANDIDATE_BATCHING = ((1024, 8192), (256, 8192), (128, 4096), (64, 2048))
 # A capacity or validation run must span this many seconds of arrivals at the rate it
-# measures. Shorter, the replica never fills its KV cache: 500 requests of the Azure
-# conversation bucket p0-1024/o256-inf "meet" the SLOs on one H100 at 112 req/s because they
-# arrive in 4 s, while runs of 200 s and more settle at 26-27 req/s (QA, 2026-12-01).
+# measures, whatever the TTFT target (the steady-state window of servetune.steady_state,
+# whose docstring says why: a burst overstates capacity several times over).
 MIN_WINDOW_S = 240.0
-MAX_WINDOW_REQUESTS = 20000  # the longest trace a capacity or validation run uses
 
 Progress = Callable[[str], Any]
 
@@ -110,7 +118,8 @@ def make_buckets(
     for name, edges in (("prompt", prompt_edges), ("output", output_edges)):
         if list(edges) != sorted(set(edges)) or any(e < 2 for e in edges):
             raise ServetuneError(
-                f"--{name}-edges: give increasing token counts >= 2 (got {list(edges)})"
+                f"argument `{name}_edges`: give increasing token counts >= 2 "
+                f"(got {list(edges)})"
             )
     p_bounds = [0, *prompt_edges, None]
     o_bounds = [0, *output_edges, None]
@@ -209,7 +218,7 @@ def class_rates_for(
 
 
 def slice_workload(
-    workload: Any,
+    workload: Workload,
     buckets: Sequence[Bucket],
     *,
     n_requests: int = 20000,
@@ -217,8 +226,6 @@ def slice_workload(
 ) -> WorkloadSlices:
     """Sample ``n_requests`` from the workload and cut the sample into ``buckets``; buckets
     that receive no request are dropped."""
-    from servetune.workloads.fitting import sample_trace
-
     trace = sample_trace(workload, n_requests=n_requests, seed=seed)
     names = tuple(trace.class_names)
     cid = trace.class_ids()
@@ -259,15 +266,8 @@ class ReplicaCapacity:
     cached: bool = False
 
 
-def _hash_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _optimizer() -> Callable[..., Any] | None:
-    try:
-        from servetune.apps.optimize import optimize  # type: ignore[attr-defined]
-    except ImportError:
-        return None
+def _optimizer() -> Callable[..., Any]:
+    """The optimizer capacity runs use (tests replace it with a fake)."""
     return optimize
 
 
@@ -284,17 +284,21 @@ def window_requests(rate_per_s: float, n_requests: int, min_window_s: float | No
     """Requests for a run at ``rate_per_s`` to span at least ``min_window_s`` (default
     :data:`MIN_WINDOW_S`) seconds of arrivals (never fewer than ``n_requests``, never more
     than :data:`MAX_WINDOW_REQUESTS`)."""
-    window = MIN_WINDOW_S if min_window_s is None else min_window_s
     if not rate_per_s > 0:
         return n_requests
-    need = int(math.ceil(rate_per_s * window))
+    need = arrivals_in(rate_per_s, window_s(min_window_s))
     return max(n_requests, min(MAX_WINDOW_REQUESTS, need))
 
 
-def _best_candidate(trace: Trace, profile: Any, slo: SLOSet, engine: str,
-                    policies: Sequence[Policy] | None = None, start: float = 1.0):
-    from servetune.sim import goodput
+def window_s(min_window_s: float | None = None) -> float:
+    """The steady-state window of a capacity or validation run
+    (:func:`servetune.steady_state.steady_window_s`): ``min_window_s``, by default
+    :data:`MIN_WINDOW_S`."""
+    return steady_window_s(floor_s=MIN_WINDOW_S if min_window_s is None else min_window_s)
 
+
+def _best_candidate(trace: Trace, profile: Profile, slo: SLOSet, engine: str,
+                    policies: Sequence[Policy] | None = None, start: float = 1.0):
     best: tuple[float, Policy] | None = None
     sims = 0
     for policy in (_candidate_policies() if policies is None else policies):
@@ -306,7 +310,7 @@ def _best_candidate(trace: Trace, profile: Any, slo: SLOSet, engine: str,
     return best[0], best[1], sims
 
 
-def _optimized(trace: Trace, profile: Any, slo: SLOSet, engine: str, optimize: Callable,
+def _optimized(trace: Trace, profile: Profile, slo: SLOSet, engine: str, optimize: Callable,
                seed: int):
     """Run the project's optimizer (MILP loop) on one bucket's requests; return
     (goodput req/s, policy, simulations)."""
@@ -317,7 +321,7 @@ def _optimized(trace: Trace, profile: Any, slo: SLOSet, engine: str, optimize: C
 
 
 def replica_capacity(
-    profile: Any,
+    profile: Profile,
     slices: WorkloadSlices,
     bucket: str,
     slo: SLOSet,
@@ -332,11 +336,9 @@ def replica_capacity(
     """Goodput (req/s) of one replica of ``profile`` serving bucket ``bucket`` alone under
     its own best policy; cached on disk by input hash."""
     optimize = _optimizer() if method in ("auto", "optimizer") else None
-    if method == "optimizer" and optimize is None:
-        raise ServetuneError("--capacity-method optimizer: servetune.apps.optimize is missing")
     used = ("optimizer" if method == "optimizer" else "optimizer+candidates") if optimize \
         is not None else "candidates"
-    key = _hash_json({
+    key = sha256_json({
         "v": CACHE_VERSION,
         "profile": profile.model_dump(mode="json"),
         "pool": slices.pool_hash(bucket),
@@ -345,8 +347,7 @@ def replica_capacity(
         "method": used,
         "candidates": CANDIDATE_BATCHING if "candidates" in used else None,
         "n": n_requests,
-        "window": [MIN_WINDOW_S if min_window_s is None else min_window_s,
-                   MAX_WINDOW_REQUESTS],
+        "window": [window_s(min_window_s), MAX_WINDOW_REQUESTS],
         "seed": seed,
     })
     cdir = cache_dir if cache_dir is not None else default_cache_dir()
@@ -469,7 +470,7 @@ def validate_type(
     sol: CapacitySolution,
     t: str,
     slices: WorkloadSlices,
-    profile: Any,
+    profile: Profile,
     policy: Policy,
     slo: SLOSet,
     *,
@@ -480,8 +481,6 @@ def validate_type(
 ) -> list[TypeCheck]:
     """Simulate one replica of type t at each slot of :func:`_slots_to_check` with the
     requests routed to it; stop at the first slot that misses the SLOs."""
-    from servetune.sim import simulate
-
     checks = []
     for s in _slots_to_check(inst, sol, t):
         n = sol.replicas[t, s]
@@ -537,7 +536,7 @@ def plan_capacity(
     forecast: Forecast,
     slo: SLOSet,
     slices: WorkloadSlices,
-    profiles: dict[str, Any],
+    profiles: dict[str, Profile],
     capacity: dict[tuple[str, str], ReplicaCapacity],
     *,
     type_names: Sequence[str] | None = None,
@@ -606,7 +605,7 @@ def plan_capacity(
 def measure_capacities(
     fleet: Fleet,
     slices: WorkloadSlices,
-    profiles: dict[str, Any],
+    profiles: dict[str, Profile],
     slo: SLOSet,
     *,
     engine: str = "vllm",
@@ -635,7 +634,7 @@ def single_type_plans(
     forecast: Forecast,
     slo: SLOSet,
     slices: WorkloadSlices,
-    profiles: dict[str, Any],
+    profiles: dict[str, Profile],
     capacity: dict[tuple[str, str], ReplicaCapacity],
     **kw: Any,
 ) -> dict[str, dict[str, Any]]:
@@ -660,10 +659,6 @@ def single_type_plans(
 
 
 # ------------------------------------------------------------------------ the plan file
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _r(x: float, nd: int = 6) -> float:
@@ -724,21 +719,21 @@ def plan_document(
     engine: str,
     sample: dict[str, Any],
     name: str = "plan",
-) -> dict[str, Any]:
-    """The CapacityPlan as plain data (deterministic: no wall-clock values)."""
+) -> CapacityPlan:
+    """The CapacityPlan document (deterministic: no wall-clock values)."""
     inst, sol = result.instance, result.solution
     S = range(inst.n_slots)
     types = []
     for t in inst.types:
         g = fleet.type_named(t)
-        types.append({
-            "name": t,
-            "profile": profile_paths[t],
-            "price_per_gpu_hour": g.price_per_gpu_hour,
-            "gpus_per_replica": g.replica_gpus,
-            "capacity_rate_per_s": {b: _r(inst.mu[t, b], 4) for b in inst.buckets},
-            "policy": result.type_policy[t].model_dump(mode="json"),
-        })
+        types.append(PlanGPUType(
+            name=t,
+            profile=profile_paths[t],
+            price_per_gpu_hour=g.price_per_gpu_hour,
+            gpus_per_replica=g.replica_gpus,
+            capacity_rate_per_s={b: _r(inst.mu[t, b], 4) for b in inst.buckets},
+            policy=result.type_policy[t].model_dump(mode="json"),
+        ))
     routing: dict[str, dict[str, list[float]]] = {}
     for b in inst.buckets:
         routing[b] = {}
@@ -746,12 +741,11 @@ def plan_document(
             row = [_r(sol.routing.get((b, t, s), 0.0), 6) for s in S]
             if any(row):
                 routing[b][t] = row
-    bucket_rows = []
-    for bk in slices.buckets:
-        bucket_rows.append({
-            "name": bk.name, "prompt_tokens": [bk.prompt_lo, bk.prompt_hi],
-            "output_tokens": [bk.output_lo, bk.output_hi], "share": _r(slices.share[bk.name]),
-        })
+    bucket_rows = [
+        PlanBucket(name=bk.name, prompt_tokens=[bk.prompt_lo, bk.prompt_hi],
+                   output_tokens=[bk.output_lo, bk.output_hi], share=_r(slices.share[bk.name]))
+        for bk in slices.buckets
+    ]
     best = best_single(single)
     cost = plan_costs(inst, sol)
     single_out = {
@@ -766,34 +760,32 @@ def plan_document(
         single_out["saving_pct"] = _r(
             100.0 * (best_daily - cost["daily_usd"]) / best_daily if best_daily > 0 else 0.0, 2
         )
-    return {
-        "apiVersion": "servetune/v1",
-        "kind": "CapacityPlan",
-        "name": name,
-        "inputs": inputs,
-        "growth": growth,
-        "slot_s": inst.hours * 3600.0,
-        "n_slots": inst.n_slots,
-        "engine": engine,
-        "sample": sample,
-        "buckets": bucket_rows,
-        "gpu_types": types,
-        "replicas": {t: [sol.replicas[t, s] for s in S] for t in inst.types},
-        "gpus": {t: [sol.replicas[t, s] * fleet.type_named(t).replica_gpus for s in S]
-                 for t in inst.types},
-        "routing": routing,
-        "cost": cost,
-        "single_type": single_out,
-        "validation": {
+    return CapacityPlan(
+        name=name,
+        inputs=inputs,
+        growth=growth,
+        slot_s=inst.hours * 3600.0,
+        n_slots=inst.n_slots,
+        engine=engine,
+        sample=sample,
+        buckets=bucket_rows,
+        gpu_types=types,
+        replicas={t: [sol.replicas[t, s] for s in S] for t in inst.types},
+        gpus={t: [sol.replicas[t, s] * fleet.type_named(t).replica_gpus for s in S]
+              for t in inst.types},
+        routing=routing,
+        cost=cost,
+        single_type=single_out,
+        validation={
             "validated": result.validated,
             "rounds": result.rounds,
             "history": [{**h, "cost": _r(h["cost"], 4)} for h in result.history],
             "per_type": _per_type_checks(result.checks),
         },
-        "solver": {"status": sol.status, "headroom": inst.headroom,
-                   "redundancy": fleet.redundancy, "scaling": fleet.scaling,
-                   "budget_usd": inst.budget, "served_share": _r(sol.served_share, 4)},
-    }
+        solver={"status": sol.status, "headroom": inst.headroom,
+                "redundancy": fleet.redundancy, "scaling": fleet.scaling,
+                "budget_usd": inst.budget, "served_share": _r(sol.served_share, 4)},
+    )
 
 
 # ------------------------------------------------------------------- the whole command
@@ -801,7 +793,7 @@ def plan_document(
 
 @dataclass
 class PlanRun:
-    plan: dict[str, Any]
+    plan: CapacityPlan
     result: PlanResult
     single: dict[str, dict[str, Any]]
     sweep: list[dict[str, Any]]
@@ -811,11 +803,9 @@ class PlanRun:
 
 def load_fleet_profiles(
     fleet: Fleet, fleet_path: Path
-) -> tuple[Fleet, dict[str, Any], dict[str, Path]]:
+) -> tuple[Fleet, dict[str, Profile], dict[str, Path]]:
     """Load each GPU type's profile; errors name the fleet file and field. Returns the
     fleet with every ``gpus_per_replica`` filled in from its profile."""
-    from servetune.profiles.shipped import load_profile
-
     profiles, paths = {}, {}
     types = []
     for i, g in enumerate(fleet.gpu_types):
@@ -882,9 +872,6 @@ def run_plan(
 ) -> PlanRun:
     """Everything ``servetune plan`` does, as a function: load, bucket, measure capacity
     (cached), plan and validate, compare with single types, optionally sweep growth."""
-    from servetune.schemas.base import load_document
-    from servetune.workloads.fitting import load_workload
-
     t_start = time.perf_counter()
     workload = load_workload(workload_path)
     forecast = load_document(forecast_path, Forecast)
@@ -893,7 +880,7 @@ def run_plan(
         fleet = fleet.model_copy(update={"model": model})
     slo = load_document(slo_path, SLOSet)
     if not (growth > 0 and math.isfinite(growth)):
-        raise ServetuneError(f"--growth: factors must be > 0 (got {growth})")
+        raise ServetuneError(f"argument `growth`: factors must be > 0 (got {growth})")
     all_types = [g.name for g in fleet.gpu_types]
     fleet, profiles, profile_paths = load_fleet_profiles(fleet, fleet_path)
     # GPU types without a profile for the model cannot serve it: say so, never drop silently
@@ -936,20 +923,19 @@ def run_plan(
             _widen(result, fleet, capacity, slices)
     base = out_path.parent if out_path is not None else Path.cwd()
     inputs = {
-        name: {"path": _rel(p, base), "sha256": file_sha256(p)}
+        name: {"path": _rel(p, base), "sha256": sha256_file(p)}
         for name, p in (("workload", workload_path), ("forecast", forecast_path),
                         ("fleet", fleet_path), ("slo", slo_path))
     }
     sample = {"requests": sample_requests, "seed": seed, "prompt_edges": list(prompt_edges),
               "output_edges": list(output_edges), "capacity_requests": capacity_requests,
-              "min_window_s": MIN_WINDOW_S if min_window_s is None else min_window_s,
+              "min_window_s": window_s(min_window_s),
               "capacity_method": sorted({c.method for c in capacity.values()})}
     plan = plan_document(result, fleet, slices, single,
                          profile_paths={t: _rel(p, base) for t, p in profile_paths.items()},
                          inputs=inputs, growth=growth, engine=engine, sample=sample,
                          name=f"{fleet.name}-{forecast.name}")
-    if excluded:
-        plan["excluded_gpu_types"] = excluded
+    plan.excluded_gpu_types = excluded
     rows: list[dict[str, Any]] = []
     for g in sweep or ():
         if g == growth and budget is None and compare_single:
@@ -990,8 +976,7 @@ def run_plan(
         rows.append(row)
         if progress:
             progress(f"growth x{g:g}: ${mixed:,.0f}/day")
-    if rows:
-        plan["growth_sweep"] = rows
+    plan.growth_sweep = rows
     timings = {"capacity_s": capacity_s, "total_s": time.perf_counter() - t_start,
                "solver_s": result.solver_s, "simulation_s": result.simulation_s}
     return PlanRun(plan, result, single, rows, timings, slices)

@@ -21,9 +21,9 @@ where policies differ most. ``build_report(...)`` turns that into the files
 
 Files are deterministic: no clock readings or wall times, PNGs without a software tag, so
 the same inputs give the same bytes. Plots use matplotlib's Agg backend (no display).
-``commit_files`` stages every file in full before renaming any into place, so an
-interrupted run leaves the previous set intact. With ``new=None`` the report describes
-the current policy alone (the nightly job's infeasible case).
+:func:`servetune.io.commit_files` stages every file in full before renaming any into
+place, so an interrupted run leaves the previous set intact. With ``new=None`` the report
+describes the current policy alone (the nightly job's infeasible case).
 """
 
 from __future__ import annotations
@@ -32,19 +32,28 @@ import io
 import json
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from servetune.errors import ServetuneError
-from servetune.schemas.base import FILE_MODE
+from servetune.io import commit_files, finite_or_none, plain_data
 from servetune.schemas.policy import Policy
-from servetune.schemas.slo import SLOSet
+from servetune.schemas.slo import ClassSLO, SLOSet
+from servetune.sim import goodput, simulate
 from servetune.workloads.trace import Trace
+
+if TYPE_CHECKING:  # matplotlib loads lazily (see pyplot)
+    from types import ModuleType
+
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from servetune.schemas.profile import Profile
+    from servetune.sim.api import SimResult
+    from servetune.sim.goodput import GoodputResult
 
 DEFAULT_STRESS = (1.2, 1.5)
 FIGURE_NAMES = ("ttft_cdf.png", "tpot_cdf.png", "kv_queue.png", "goodput.png")
@@ -74,8 +83,8 @@ class PolicyEvaluation:
 
     label: str  # "current" or "new"
     policy: Policy
-    runs: dict[float, Any]  # rate scale -> servetune.sim.SimResult
-    goodput: Any  # servetune.sim.GoodputResult
+    runs: dict[float, SimResult]  # by rate scale
+    goodput: GoodputResult
 
     def attainment(self, scale: float, slo: SLOSet) -> float:
         return float(self.runs[scale].attainment(slo))
@@ -106,7 +115,7 @@ def evaluate_policy(
     label: str,
     trace: Trace,
     policy: Policy,
-    profile: Any,
+    profile: Profile,
     slo: SLOSet,
     *,
     engine: str = "vllm",
@@ -114,8 +123,6 @@ def evaluate_policy(
     goodput_rel_tol: float = 0.02,
 ) -> PolicyEvaluation:
     """Simulate ``policy`` on ``trace`` at each rate scale and search its goodput."""
-    from servetune.sim import goodput, simulate
-
     runs = {
         float(s): simulate(trace, policy, profile, engine=engine, rate_scale=float(s))
         for s in scales
@@ -128,7 +135,7 @@ def compare(
     trace: Trace,
     current: Policy,
     new: Policy | None,
-    profile: Any,
+    profile: Profile,
     slo: SLOSet,
     *,
     engine: str = "vllm",
@@ -137,8 +144,6 @@ def compare(
 ) -> Comparison:
     """Evaluate both policies (or the current one alone when ``new`` is None) on the same
     trace, rates and SLO set."""
-    from servetune.sim import simulate
-
     scales = (1.0, *(float(s) for s in stress))
     kw = dict(engine=engine, scales=scales, goodput_rel_tol=goodput_rel_tol)
     cur = evaluate_policy("current", trace, current, profile, slo, **kw)
@@ -190,7 +195,7 @@ def knob_changes(current: Policy, new: Policy, reasons: dict[str, str] | None = 
 # --------------------------------------------------------------------------- numbers
 
 
-def _run_numbers(result: Any, slo: SLOSet) -> dict[str, Any]:
+def _run_numbers(result: SimResult, slo: SLOSet) -> dict[str, Any]:
     summary = result.summary(slo)
     summary.pop("sim_wall_s", None)
     summary["meets_slo"] = bool(result.meets_slo(slo))
@@ -210,7 +215,7 @@ def comparison_numbers(comp: Comparison) -> dict[str, Any]:
             "goodput_points": [
                 {"rate_scale": float(p["rate_scale"]), "rate_per_s": float(p["rate_per_s"]),
                  "meets_slo": bool(p["meets_slo"]),
-                 "attainment": _finite(p.get("attainment"))}
+                 "attainment": finite_or_none(p.get("attainment"))}
                 for p in gp.points
             ],
             "runs": {_scale_key(s): _run_numbers(r, comp.slo) for s, r in ev.runs.items()},
@@ -222,28 +227,25 @@ def _scale_key(scale: float) -> str:
     return f"{scale:g}x"
 
 
-def _finite(x: Any) -> float | None:
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
 # --------------------------------------------------------------------------- plots
 
 
-def figure_bytes(fig: Any, dpi: int = 100) -> bytes:
+def figure_bytes(fig: Figure, dpi: int = 100) -> bytes:
     """The figure as PNG bytes (no software-version stamp, so the same plot gives the
     same bytes), and the figure closed."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
+    # lazy: matplotlib takes 0.8 s to import; only runs that draw plots should pay it
     import matplotlib.pyplot as plt
 
     plt.close(fig)
     return buf.getvalue()
 
 
-def pyplot() -> Any:
+def pyplot() -> ModuleType:
+    """matplotlib's pyplot on the Agg backend (no display), with fixed settings so the
+    same plot gives the same bytes."""
+    # lazy: matplotlib takes 0.8 s to import, and the backend must be set before pyplot
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -253,8 +255,9 @@ def pyplot() -> Any:
     return plt
 
 
-def _plain_log_axis(ax: Any) -> None:
+def _plain_log_axis(ax: Axes) -> None:
     """Log-scale x axis labelled 0.5, 1, 2 rather than 5x10^-1."""
+    # lazy: as in pyplot()
     from matplotlib.ticker import FuncFormatter, LogLocator
 
     ax.set_xscale("log")
@@ -315,7 +318,7 @@ def _cdf_plot(comp: Comparison, metric: str, title: str, xlabel: str) -> bytes:
     return figure_bytes(fig)
 
 
-def _series(res: Any) -> dict[str, np.ndarray]:
+def _series(res: SimResult) -> dict[str, np.ndarray]:
     series = getattr(res.output, "series", None) or {}
     return {k: np.asarray(v, dtype=float) for k, v in series.items()}
 
@@ -369,7 +372,7 @@ def _goodput_plot(comp: Comparison) -> bytes:
     fig, ax = plt.subplots(figsize=(7, 4))
     for ev in comp.evaluations:
         pts = sorted(ev.goodput.points, key=lambda p: p["rate_per_s"])
-        pts = [p for p in pts if _finite(p.get("attainment")) is not None]
+        pts = [p for p in pts if finite_or_none(p.get("attainment")) is not None]
         if pts:
             x = [p["rate_per_s"] for p in pts]
             y = [p["attainment"] for p in pts]
@@ -547,7 +550,7 @@ def changes_table(changes: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _slo_text_one(c: Any) -> str:
+def _slo_text_one(c: ClassSLO) -> str:
     limits = ", ".join(f"{k.removesuffix('_s').upper()} <= {v:g} s"
                        for k, v in c.limits().items())
     judge = (f"p{c.percentile:g}" if c.percentile is not None
@@ -694,99 +697,7 @@ def build_report(
             **numbers,
         }
     )
-    return ReportFiles(markdown=md, figures=figures(comp), summary=json_safe(summary))
-
-
-def json_safe(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    if isinstance(value, np.generic):
-        return json_safe(value.item())
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def _stage_one(folder: Path, name: str, data: bytes) -> Path:
-    """Write ``data`` to a new temporary file in ``folder`` (same file system as the
-    target, so the later rename is atomic)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, FILE_MODE)  # mkstemp makes 0600; give the usual file mode
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return Path(tmp)
-
-
-def _file_in_the_way(p: Path) -> Path | None:
-    """The nearest existing path at or above ``p`` when it is not a folder, else None."""
-    for candidate in (p, *p.parents):
-        if candidate.exists():
-            return None if candidate.is_dir() else candidate
-    return None
-
-
-def check_out_dir(path: str | os.PathLike[str], option: str) -> None:
-    """Fail early, before any work, when ``path`` cannot become an output folder: it is a
-    file, or a file stands where one of its parent folders would go."""
-    p = Path(path)
-    blocker = _file_in_the_way(p)
-    if blocker is not None:
-        where = "" if blocker == p else f" ({blocker} is a file)"
-        raise ServetuneError(
-            f"{option} {p}: not a folder{where}; give a folder path (it is created when missing)"
-        )
-
-
-def check_out_file(path: str | os.PathLike[str], option: str) -> None:
-    """Fail early when ``path`` cannot be written as a file: it is a folder, or a file
-    stands where one of its parent folders would go."""
-    p = Path(path)
-    if p.is_dir():
-        raise ServetuneError(f"{option} {p}: is a folder; give a file path")
-    blocker = _file_in_the_way(p.parent)
-    if blocker is not None:
-        raise ServetuneError(
-            f"{option} {p}: {blocker} is a file, not a folder; choose another path"
-        )
-
-
-def commit_files(out_dir: str | os.PathLike[str], files: Sequence[tuple[str, bytes]]
-                 ) -> list[Path]:
-    """Write a set of files so that an interruption leaves the previous set intact.
-
-    Every file is first written in full to a temporary file beside its target; only when
-    all are on disk are they renamed into place, in order (put the file that marks a
-    finished run, ``summary.json``, last). An error or interrupt while staging removes the
-    temporary files and touches no previous output."""
-    out = Path(out_dir)
-    check_out_dir(out, "output folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ServetuneError(f"{out}: cannot create the output folder ({exc.strerror})") from None
-    staged: list[tuple[Path, Path]] = []
-    try:
-        for name, data in files:
-            staged.append((_stage_one(out, name, data), out / name))
-    except BaseException as exc:
-        for tmp, _ in staged:
-            tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise ServetuneError(f"{out}: cannot write ({exc.strerror})") from None
-        raise
-    written = []
-    for tmp, target in staged:
-        os.replace(tmp, target)
-        written.append(target)
-    return written
+    return ReportFiles(markdown=md, figures=figures(comp), summary=plain_data(summary))
 
 
 def report_file_list(files: ReportFiles) -> list[tuple[str, bytes]]:

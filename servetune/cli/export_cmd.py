@@ -4,25 +4,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
 
 from servetune.errors import ServetuneError
 from servetune.export import ENGINES, export_policy
-from servetune.schemas.base import load_document, write_text_atomic
+from servetune.io import check_out_file, write_text_atomic
+from servetune.schemas.base import load_document
 from servetune.schemas.policy import Policy
 
+if TYPE_CHECKING:  # imported where used: see the lazy imports
+    from servetune.schemas.profile import Profile
 
-def load_profile_arg(path: Path | None) -> Any:
+
+def load_profile_arg(path: Path | None) -> Profile | None:
     """The ``--profile`` argument as a Profile document (or None)."""
-    if path is None:
-        return None
-    try:
-        from servetune.profiles.shipped import load_profile
-    except ImportError:  # pragma: no cover - the profiles module ships with servetune
-        raise ServetuneError(f"{path}: GPU profiles are not available in this build") from None
-    return load_profile(path)
+    # lazy: the Profile schema adds 20 ms to every command's start-up
+    from servetune.profiles.shipped import load_profile
+
+    return None if path is None else load_profile(path)
 
 
 def register(app: typer.Typer) -> None:
@@ -58,8 +59,6 @@ def register(app: typer.Typer) -> None:
                 f"--engine {engine!r} is not supported; choose one of {', '.join(ENGINES)}"
             )
         if output is not None:
-            from servetune.apps.report import check_out_file
-
             check_out_file(output, "-o/--output")
         pol = load_document(policy, Policy)
         result = export_policy(pol, engine, profile=load_profile_arg(profile))

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import typer
 
+from servetune.engines import ENGINE_NAMES
+from servetune.io import check_out_dir
+
 
 def _para(text: str) -> str:
     """One help paragraph on one line (the help renderer wraps it to the terminal)."""
@@ -83,11 +86,12 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="Seed for every random choice."),
         sim_engine: str = typer.Option(
             "vllm", "--sim-engine",
-            help="Engine scheduler model to optimize and compare under (vllm, sglang, trtllm, "
-            "tgi).",
+            help="Engine scheduler model to optimize and compare under "
+            f"({', '.join(ENGINE_NAMES)}).",
         ),
         as_json: bool = typer.Option(False, "--json", help="Print summary.json to stdout."),
     ) -> None:
+        # lazy: the pipeline imports pyomo (0.3 s) that `servetune --help` should not pay
         from servetune.apps.nightly import run_nightly
 
         outcome = run_nightly(
@@ -116,39 +120,15 @@ def register(app: typer.Typer) -> None:
         engine: str = typer.Option("vllm", "--engine", help="Engine model to simulate."),
         as_json: bool = typer.Option(False, "--json", help="Print summary.json to stdout."),
     ) -> None:
-        from servetune.apps.nightly import file_digest, load_inputs
-        from servetune.apps.report import (
-            Verdict,
-            build_report,
-            check_out_dir,
-            compare,
-            write_report,
-        )
-        from servetune.schemas.base import load_document
-        from servetune.schemas.policy import Policy
-
         check_out_dir(out_dir, "--out-dir")
-        tr, prof, slo_set = load_inputs(trace, profile, slo)
-        cur = load_document(current, Policy)
-        nxt = load_document(new, Policy)
-        _progress("simulating both policies (trace, +20%, +50%, goodput)")
-        comp = compare(tr, cur, nxt, prof, slo_set, engine=engine)
-        g_cur, g_new = comp.current.goodput.rate_per_s, comp.new.goodput.rate_per_s
-        headline = (f"Goodput {g_cur:.3f} req/s (current `{cur.name}`) vs {g_new:.3f} req/s "
-                    f"(new `{nxt.name}`).")
-        inputs = {name: f"{p.name} (sha256 {file_digest(p)[:16]})" for name, p in
-                  (("trace", trace), ("profile", profile), ("slo", slo),
-                   ("current policy", current), ("new policy", new))}
-        from servetune.apps.nightly import model_reasons
-        from servetune.workloads.fitting import fit_workload
+        # lazy: the pipeline imports pyomo (0.3 s) that `servetune --help` should not pay
+        from servetune.apps.nightly import run_report
 
-        reasons = model_reasons(fit_workload(tr, name=trace.stem), prof, slo_set, cur, nxt)
-        files = build_report(comp, Verdict(headline), inputs=inputs, reasons=reasons)
-        written = write_report(files, out_dir)
+        outcome = run_report(trace, profile, slo, current, new, out_dir, engine=engine,
+                             progress=_progress)
         if as_json:
-            typer.echo(json.dumps(files.summary, indent=2))
+            typer.echo(json.dumps(outcome.summary, indent=2))
         else:
-            typer.echo(headline)
-            for path in written:
+            typer.echo(outcome.headline)
+            for path in outcome.files:
                 typer.echo(f"wrote {path}")
-

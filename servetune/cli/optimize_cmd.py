@@ -9,14 +9,21 @@ the binding condition, the best value reachable and what would help (also in --j
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 
 from servetune.errors import InfeasibleError, ServetuneError
-from servetune.schemas.base import load_document, write_text_atomic
+from servetune.io import require_file, write_text_atomic
+from servetune.knobs import summary_text
+from servetune.schemas.base import load_document
+from servetune.schemas.job import METHODS, METHODS_IN_WORDS, OptimizeJob
+
+if TYPE_CHECKING:
+    from servetune.apps.optimize import OptimizeResult
 
 EXAMPLE = (
     "Example: servetune optimize --workload configs/workloads/azure-conv-2023.yaml "
@@ -27,17 +34,7 @@ EXAMPLE = (
 
 
 def _file(path: Path, what: str) -> Path:
-    if not path.exists():
-        raise ServetuneError(f"{path}: file not found (given as {what})")
-    if path.is_dir():
-        raise ServetuneError(f"{path}: is a directory (given as {what}); give a file")
-    return path
-
-
-def _sha(path: Path) -> str:
-    from servetune.apps.optimize import sha256_file
-
-    return sha256_file(path)
+    return require_file(path, f"given as {what}")
 
 
 def run_optimize(
@@ -53,52 +50,32 @@ def run_optimize(
     requests: int,
     engine: str = "vllm",
     trace_format: str | None = None,
-    progress: Any = None,
-):
-    """Load the inputs, record their hashes, and run :func:`optimize`."""
-    from servetune.apps.optimize import optimize, sha256_doc
-    from servetune.profiles.shipped import load_profile
-    from servetune.schemas.slo import SLOSet
-    from servetune.schemas.space import SearchSpace
-
+    progress: Callable[[str], None] | None = None,
+) -> OptimizeResult:
+    """Check the options, then :func:`~servetune.apps.optimize.optimize_files`."""
     if (trace is None) == (workload is None):
         raise ServetuneError("give exactly one of --trace FILE or --workload W.yaml")
-    if method not in ("milp", "grid", "random", "optuna"):
-        raise ServetuneError(f"--method {method!r}: choose milp, grid, random or optuna")
+    if method not in METHODS:
+        raise ServetuneError(f"--method {method!r}: choose {METHODS_IN_WORDS}")
     if not time_limit_s > 0:
         raise ServetuneError(f"--time-limit must be > 0 seconds (got {time_limit_s})")
     if requests < 50:
         raise ServetuneError(f"--requests must be >= 50 (got {requests})")
-    inputs: dict[str, Any] = {}
     if trace is not None:
-        from servetune.workloads.formats import load_trace
-
-        source = load_trace(_file(trace, "--trace"), trace_format)
-        inputs["trace"] = {"file": trace.name, "sha256": _sha(trace)}
+        _file(trace, "--trace")
     else:
-        from servetune.workloads.fitting import load_workload
-
         assert workload is not None
-        source = load_workload(_file(workload, "--workload"))
-        inputs["workload"] = {"file": workload.name, "sha256": _sha(workload)}
-    profile = _shipped_or_path(profile)
-    prof = load_profile(profile)
-    prof_path = Path(profile)
-    if prof_path.is_file():
-        inputs["profile"] = {"file": prof_path.name, "sha256": _sha(prof_path)}
-    else:
-        inputs["profile"] = {"file": profile, "sha256": sha256_doc(prof)}
-    slo_set = load_document(_file(slo, "--slo"), SLOSet)
-    inputs["slo"] = {"file": slo.name, "sha256": _sha(slo)}
-    space_doc = None
+        _file(workload, "--workload")
+    _file(slo, "--slo")
     if space is not None:
-        space_doc = load_document(_file(space, "--space"), SearchSpace)
-        inputs["space"] = {"file": space.name, "sha256": _sha(space)}
-    else:
-        inputs["space"] = {"file": "(built-in default)"}
-    return optimize(
-        source, prof, slo_set, space_doc, method=method, time_limit_s=time_limit_s, seed=seed,
-        n_requests=requests, engine=engine, inputs=inputs, progress=progress,
+        _file(space, "--space")
+    # lazy: the optimizer imports pyomo (0.3 s) that `servetune --help` should not pay
+    from servetune.apps.optimize import optimize_files
+
+    return optimize_files(
+        trace=trace, workload=workload, profile=profile, slo=slo, space=space,
+        trace_format=trace_format, method=method, time_limit_s=time_limit_s, seed=seed,
+        n_requests=requests, engine=engine, progress=progress,
     )
 
 
@@ -111,21 +88,14 @@ def _resolve(base: Path, value: str | None) -> Path | None:
 
 def _profile_arg(base: Path, value: str) -> str:
     """A profile path relative to the job file, or a shipped profile's bare name."""
+    # lazy: the Profile schema adds 20 ms to every command's start-up
+    from servetune.profiles.shipped import shipped_or_path
+
     p = _resolve(base, value)
     assert p is not None
     if p.exists():
         return str(p)
-    return _shipped_or_path(value)
-
-
-def _shipped_or_path(value: str) -> str:
-    """A bare shipped-profile name (``h200-llama-3.1-8b``) becomes its file's path."""
-    from servetune.profiles.shipped import SHIPPED_DIR
-
-    shipped = SHIPPED_DIR / f"{value}.yaml"
-    if not Path(value).exists() and "/" not in value and shipped.is_file():
-        return str(shipped)
-    return value
+    return shipped_or_path(value)
 
 
 def register(app: typer.Typer) -> None:
@@ -140,7 +110,7 @@ def register(app: typer.Typer) -> None:
         profile: str | None = typer.Option(None, "--profile", help="Profile YAML or name"),
         slo: Path | None = typer.Option(None, "--slo", help="SLOSet YAML"),
         space: Path | None = typer.Option(None, "--space", help="SearchSpace YAML"),
-        method: str | None = typer.Option(None, "--method", help="milp | grid | random | optuna"),
+        method: str | None = typer.Option(None, "--method", help=" | ".join(METHODS)),
         time_limit: float | None = typer.Option(None, "--time-limit", help="seconds"),
         seed: int | None = typer.Option(None, "--seed", help="seed of the workload sample"),
         requests: int | None = typer.Option(
@@ -156,8 +126,6 @@ def register(app: typer.Typer) -> None:
         trace_format = None
         engine = "vllm"
         if job is not None:
-            from servetune.schemas.job import OptimizeJob
-
             if trace or workload or profile or slo or space:
                 raise ServetuneError(
                     "give either a job file or --trace/--workload/--profile/--slo/--space, "
@@ -208,12 +176,8 @@ def register(app: typer.Typer) -> None:
             f" ({s['goodput_rate_per_s'] / defaults:.2f}x vLLM defaults' {defaults:.2f})"
             if defaults else ""
         )
-        knobs = s["policy"]
         typer.echo(
-            f"wrote {output}: max_num_seqs {knobs['batching.max_num_seqs']}, "
-            f"max_num_batched_tokens {knobs['batching.max_num_batched_tokens']}, "
-            f"long_prefill_token_threshold {knobs['batching.long_prefill_token_threshold']}, "
-            f"kv_watermark {knobs['admission.kv_watermark']}; goodput "
+            f"wrote {output}: {summary_text(s['policy'])}; goodput "
             f"{s['goodput_rate_per_s']:.2f} req/s{gain}; {s['simulations']} simulations, "
             f"solver {s['solver_s']:.1f} s, simulation {s['simulation_s']:.1f} s, "
             f"wall {s['wall_s']:.1f} s"

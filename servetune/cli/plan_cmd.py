@@ -2,20 +2,25 @@
 ``servetune place`` (background jobs into the capacity a plan leaves free).
 
 Both are thin layers over :func:`servetune.apps.plan.run_plan` and
-:func:`servetune.apps.place.run_place`; the report plots use matplotlib's Agg
-backend (no display needed).
+:func:`servetune.apps.place.run_place`; the report plots are
+:mod:`servetune.apps.plan_report`'s.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
 
+from servetune.engines import ENGINE_NAMES
 from servetune.errors import ServetuneError
-from servetune.schemas.base import dump_yaml, write_text_atomic
+from servetune.io import check_out_dir, check_out_file, require_file, write_text_atomic
+from servetune.schemas.base import dump_yaml, load_document, save_document
+
+if TYPE_CHECKING:  # imported where used: see the lazy imports
+    from servetune.schemas.fleet import CapacityPlan
 
 PLAN_HELP = """Plan how many GPUs of which type serve a forecast at the SLOs, at the lowest cost.
 
@@ -41,18 +46,8 @@ Exits 3 when a job's deadline is not after its release.
 """
 
 
-def _need(path: Path, option: str) -> Path:
-    if not path.exists():
-        raise ServetuneError(f"{path}: file not found (given to {option})")
-    if path.is_dir():
-        raise ServetuneError(f"{path}: is a directory (given to {option}); give a file")
-    return path
-
-
 def _check_outputs(output: Path, report: Path | None) -> None:
     """Refuse unusable output paths before the (long) run, so nothing is half written."""
-    from servetune.apps.report import check_out_dir, check_out_file
-
     check_out_file(output, "-o/--output")
     if report is not None:
         check_out_dir(report, "--report")
@@ -85,115 +80,31 @@ def _progress(quiet: bool):
     return say
 
 
-# ------------------------------------------------------------------------- reports
-
-
-def write_plan_report(plan: dict[str, Any], folder: Path) -> list[Path]:
-    """cost_by_type.png, replicas_over_day.png, (with a sweep) cost_vs_growth.png and
-    plan.json, all written or none (:func:`servetune.apps.report.commit_files`)."""
-    from servetune.apps.report import commit_files, figure_bytes, pyplot
-
-    plt = pyplot()
-    files: list[tuple[str, bytes]] = []
-    # cost by GPU type: the mixed plan's split, and each single-type plan beside it
-    fig, ax = plt.subplots(figsize=(7, 4))
-    by_type = plan["cost"]["by_type_usd"]
-    scale = 24.0 / (plan["n_slots"] * plan["slot_s"] / 3600.0)
-    bottom = 0.0
-    for t, c in by_type.items():
-        if c > 0:
-            ax.bar("mixed plan", c * scale, bottom=bottom, label=t)
-            bottom += c * scale
-    for t, v in plan.get("single_type", {}).items():
-        if isinstance(v, dict) and v.get("feasible"):
-            ax.bar(f"{t} only", v["daily_usd"], color="0.6")
-    ax.set_ylabel("cost per day ($)")
-    ax.set_title("Cost by GPU type")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    files.append(("cost_by_type.png", figure_bytes(fig, dpi=110)))
-    # replicas over the day
-    fig, ax = plt.subplots(figsize=(7, 4))
-    # one extra point so that the last slot is drawn as wide as the others
-    hours = list(range(plan["n_slots"] + 1))
-    stack = [[*plan["gpus"][t], plan["gpus"][t][-1]] for t in plan["gpus"]]
-    ax.stackplot(hours, stack, labels=list(plan["gpus"]), step="post")
-    ax.set_xlabel("slot (hour of day)")
-    ax.set_ylabel("GPUs")
-    ax.set_title("GPUs over the day")
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    files.append(("replicas_over_day.png", figure_bytes(fig, dpi=110)))
-    sweep = [r for r in plan.get("growth_sweep") or [] if r.get("feasible", True)]
-    if sweep:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        g = [r["growth"] for r in sweep]
-        ax.plot(g, [r["daily_usd"] for r in sweep], "o-", label="mixed fleet")
-        ax.plot(g, [r["best_single_daily_usd"] if r["best_single_daily_usd"] is not None
-                    else float("nan") for r in sweep], "s--",
-                label="best single type")
-        ax.set_xlabel("load growth (x forecast)")
-        ax.set_ylabel("cost per day ($)")
-        ax.set_title("Cost versus load growth")
-        ax.legend()
-        fig.tight_layout()
-        files.append(("cost_vs_growth.png", figure_bytes(fig, dpi=110)))
-    files.append(("plan.json", json.dumps(plan, indent=2).encode("utf-8")))
-    return commit_files(folder, files)
-
-
-def write_schedule_report(schedule: dict[str, Any], folder: Path) -> list[Path]:
-    """spare_and_work.png (spare tokens per slot and the scheduled background work) and
-    schedule.json, both written or neither."""
-    from servetune.apps.report import commit_files, figure_bytes, pyplot
-
-    plt = pyplot()
-    n = schedule["horizon_slots"]
-    slot_s = schedule["slot_s"]
-    spare = [sum(v[h] for v in schedule["spare_tok_s"].values()) * slot_s for h in range(n)]
-    used = [0.0] * n
-    for r in schedule["jobs"]:
-        for a in r.get("allocation", []):
-            used[a["slot"]] += a["tokens"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(range(n), [s / 1e6 for s in spare], color="0.8", label="spare")
-    ax.bar(range(n), [u / 1e6 for u in used], label="scheduled")
-    ax.set_xlabel("slot (hour from midnight)")
-    ax.set_ylabel("background tokens (millions)")
-    ax.set_title("Background work in the capacity left free")
-    ax.legend()
-    fig.tight_layout()
-    return commit_files(folder, [
-        ("spare_and_work.png", figure_bytes(fig, dpi=110)),
-        ("schedule.json", json.dumps(schedule, indent=2).encode("utf-8")),
-    ])
-
-
-def _plan_lines(plan: dict[str, Any]) -> list[str]:
-    cost = plan["cost"]
-    peak = {t: max(v) for t, v in plan["gpus"].items() if max(v) > 0}
+def _plan_lines(plan: CapacityPlan) -> list[str]:
+    cost = plan.cost
+    peak = {t: max(v) for t, v in plan.gpus.items() if max(v) > 0}
     lines = [
         f"plan: ${cost['daily_usd']:,.2f}/day (peak ${cost['peak_hourly_usd']:,.2f}/h), "
         f"peak GPUs " + ", ".join(f"{t} {n}" for t, n in peak.items()),
     ]
-    for t, why in plan.get("excluded_gpu_types", {}).items():
+    for t, why in plan.excluded_gpu_types.items():
         lines.append(f"not in this plan: {t} ({why})")
-    solver = plan.get("solver", {})
+    solver = plan.solver
     if solver.get("budget_usd") is not None:
         lines.append(f"budget ${solver['budget_usd']:,.2f}: serves "
                      f"{100 * solver['served_share']:.1f}% of the forecast requests")
-    single = plan.get("single_type", {})
+    single = plan.single_type
     if "best" in single:
         b = single["best"]
         lines.append(f"best single type: {b} ${single[b]['daily_usd']:,.2f}/day "
                      f"(mixed saves {single['saving_pct']:.1f}%)")
-    v = plan["validation"]
+    v = plan.validation
     lines.append(f"validated in simulation: {'yes' if v['validated'] else 'NO'} "
                  f"after {v['rounds']} round(s)")
-    if plan.get("growth_sweep") and solver.get("budget_usd") is not None:
+    if plan.growth_sweep and solver.get("budget_usd") is not None:
         lines.append("growth sweep: the cost of serving every request (the budget does not "
                      "apply):")
-    for r in plan.get("growth_sweep", []):
+    for r in plan.growth_sweep:
         if not r.get("feasible", True):
             lines.append(f"growth x{r['growth']:g}: infeasible: {r['reason']}")
             continue
@@ -228,7 +139,7 @@ def register(app: typer.Typer) -> None:
             None, "--cache-dir",
             help="Capacity cache (default $SERVETUNE_CACHE_DIR or ~/.cache/servetune/capacity).",
         ),
-        engine: str = typer.Option("vllm", "--engine", help="vllm | sglang | trtllm | tgi."),
+        engine: str = typer.Option("vllm", "--engine", help=" | ".join(ENGINE_NAMES) + "."),
         method: str = typer.Option(
             "auto", "--capacity-method",
             help="auto | optimizer | candidates: how each replica's policy is chosen.",
@@ -246,11 +157,9 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed"),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
     ) -> None:
-        from servetune.apps.plan import run_plan
-
         for p, opt in ((workload, "--workload"), (forecast, "--forecast"), (fleet, "--fleet"),
                        (slo, "--slo")):
-            _need(p, opt)
+            require_file(p, f"given to {opt}")
         _check_outputs(output, report)
         if method not in ("auto", "optimizer", "candidates"):
             raise ServetuneError(
@@ -259,12 +168,17 @@ def register(app: typer.Typer) -> None:
         if budget is not None and not budget > 0:
             raise ServetuneError(f"--budget must be > 0 dollars (got {budget})")
         if growth == "forecast":
-            from servetune.schemas.base import load_document
+            # lazy: the fleet schemas add 20 ms to every command's start-up
             from servetune.schemas.fleet import Forecast
 
             sweep = list(load_document(forecast, Forecast).growth)
         else:
             sweep = _floats(growth, "--growth") if growth else None
+        # lazy: the planning pipeline imports pyomo (0.3 s) that `servetune --help` and
+        # the other commands should not pay
+        from servetune.apps.plan import run_plan
+        from servetune.apps.plan_report import plan_json_text, write_plan_report
+
         run = run_plan(
             workload, forecast, fleet, slo, out_path=output, sweep=sweep, cache_dir=cache_dir,
             engine=engine, method=method, prompt_edges=_ints(prompt_edges, "--prompt-edges"),
@@ -272,11 +186,11 @@ def register(app: typer.Typer) -> None:
             model=model,
             progress=_progress(quiet or json_out),
         )
-        write_text_atomic(output, dump_yaml(run.plan))
+        save_document(run.plan, output)
         if report is not None:
             write_plan_report(run.plan, report)
         if json_out:
-            typer.echo(json.dumps(run.plan, indent=2))
+            typer.echo(plan_json_text(run.plan))
         else:
             for line in _plan_lines(run.plan):
                 typer.echo(line)
@@ -296,11 +210,13 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed"),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
     ) -> None:
-        from servetune.apps.place import run_place
-
         for p, opt in ((jobs, "--jobs"), (plan, "--plan"), (forecast, "--forecast")):
-            _need(p, opt)
+            require_file(p, f"given to {opt}")
         _check_outputs(output, report)
+        # lazy: placement imports pyomo and OR-Tools (0.6 s)
+        from servetune.apps.place import run_place
+        from servetune.apps.plan_report import write_schedule_report
+
         run = run_place(jobs, plan, forecast, out_path=output, cache_dir=cache_dir,
                         levels=levels, seed=seed, progress=_progress(quiet or json_out))
         write_text_atomic(output, dump_yaml(run.schedule))

@@ -11,61 +11,28 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
-from servetune.errors import ServetuneError
+from servetune.cli.root import new_group
+from servetune.schemas.base import save_document
+
+if TYPE_CHECKING:  # imported where used: see the lazy imports
+    from servetune.schemas.profile import Profile
 
 
-def _save(profile, output: Path) -> None:
+def _save(profile: Profile, output: Path) -> None:
+    # lazy: profile building imports HiGHS (25 ms) that every other command would pay
     from servetune.profiles.build import profile_header
     from servetune.profiles.shipped import require_kv_pool
-    from servetune.schemas.base import save_document
 
     require_kv_pool(profile, f"{output} (not written)")
     save_document(profile, output, header=profile_header(profile))
 
 
-SHOW_SHAPES: tuple[tuple[str, int, int, int], ...] = (
-    # label, decode seqs, context per seq, prefill chunk tokens
-    ("decode 1 seq @ 1k ctx", 1, 1024, 0),
-    ("decode 32 seqs @ 2k ctx", 32, 2048, 0),
-    ("decode 128 seqs @ 2k ctx", 128, 2048, 0),
-    ("decode 256 seqs @ 1k ctx", 256, 1024, 0),
-    ("prefill 512", 0, 0, 512),
-    ("prefill 2048", 0, 0, 2048),
-    ("prefill 8192", 0, 0, 8192),
-    ("mixed 64 seqs @ 2k + 2048 chunk", 64, 2048, 2048),
-)
-
-
-def show_data(profile) -> dict:
-    """What ``profile show`` prints, as data."""
-    from servetune.profiles.steptime import prefill_attn_pairs
-
-    rows = []
-    for label, d, ctx, p in SHOW_SHAPES:
-        t = d + p
-        s = d + (1 if p else 0)
-        w = prefill_attn_pairs(p, 0) if p else 0.0
-        sec = profile.step_time.seconds(t, s, d, d * ctx, w)
-        rows.append({"shape": label, "tokens": t, "step_ms": round(sec * 1e3, 3),
-                     "tokens_per_s": round(t / sec, 1)})
-    return {
-        "name": profile.name,
-        "calibration": profile.calibration.kind,
-        "source": profile.calibration.source,
-        "tensor_parallel": profile.tensor_parallel,
-        "memory": profile.memory_summary(),
-        "step_time": profile.step_time.model_dump(mode="json"),
-        "steps": rows,
-    }
-
-
 def register(app: typer.Typer) -> None:
     """Add ``servetune profile ...`` to the top-level app."""
-    from servetune.cli import new_group
-
     group = new_group("GPU profiles: fit from measurements, check, measure, show, derive.")
 
     @group.command(
@@ -88,6 +55,7 @@ def register(app: typer.Typer) -> None:
         utilization: float = typer.Option(0.92, "--gpu-memory-utilization", min=0.01, max=1.0),
     ) -> None:
         """Fit a measured profile from per-operation (and whole-step) timings."""
+        # lazy: as in _save
         from servetune.profiles.build import fit_profile
 
         profile, report = fit_profile(
@@ -118,6 +86,7 @@ def register(app: typer.Typer) -> None:
         utilization: float = typer.Option(0.92, "--gpu-memory-utilization", min=0.01, max=1.0),
     ) -> None:
         """Derive a profile for another GPU / TP degree from measured per-op timings."""
+        # lazy: as in _save
         from servetune.profiles.build import derive_profile
 
         profile = derive_profile(measurements, model, gpu, tensor_parallel=tp, name=name,
@@ -142,20 +111,11 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Compare a profile's step times with measured whole steps."""
-        from servetune.profiles.fit import check_rows
-        from servetune.profiles.measurements import STEP_COLUMNS, read_csv, step_rows
+        # lazy: the fitting code imports HiGHS (20 ms) that every other command would pay
+        from servetune.profiles.fit import check_profile
         from servetune.profiles.shipped import load_profile
 
-        profile = load_profile(profile_path)
-        table = read_csv(measured, STEP_COLUMNS)
-        want = model
-        if want is None and profile.model is not None and profile.model.name in table.models():
-            want = profile.model.name
-        rows = step_rows(table, want)
-        if not rows:
-            raise ServetuneError(f"{measured}: no rows for model {want!r} in column 'model' "
-                                 f"(models present: {', '.join(table.models())})")
-        report = check_rows(profile.step_time, rows)
+        report = check_profile(load_profile(profile_path), measured, model)
         if as_json:
             typer.echo(json.dumps(report, indent=2))
             return
@@ -174,10 +134,11 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Print a profile's memory, KV pool and step times at a few shapes."""
-        from servetune.profiles.shipped import load_profile
+        # lazy: the Profile schema adds 20 ms to every command's start-up
+        from servetune.profiles.shipped import load_profile, profile_summary
 
         profile = load_profile(profile_path)
-        data = show_data(profile)
+        data = profile_summary(profile)
         if as_json:
             typer.echo(json.dumps(data, indent=2))
             return
@@ -217,6 +178,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Time per-operation kernels and whole steps on this machine's CUDA GPU (needs the
         ``gpu`` extra: torch)."""
+        # lazy: a command run once per GPU; torch, which it needs, is an optional extra
         from servetune.profiles.measure import measure
 
         written = measure(output, models=model, whole_steps=steps, budget_s=budget_s,

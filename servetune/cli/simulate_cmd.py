@@ -13,10 +13,11 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from servetune.cli.trace_cmd import (
@@ -24,13 +25,21 @@ from servetune.cli.trace_cmd import (
     ColumnsOption,
     OnBadRowOption,
     TraceFormatOption,
+    load_trace_cli,
 )
+from servetune.engines import ENGINE_NAMES
 from servetune.errors import InfeasibleError, ServetuneError
-from servetune.schemas.base import load_document, write_text_atomic
+from servetune.io import check_out_files, require_file, write_all_or_none, write_text_atomic
+from servetune.schemas.base import load_document
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
+from servetune.workloads.trace import Trace
 
-ENGINE_CHOICES = ("vllm", "sglang", "trtllm", "tgi")
+if TYPE_CHECKING:
+    from servetune.schemas.profile import Profile
+    from servetune.schemas.workload import Workload
+
+ENGINE_CHOICES = ENGINE_NAMES
 # Runs with at least this many requests (or any reference-mode run over REFERENCE_PROGRESS)
 # show a progress bar: they take long enough for one to help.
 PROGRESS_MIN_REQUESTS = 100_000
@@ -38,11 +47,7 @@ REFERENCE_PROGRESS_MIN_REQUESTS = 2_000
 
 
 def _need_file(path: Path, option: str) -> Path:
-    if not path.exists():
-        raise ServetuneError(f"{path}: file not found (given to {option})")
-    if path.is_dir():
-        raise ServetuneError(f"{path}: is a directory (given to {option}); give a file")
-    return path
+    return require_file(path, f"given to {option}")
 
 
 @dataclass(frozen=True)
@@ -63,13 +68,11 @@ class TraceOptions:
 
 def load_source(
     trace: Path | None, workload: Path | None, options: TraceOptions = TraceOptions()
-) -> Any:
+) -> Trace | Workload:
     """The Trace or Workload named by exactly one of --trace / --workload."""
     if (trace is None) == (workload is None):
         raise ServetuneError("give exactly one of --trace FILE or --workload W.yaml")
     if trace is not None:
-        from servetune.cli.trace_cmd import load_trace_cli
-
         return load_trace_cli(
             _need_file(trace, "--trace"), options.trace_format, options.columns,
             options.arrival_unit, options.on_bad_row,
@@ -78,6 +81,7 @@ def load_source(
         raise ServetuneError(
             "--trace-format, --columns, --arrival-unit and --on-bad-row apply to --trace only"
         )
+    # lazy: workload fitting costs 20 ms that every other command would pay at start-up
     from servetune.workloads.fitting import load_workload
 
     assert workload is not None
@@ -87,12 +91,13 @@ def load_source(
 def load_inputs(
     trace: Path | None, workload: Path | None, profile: str, policy: Path, slo: Path | None,
     engine: str, options: TraceOptions = TraceOptions(),
-) -> tuple[Any, Policy, Any, SLOSet | None]:
+) -> tuple[Trace | Workload, Policy, Profile, SLOSet | None]:
     if engine not in ENGINE_CHOICES:
         raise ServetuneError(
             f"--engine {engine!r}: unknown engine; choose one of {', '.join(ENGINE_CHOICES)}"
         )
     source = load_source(trace, workload, options)
+    # lazy: the Profile schema adds 20 ms to every command's start-up
     from servetune.profiles.shipped import load_profile, require_kv_pool
 
     prof = load_profile(profile)
@@ -102,9 +107,7 @@ def load_inputs(
     return source, pol, prof, slo_set
 
 
-def _expected_requests(source: Any, n_requests: int | None) -> int:
-    from servetune.workloads.trace import Trace
-
+def _expected_requests(source: Trace | Workload, n_requests: int | None) -> int:
     if isinstance(source, Trace):
         return len(source) if n_requests is None else min(n_requests, len(source))
     return n_requests or 0
@@ -181,8 +184,6 @@ class _Progress:
     """A rich progress bar fed by the engine's progress callback (done, total)."""
 
     def __init__(self, console: Console, total: int, label: str) -> None:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
         self.progress = Progress(
             TextColumn(label), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
             TimeElapsedColumn(), console=console, transient=True,
@@ -206,36 +207,6 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
 
 
-def check_outputs(outputs: dict[str, Path | None]) -> None:
-    """Fail before a run when an output path (option -> path) cannot be a file."""
-    seen: dict[Path, str] = {}
-    for option, path in outputs.items():
-        if path is None:
-            continue
-        if path.is_dir():
-            raise ServetuneError(f"{path}: is a directory (given to {option}); give a file path")
-        key = path.resolve()
-        if key in seen:
-            raise ServetuneError(
-                f"{path}: given to both {seen[key]} and {option}; give each output its own file"
-            )
-        seen[key] = option
-
-
-def write_outputs(writers: list[tuple[Path, Callable[[], None]]]) -> None:
-    """Run each (path, write) in turn; if one fails, remove the files written before it,
-    so that an error leaves no partial set of outputs behind."""
-    written: list[Path] = []
-    try:
-        for path, write in writers:
-            write()
-            written.append(path)
-    except BaseException:
-        for path in written:
-            path.unlink(missing_ok=True)
-        raise
-
-
 # Options both commands take (parameter annotations).
 ProfileOption = Annotated[
     str, typer.Option("--profile", help="GPU profile YAML (or shipped name)")
@@ -245,7 +216,7 @@ TraceOption = Annotated[Path | None, typer.Option("--trace", help="trace file to
 WorkloadOption = Annotated[
     Path | None, typer.Option("--workload", help="Workload YAML to sample")
 ]
-EngineOption = Annotated[str, typer.Option("--engine", help="vllm | sglang | trtllm | tgi")]
+EngineOption = Annotated[str, typer.Option("--engine", help=" | ".join(ENGINE_NAMES))]
 RequestsOption = Annotated[
     int | None, typer.Option("--requests", help="trace: replay the first N; workload: sample N")
 ]
@@ -296,6 +267,7 @@ def register(app: typer.Typer) -> None:
         --slo configs/slos/mlperf-llama-3.1-8b-server.yaml --json out.json
         --timeline t.json --timeline-window 600:660   (open t.json in ui.perfetto.dev)
         """
+        # lazy: the simulator package adds 35 ms to every command's start-up
         from servetune.sim import simulate
         from servetune.sim.records import check_records_path
         from servetune.sim.timeline import parse_window
@@ -303,8 +275,8 @@ def register(app: typer.Typer) -> None:
         window = parse_window(timeline_window) if timeline_window is not None else None
         if window is not None and timeline is None:
             raise ServetuneError("--timeline-window needs --timeline T.json")
-        check_outputs({"--json": json_out, "--records": records, "--steps": steps,
-                       "--timeline": timeline})
+        check_out_files({"--json": json_out, "--records": records, "--steps": steps,
+                         "--timeline": timeline})
         if records is not None:
             check_records_path(records)
         options = TraceOptions(trace_format, columns, arrival_unit, on_bad_row)
@@ -339,9 +311,9 @@ def register(app: typer.Typer) -> None:
             writers.append((timeline, lambda: result.write_timeline(timeline, window)))
         if steps is not None or timeline is not None:
             with console.status("writing the step log / timeline"):
-                write_outputs(writers)
+                write_all_or_none(writers)
         else:
-            write_outputs(writers)
+            write_all_or_none(writers)
         end_s = float(result.output.sim_end_s)
         if window is not None and window[0] >= end_s:
             console.print(
@@ -382,13 +354,14 @@ def register(app: typer.Typer) -> None:
         --policy configs/policies/vllm-serve-defaults.yaml
         --slo configs/slos/mlperf-llama-3.1-8b-interactive.yaml --json goodput.json
         """
+        # lazy: the simulator package adds 35 ms to every command's start-up
         from servetune.sim import goodput
         from servetune.sim.goodput import seeds_for
 
         seed_list = seeds_for(seeds, seed)
         if not rel_tol > 0:
             raise ServetuneError(f"--tolerance must be > 0 (got {rel_tol})")
-        check_outputs({"--json": json_out})
+        check_out_files({"--json": json_out})
         options = TraceOptions(trace_format, columns, arrival_unit, on_bad_row)
         source, pol, prof, slo_set = load_inputs(
             trace, workload, profile, policy, slo, engine, options

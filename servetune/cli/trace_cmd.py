@@ -11,8 +11,11 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 from rich.table import Table
 
+from servetune.cli.root import new_group
+from servetune.workloads.stats import per_class_stats, trace_stats
 from servetune.workloads.trace import Trace
 
 # Files at least this large show a progress bar while they load.
@@ -53,8 +56,6 @@ def load_progress(path: Path) -> Iterator[Callable[[int, int], None] | None]:
     if size < PROGRESS_MIN_BYTES:
         yield None
         return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
-
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),
@@ -79,6 +80,7 @@ def load_trace_cli(
     on_bad_row: str,
 ) -> Trace:
     """Load a trace for a command, with a progress bar for large files and notices on stderr."""
+    # lazy: the trace readers cost 10 ms that every other command would pay at start-up
     from servetune.workloads.formats import load_trace
 
     with load_progress(path) as progress:
@@ -114,8 +116,6 @@ def stats_table(stats: dict[str, Any], title: str) -> Table:
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the top-level app."""
-    from servetune.cli import new_group
-
     group = new_group("Inspect request traces (Azure, BurstGPT, Mooncake, vllm bench, CSV/JSONL).")
 
     @group.command(
@@ -132,8 +132,6 @@ def register(app: typer.Typer) -> None:
         on_bad_row: OnBadRowOption = "error",
     ) -> None:
         """Request count, span, mean rate, burstiness and prompt/output length statistics."""
-        from servetune.workloads.stats import per_class_stats, trace_stats
-
         trace = load_trace_cli(file, trace_format, columns, arrival_unit, on_bad_row)
         result = trace_stats(trace)
         if as_json:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from servetune.cli.root import new_group
 from servetune.cli.trace_cmd import (
     ArrivalUnitOption,
     ColumnsOption,
@@ -20,12 +21,18 @@ from servetune.cli.trace_cmd import (
     stats_table,
 )
 from servetune.errors import ServetuneError
+from servetune.workloads.stats import trace_stats
+
+if TYPE_CHECKING:
+    from servetune.schemas.workload import Arrival, Workload
+    from servetune.workloads.fitting import ClassStats
 
 SPLITS = ("none", "class", "prompt-quantiles")
 
 
-def class_table(workload: Any, title: str) -> Table:
+def class_table(workload: Workload, title: str) -> Table:
     """Classes as columns, statistics as rows (fits a terminal for a few classes)."""
+    # lazy: workload fitting costs 20 ms that every other command would pay at start-up
     from servetune.workloads.fitting import class_stats
 
     stats = class_stats(workload)
@@ -33,7 +40,7 @@ def class_table(workload: Any, title: str) -> Table:
     table.add_column("", style="bold")
     for s in stats:
         table.add_column(s.name, justify="right")
-    rows: list[tuple[str, Any]] = [
+    rows: list[tuple[str, Callable[[ClassStats], str]]] = [
         ("priority", lambda s: str(s.priority)),
         ("rate (req/s)", lambda s: f"{s.rate_per_s:.3f}"),
         ("share", lambda s: f"{s.share:.1%}"),
@@ -47,7 +54,7 @@ def class_table(workload: Any, title: str) -> Table:
     return table
 
 
-def _arrival_text(arrival: Any) -> str:
+def _arrival_text(arrival: Arrival) -> str:
     text = arrival.process if arrival.process == "poisson" else (
         f"{arrival.process} CV {arrival.interarrival_cv:.2f}"
     )
@@ -56,31 +63,8 @@ def _arrival_text(arrival: Any) -> str:
     return text
 
 
-def class_stats_json(workload: Any) -> dict[str, Any]:
-    from servetune.workloads.fitting import class_stats
-
-    classes = []
-    for s in class_stats(workload):
-        row = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)
-               if f.name not in ("prompt", "output")}
-        cls = workload.classes[s.name]
-        row["process"] = cls.arrival.process
-        row["rate_windows"] = len(cls.arrival.windows.rate_multipliers) if (
-            cls.arrival.windows is not None) else 0
-        classes.append(row)
-    return {
-        "name": workload.name,
-        "source": workload.source,
-        "duration_s": workload.duration_s,
-        "rate_per_s": workload.total_rate_per_s,
-        "classes": classes,
-    }
-
-
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the top-level app."""
-    from servetune.cli import new_group
-
     group = new_group("Fit workloads (classes, arrivals, length distributions) and inspect them.")
 
     @group.command(
@@ -112,6 +96,7 @@ def register(app: typer.Typer) -> None:
         on_bad_row: OnBadRowOption = "error",
     ) -> None:
         """Fit a Workload to a trace: classes, arrival process, length distributions."""
+        # lazy: as in class_table
         from servetune.workloads.fitting import fit_workload, save_workload
 
         if split_by not in SPLITS:
@@ -154,8 +139,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     ) -> None:
         """Show a workload's classes, or sample it and show the sample's statistics."""
-        from servetune.workloads.fitting import load_workload, sample_trace
-        from servetune.workloads.stats import trace_stats
+        # lazy: as in class_table
+        from servetune.workloads.fitting import class_stats_json, load_workload, sample_trace
 
         workload = load_workload(path)
         console = Console()

@@ -6,13 +6,18 @@ says what the user needs instead, a router rule or a gateway limit), approximati
 (``notes``) and the conventional file name. Both lists are also written as comments at
 the top of the file, so nothing is dropped silently.
 
-Engines and their formats (``reference/engines.md`` sections 1.2-1.5, 2.1, 3, 4, 6):
+Engines and their formats (``docs/engines.md`` sections 1.2-1.5, 2.1, 3, 4, 6):
 
 - ``vllm``: ``vllm serve MODEL --config vllm.yaml`` (long option names, kebab-case);
 - ``sglang``: ``python -m sglang.launch_server --config sglang.yaml`` (CLI names);
 - ``trtllm``: ``trtllm-serve MODEL --extra_llm_api_options trtllm.yaml`` (LLM-API fields);
 - ``tgi``: ``text-generation-launcher`` flags and their environment variables (TGI has no
   config file), as a shell file to source.
+
+Which key or flag each engine takes a knob as, and which knobs it cannot express, come
+from the knob table (:mod:`servetune.knobs`): :func:`plain_settings` writes the knobs an
+engine takes as they are, :func:`unsupported_settings` lists the ones it lacks; each
+exporter adds its conversions, its special cases and the advice for what it lacks.
 
 Memory settings come from the GPU profile the policy was tuned with: the optimizer
 writes it into ``metadata.profile`` (``gpu_memory_bytes``, ``weight_bytes``,
@@ -24,23 +29,22 @@ from __future__ import annotations
 
 import math
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from servetune import __version__
+from servetune import __version__, knobs
+from servetune.engines import BY_NAME, CONFIG_FILES, ENGINE_NAMES
 from servetune.errors import ServetuneError
 from servetune.schemas.base import dump_yaml
 from servetune.schemas.policy import Policy
 
-ENGINES: tuple[str, ...] = ("vllm", "sglang", "trtllm", "tgi")
+if TYPE_CHECKING:
+    from servetune.schemas.profile import Profile
 
-FILENAMES: dict[str, str] = {
-    "vllm": "vllm.yaml",
-    "sglang": "sglang.yaml",
-    "trtllm": "trtllm.yaml",
-    "tgi": "tgi.sh",
-}
+ENGINES: tuple[str, ...] = ENGINE_NAMES
+
+FILENAMES: dict[str, str] = CONFIG_FILES
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,7 @@ def _facts_from_mapping(data: Mapping[str, Any], source: str) -> MemoryFacts:
     return MemoryFacts(source=source, **values)
 
 
-def profile_memory_facts(profile: Any) -> dict[str, Any]:
+def profile_memory_facts(profile: Profile) -> dict[str, Any]:
     """The facts of a Profile document as a plain mapping (what the optimizer stores in a
     policy's ``metadata.profile``): its ``memory_summary()`` in this module's names."""
     summary = profile.memory_summary() if hasattr(profile, "memory_summary") else {}
@@ -148,19 +152,21 @@ def profile_memory_facts(profile: Any) -> dict[str, Any]:
     return out
 
 
-def _facts_from_profile(profile: Any) -> MemoryFacts:
+def _facts_from_profile(profile: Profile) -> MemoryFacts:
     source = f"profile {getattr(profile, 'name', '')!r}"
     return _facts_from_mapping(profile_memory_facts(profile), source)
 
 
-def memory_facts(policy: Policy, profile: Any = None) -> MemoryFacts:
+def memory_facts(
+    policy: Policy, profile: Profile | Mapping[str, Any] | MemoryFacts | None = None
+) -> MemoryFacts:
     """The memory facts from ``profile`` when given, else the policy's
     ``metadata.profile``, else an empty set (exporters then say what they could not pin)."""
     if profile is not None:
         if isinstance(profile, MemoryFacts):
             return profile
         if isinstance(profile, Mapping):
-            return _facts_from_mapping(profile, "--profile")
+            return _facts_from_mapping(profile, "argument `profile`")
         return _facts_from_profile(profile)
     meta = policy.metadata.get("profile") if isinstance(policy.metadata, dict) else None
     if isinstance(meta, Mapping):
@@ -264,6 +270,41 @@ def queued_tokens_instead(policy: Policy) -> str:
     )
 
 
+def plain_settings(policy: Policy, engine: str, *sections: str) -> dict[str, Any]:
+    """The knobs ``engine`` takes as they are, under its names (the knob table's
+    :class:`~servetune.knobs.Plain` cells), by section in the order given (all, in table
+    order, by default); a knob set to None is left out."""
+    out: dict[str, Any] = {}
+    for path, name in knobs.plain_names(engine, sections or None).items():
+        value = knobs.knob(path).value(policy)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+Instead = Callable[[Policy], str]
+
+
+def unsupported_settings(policy: Policy, engine: str, instead: dict[str, Instead]) -> list[str]:
+    """One entry per knob ``engine`` cannot express (in the order of
+    :func:`servetune.knobs.not_expressible`) that the policy moves off its default, or that
+    no policy can leave out: what the user needs instead, from ``instead`` (knob path ->
+    advice) or, for a knob the exporter has no advice for, a generic line."""
+    out = []
+    for k in knobs.not_expressible(engine):
+        cell = k.exports[engine]
+        always = isinstance(cell, knobs.NotExpressible) and cell.always
+        value = k.value(policy)
+        if value == k.default and not always:
+            continue
+        advice = instead.get(k.path)
+        out.append(advice(policy) if advice is not None else (
+            f"{k.path} ({value}): {BY_NAME[engine].title} has no such setting; enforce it "
+            "outside the engine (a router rule or a gateway limit)"
+        ))
+    return out
+
+
 def yaml_result(engine: str, title: str, usage: str, policy: Policy, settings: dict[str, Any],
                 unsupported: list[str], notes: list[str]) -> ExportResult:
     """An engine's YAML config: the comment header, then the settings."""
@@ -277,25 +318,27 @@ def yaml_result(engine: str, title: str, usage: str, policy: Policy, settings: d
     )
 
 
-def export_policy(policy: Policy, engine: str, *, profile: Any = None) -> ExportResult:
+def export_policy(
+    policy: Policy, engine: str, *, profile: Profile | Mapping[str, Any] | MemoryFacts | None = None
+) -> ExportResult:
     """Translate ``policy`` into ``engine``'s config file (see the module docstring)."""
-    from servetune.export import sglang, tgi, trtllm, vllm
-
-    modules = {"vllm": vllm, "sglang": sglang, "trtllm": trtllm, "tgi": tgi}
-    if engine not in modules:
+    if engine not in BY_NAME:
         raise ServetuneError(
             f"engine {engine!r} is not supported; choose one of {', '.join(ENGINES)}"
         )
     facts = memory_facts(policy, profile)
-    return modules[engine].export(policy, facts)
+    return BY_NAME[engine].export_function()(policy, facts)
 
 
 __all__ = [
     "ENGINES",
     "FILENAMES",
     "ExportResult",
+    "Instead",
     "MemoryFacts",
     "export_policy",
     "memory_facts",
+    "plain_settings",
     "profile_memory_facts",
+    "unsupported_settings",
 ]

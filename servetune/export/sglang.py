@@ -1,4 +1,4 @@
-"""SGLang: a ``launch_server --config`` YAML with the CLI names (engines.md 2.1-2.3).
+"""SGLang: a ``launch_server --config`` YAML with the CLI names (docs/engines.md 2.1-2.3).
 
 Mapping:
 
@@ -21,8 +21,8 @@ Mapping:
 - ``schedule-conservativeness`` stays 1.0: SGLang reserves future output instead of a
   watermark, and no scale of it is equivalent to one.
 
-Not expressible: ``long_prefill_token_threshold`` (no per-request chunk cap; PR #34554 was
-closed unmerged), ``kv_watermark``, ``reserve_full_prompt: false``,
+Not expressible: ``long_prefill_token_threshold`` (no per-request chunk cap; sgl-project/sglang
+PR #34554 was closed unmerged), ``kv_watermark``, ``reserve_full_prompt: false``,
 ``max_queued_prompt_tokens``, long-request lanes, per-class priorities.
 """
 
@@ -30,22 +30,57 @@ from __future__ import annotations
 
 from typing import Any
 
+from servetune.engines import engine
 from servetune.export import (
     ExportResult,
+    Instead,
     MemoryFacts,
     class_priority_instead,
     lanes_instead,
     no_chunk_cap_instead,
     queued_tokens_instead,
+    unsupported_settings,
     yaml_result,
 )
+from servetune.knobs import export_names
 from servetune.schemas.policy import Policy
 
-TITLE = "SGLang"
+TITLE = engine("sglang").title
 USAGE = (
     "python -m sglang.launch_server --model-path MODEL --config sglang.yaml   "
     "(command-line flags override this file)"
 )
+# SGLang's names for the knobs it expresses (the knob table's); it takes none as is.
+(RUNNING_KEY,) = export_names("sglang", "batching.max_num_seqs")
+CHUNK_KEY, PREFILL_KEY = export_names("sglang", "batching.max_num_batched_tokens")
+(PRIORITY_KEY,) = export_names("sglang", "scheduling")
+(QUEUE_KEY,) = export_names("sglang", "admission.max_queued_requests")
+
+
+def _watermark_instead(policy: Policy) -> str:
+    return (
+        f"admission.kv_watermark ({policy.admission.kv_watermark:g}): SGLang keeps no free-KV "
+        "watermark; raise schedule-conservativeness (> 1) for more headroom, or lower "
+        "mem-fraction-static"
+    )
+
+
+def _reserve_full_instead(policy: Policy) -> str:
+    return (
+        "admission.reserve_full_prompt (false): SGLang always reserves the whole prompt "
+        "at admission; nothing to do unless you relied on over-admission"
+    )
+
+
+# What to do instead, for each knob the knob table says SGLang cannot express.
+INSTEAD: dict[str, Instead] = {
+    "batching.long_prefill_token_threshold": lambda policy: no_chunk_cap_instead(
+        policy, TITLE, ", so one long prompt takes a whole prefill pass"),
+    "admission.kv_watermark": _watermark_instead,
+    "admission.reserve_full_prompt": _reserve_full_instead,
+    "admission.max_queued_prompt_tokens": queued_tokens_instead,
+    "long_requests.threshold_tokens": lanes_instead,
+}
 
 
 def mem_fraction_static(facts: MemoryFacts) -> float | None:
@@ -63,9 +98,9 @@ def mem_fraction_static(facts: MemoryFacts) -> float | None:
 def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
     b, a = policy.batching, policy.admission
     settings: dict[str, Any] = {
-        "max-running-requests": b.max_num_seqs,
-        "chunked-prefill-size": b.max_num_batched_tokens if b.enable_chunked_prefill else -1,
-        "max-prefill-tokens": b.max_num_batched_tokens,
+        RUNNING_KEY: b.max_num_seqs,
+        CHUNK_KEY: b.max_num_batched_tokens if b.enable_chunked_prefill else -1,
+        PREFILL_KEY: b.max_num_batched_tokens,
         "schedule-policy": "fcfs",
         "schedule-conservativeness": 1.0,
     }
@@ -78,7 +113,7 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
     unsupported: list[str] = []
 
     if policy.scheduling == "priority":
-        settings["enable-priority-scheduling"] = True
+        settings[PRIORITY_KEY] = True
         settings["schedule-low-priority-values-first"] = True
         settings["retraction-policy"] = "priority"
         settings["disable-priority-preemption"] = True
@@ -88,9 +123,9 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
     if a.max_queued_requests is not None:
         # In-flight (waiting + running) <= cap also bounds the running set by the cap.
         running_cap = min(b.max_num_seqs, a.max_queued_requests)
-        settings["max-running-requests"] = running_cap
+        settings[RUNNING_KEY] = running_cap
         waiting_cap = max(1, a.max_queued_requests - running_cap)
-        settings["max-queued-requests"] = waiting_cap
+        settings[QUEUE_KEY] = waiting_cap
         notes.append(
             f"max-queued-requests caps the waiting queue only: set to admission."
             f"max_queued_requests ({a.max_queued_requests}) - max-running-requests "
@@ -108,23 +143,6 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
     if facts.kv_tokens is not None:
         settings["max-total-tokens"] = facts.kv_tokens
 
-    if b.long_prefill_token_threshold > 0:
-        unsupported.append(no_chunk_cap_instead(
-            policy, TITLE, ", so one long prompt takes a whole prefill pass"))
-    if a.kv_watermark > 0:
-        unsupported.append(
-            f"admission.kv_watermark ({a.kv_watermark:g}): SGLang keeps no free-KV "
-            "watermark; raise schedule-conservativeness (> 1) for more headroom, or lower "
-            "mem-fraction-static"
-        )
-    if not a.reserve_full_prompt:
-        unsupported.append(
-            "admission.reserve_full_prompt (false): SGLang always reserves the whole prompt "
-            "at admission; nothing to do unless you relied on over-admission"
-        )
-    if a.max_queued_prompt_tokens is not None:
-        unsupported.append(queued_tokens_instead(policy))
-    if policy.long_requests.enabled:
-        unsupported.append(lanes_instead(policy))
+    unsupported += unsupported_settings(policy, "sglang", INSTEAD)
 
     return yaml_result("sglang", TITLE, USAGE, policy, settings, unsupported, notes)

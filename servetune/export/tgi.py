@@ -1,4 +1,4 @@
-"""TGI: ``text-generation-launcher`` flags and environment variables (engines.md 3).
+"""TGI: ``text-generation-launcher`` flags and environment variables (docs/engines.md 3).
 
 TGI reads no config file, so the export is a POSIX shell file: ``export NAME=value``
 lines (each launcher flag's environment variable is its long name in UPPER_SNAKE case;
@@ -22,23 +22,66 @@ from __future__ import annotations
 
 import shlex
 
+from servetune.engines import engine
 from servetune.export import (
     FILENAMES,
     ExportResult,
+    Instead,
     MemoryFacts,
     fcfs_only_instead,
     header,
     lanes_instead,
     no_chunk_cap_instead,
+    plain_settings,
     queued_tokens_instead,
+    unsupported_settings,
 )
+from servetune.knobs import export_names
 from servetune.schemas.policy import Policy
 
-TITLE = "TGI"
+TITLE = engine("tgi").title
 USAGE = (
     "set -a; . ./tgi.sh; set +a; text-generation-launcher --model-id MODEL   "
     "(or: text-generation-launcher --model-id MODEL $TGI_ARGS)"
 )
+# The environment variable (no launcher flag) that switches chunked prefill.
+(CHUNKING_ENV,) = export_names("tgi", "batching.enable_chunked_prefill")
+
+
+def _max_seqs_instead(policy: Policy) -> str:
+    return (
+        f"batching.max_num_seqs ({policy.batching.max_num_seqs}): TGI has no running-batch "
+        "cap on flash-attention models (the KV reservation bounds the batch); to bound "
+        "in-flight requests use --max-concurrent-requests (HTTP 429 beyond it) or a gateway "
+        "limit"
+    )
+
+
+def _watermark_instead(policy: Policy) -> str:
+    return (
+        f"admission.kv_watermark ({policy.admission.kv_watermark:g}): no watermark knob; TGI "
+        "reserves prompt + max_new_tokens at admission and never over-commits, so it needs "
+        "none"
+    )
+
+
+def _reserve_full_instead(policy: Policy) -> str:
+    return (
+        "admission.reserve_full_prompt (false): TGI always reserves prompt + "
+        "max_new_tokens at admission; no over-admitting mode exists"
+    )
+
+
+# What to do instead, for each knob the knob table says TGI cannot express.
+INSTEAD: dict[str, Instead] = {
+    "batching.max_num_seqs": _max_seqs_instead,
+    "scheduling": lambda policy: fcfs_only_instead("TGI's queue is strictly first in, first out"),
+    "batching.long_prefill_token_threshold": lambda policy: no_chunk_cap_instead(policy, TITLE),
+    "admission.kv_watermark": _watermark_instead,
+    "admission.reserve_full_prompt": _reserve_full_instead,
+    "admission.max_queued_prompt_tokens": queued_tokens_instead,
+    "long_requests.threshold_tokens": lanes_instead,
+}
 
 
 def env_name(flag: str) -> str:
@@ -54,14 +97,12 @@ def _value(value: object) -> str:
 
 def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
     b, a = policy.batching, policy.admission
-    flags: dict[str, object] = {"--max-batch-prefill-tokens": b.max_num_batched_tokens}
+    flags: dict[str, object] = plain_settings(policy, "tgi")
     notes: list[str] = [
         "--max-batch-prefill-tokens budgets prefill tokens only; TGI's decode rows are not "
         "counted against it as they are in vLLM's budget",
     ]
-    if a.max_queued_requests is not None:
-        flags["--max-concurrent-requests"] = a.max_queued_requests
-    else:
+    if a.max_queued_requests is None:
         notes.append(
             "--max-concurrent-requests not set: TGI's default (128) rejects in-flight "
             "requests beyond 128 with HTTP 429, while the policy sets no cap; raise it above "
@@ -78,31 +119,9 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
     for flag, value in flags.items():
         args += [flag, _value(value)]
     env = {env_name(flag): _value(value) for flag, value in flags.items()}
-    env["PREFILL_CHUNKING"] = "1" if b.enable_chunked_prefill else "0"
+    env[CHUNKING_ENV] = "1" if b.enable_chunked_prefill else "0"
 
-    unsupported: list[str] = [
-        f"batching.max_num_seqs ({b.max_num_seqs}): TGI has no running-batch cap on "
-        "flash-attention models (the KV reservation bounds the batch); to bound in-flight "
-        "requests use --max-concurrent-requests (HTTP 429 beyond it) or a gateway limit",
-    ]
-    if policy.scheduling == "priority":
-        unsupported.append(fcfs_only_instead("TGI's queue is strictly first in, first out"))
-    if b.long_prefill_token_threshold > 0:
-        unsupported.append(no_chunk_cap_instead(policy, TITLE))
-    if a.kv_watermark > 0:
-        unsupported.append(
-            f"admission.kv_watermark ({a.kv_watermark:g}): no watermark knob; TGI reserves "
-            "prompt + max_new_tokens at admission and never over-commits, so it needs none"
-        )
-    if not a.reserve_full_prompt:
-        unsupported.append(
-            "admission.reserve_full_prompt (false): TGI always reserves prompt + "
-            "max_new_tokens at admission; no over-admitting mode exists"
-        )
-    if a.max_queued_prompt_tokens is not None:
-        unsupported.append(queued_tokens_instead(policy))
-    if policy.long_requests.enabled:
-        unsupported.append(lanes_instead(policy))
+    unsupported = unsupported_settings(policy, "tgi", INSTEAD)
 
     body = ["# Environment variables (without `export`, the lines suit docker --env-file):"]
     body += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]

@@ -1,4 +1,4 @@
-"""TensorRT-LLM: an ``--extra_llm_api_options`` YAML with LLM-API field names (engines.md 4).
+"""TensorRT-LLM: an ``--extra_llm_api_options`` YAML with LLM-API field names (docs/engines.md 4).
 
 The file's keys are ``TorchLlmArgs`` fields (strict: unknown keys fail) and the file
 overrides the command line. Mapping: ``batching.max_num_seqs`` -> ``max_batch_size``;
@@ -26,23 +26,64 @@ from __future__ import annotations
 
 from typing import Any
 
+from servetune.engines import engine
 from servetune.errors import ServetuneError
 from servetune.export import (
     ExportResult,
+    Instead,
     MemoryFacts,
     fcfs_only_instead,
     lanes_instead,
     no_chunk_cap_instead,
+    plain_settings,
     queued_tokens_instead,
+    unsupported_settings,
     yaml_result,
 )
 from servetune.schemas.policy import Policy
 
-TITLE = "TensorRT-LLM"
+TITLE = engine("trtllm").title
 USAGE = (
     "trtllm-serve MODEL --extra_llm_api_options trtllm.yaml   "
     "(this file overrides command-line flags)"
 )
+
+
+def _watermark_instead(policy: Policy) -> str:
+    return (
+        f"admission.kv_watermark ({policy.admission.kv_watermark:g}): no watermark knob; "
+        "GUARANTEED_NO_EVICT never over-commits KV, so it needs none"
+    )
+
+
+def _reserve_full_instead(policy: Policy) -> str:
+    return (
+        "admission.reserve_full_prompt (false): GUARANTEED_NO_EVICT always reserves the "
+        "whole prompt and its maximum output; MAX_UTILIZATION is the closest over-admitting "
+        "mode"
+    )
+
+
+def _queue_cap_instead(policy: Policy) -> str:
+    return (
+        f"admission.max_queued_requests ({policy.admission.max_queued_requests}): "
+        "trtllm-serve has no queue cap; set a gateway concurrency limit of that many "
+        "in-flight requests (reject beyond with HTTP 503)"
+    )
+
+
+# What to do instead, for each knob the knob table says TensorRT-LLM cannot express.
+INSTEAD: dict[str, Instead] = {
+    "scheduling": lambda policy: fcfs_only_instead(
+        "TensorRT-LLM schedules first come, first served"),
+    "batching.long_prefill_token_threshold": lambda policy: no_chunk_cap_instead(
+        policy, TITLE, " (only the chunking policy)"),
+    "admission.kv_watermark": _watermark_instead,
+    "admission.reserve_full_prompt": _reserve_full_instead,
+    "admission.max_queued_requests": _queue_cap_instead,
+    "admission.max_queued_prompt_tokens": queued_tokens_instead,
+    "long_requests.threshold_tokens": lanes_instead,
+}
 
 
 def free_gpu_memory_fraction(facts: MemoryFacts) -> float:
@@ -50,11 +91,13 @@ def free_gpu_memory_fraction(facts: MemoryFacts) -> float:
     same KV bytes as vLLM's share ``gpu_memory_utilization`` of total memory."""
     missing = facts.missing("gpu_memory_bytes", "weight_bytes", "gpu_memory_utilization")
     if missing:
-        where = facts.source or "the policy has no metadata.profile and no --profile was given"
+        where = facts.source or (
+            "the policy has no metadata.profile and no argument `profile` was given"
+        )
         todo = (
             "give a profile with hardware and model sections"
             if facts.source.startswith("profile")
-            else "pass --profile P.yaml (the GPU profile the policy was tuned with)"
+            else "pass argument `profile` P.yaml (the GPU profile the policy was tuned with)"
         )
         raise ServetuneError(
             f"{where}: TensorRT-LLM's kv_cache_config.free_gpu_memory_fraction needs "
@@ -74,7 +117,6 @@ def free_gpu_memory_fraction(facts: MemoryFacts) -> float:
 
 
 def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
-    b, a = policy.batching, policy.admission
     kv_cache_config: dict[str, Any] = {
         "free_gpu_memory_fraction": round(free_gpu_memory_fraction(facts), 4),
     }
@@ -83,9 +125,7 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
     if facts.block_size is not None:
         kv_cache_config["tokens_per_block"] = facts.block_size
     settings: dict[str, Any] = {
-        "max_batch_size": b.max_num_seqs,
-        "max_num_tokens": b.max_num_batched_tokens,
-        "enable_chunked_prefill": b.enable_chunked_prefill,
+        **plain_settings(policy, "trtllm"),
         "kv_cache_config": kv_cache_config,
         "scheduler_config": {
             "capacity_scheduler_policy": "GUARANTEED_NO_EVICT",
@@ -99,31 +139,6 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
         f"{facts.source}: the same KV bytes as gpu_memory_utilization "
         f"{facts.gpu_memory_utilization:g} of total memory gives vLLM",
     ]
-    unsupported: list[str] = []
-    if policy.scheduling == "priority":
-        unsupported.append(fcfs_only_instead("TensorRT-LLM schedules first come, first served"))
-    if b.long_prefill_token_threshold > 0:
-        unsupported.append(no_chunk_cap_instead(policy, TITLE, " (only the chunking policy)"))
-    if a.kv_watermark > 0:
-        unsupported.append(
-            f"admission.kv_watermark ({a.kv_watermark:g}): no watermark knob; "
-            "GUARANTEED_NO_EVICT never over-commits KV, so it needs none"
-        )
-    if not a.reserve_full_prompt:
-        unsupported.append(
-            "admission.reserve_full_prompt (false): GUARANTEED_NO_EVICT always reserves the "
-            "whole prompt and its maximum output; MAX_UTILIZATION is the closest over-admitting "
-            "mode"
-        )
-    if a.max_queued_requests is not None:
-        unsupported.append(
-            f"admission.max_queued_requests ({a.max_queued_requests}): trtllm-serve has no "
-            "queue cap; set a gateway concurrency limit of that many in-flight requests "
-            "(reject beyond with HTTP 503)"
-        )
-    if a.max_queued_prompt_tokens is not None:
-        unsupported.append(queued_tokens_instead(policy))
-    if policy.long_requests.enabled:
-        unsupported.append(lanes_instead(policy))
+    unsupported = unsupported_settings(policy, "trtllm", INSTEAD)
 
     return yaml_result("trtllm", TITLE, USAGE, policy, settings, unsupported, notes)

@@ -1,8 +1,8 @@
-"""vLLM: a ``vllm serve --config`` YAML with the long option names (engines.md 1.2-1.5).
+"""vLLM: a ``vllm serve --config`` YAML with the long option names (docs/engines.md 1.2-1.5).
 
 Keys are kebab-case long option names, as vLLM's docs show for config files; the
 command line overrides the file. The V0-only ``max-num-partial-prefills`` family is never
-emitted: current vLLM rejects unknown scheduler keys (engines.md 1.2).
+emitted: current vLLM rejects unknown scheduler keys (docs/engines.md 1.2).
 
 Mapping: ``batching.*`` -> ``max-num-seqs``, ``max-num-batched-tokens``,
 ``long-prefill-token-threshold``, ``enable-chunked-prefill``; ``scheduling`` ->
@@ -17,34 +17,31 @@ from __future__ import annotations
 
 from typing import Any
 
+from servetune.engines import engine
 from servetune.export import (
     ExportResult,
+    Instead,
     MemoryFacts,
     class_priority_instead,
     lanes_instead,
+    plain_settings,
+    unsupported_settings,
     yaml_result,
 )
 from servetune.schemas.policy import Policy
 
-TITLE = "vLLM"
+TITLE = engine("vllm").title
 USAGE = "vllm serve MODEL --config vllm.yaml   (command-line flags override this file)"
+
+# What to do instead, for each knob the knob table says vLLM cannot express.
+INSTEAD: dict[str, Instead] = {"long_requests.threshold_tokens": lanes_instead}
 
 
 def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
-    b, a = policy.batching, policy.admission
-    settings: dict[str, Any] = {
-        "max-num-seqs": b.max_num_seqs,
-        "max-num-batched-tokens": b.max_num_batched_tokens,
-        "long-prefill-token-threshold": b.long_prefill_token_threshold,
-        "enable-chunked-prefill": b.enable_chunked_prefill,
-        "scheduling-policy": policy.scheduling,
-        "watermark": a.kv_watermark,
-        "scheduler-reserve-full-isl": a.reserve_full_prompt,
-    }
-    if a.max_queued_requests is not None:
-        settings["max-num-queued-reqs"] = a.max_queued_requests
-    if a.max_queued_prompt_tokens is not None:
-        settings["max-num-queued-tokens"] = a.max_queued_prompt_tokens
+    b = policy.batching
+    # vLLM's config lists the batching options, then the scheduling policy, then admission.
+    settings: dict[str, Any] = plain_settings(
+        policy, "vllm", "batching", "scheduling", "admission")
 
     notes: list[str] = []
     if facts.gpu_memory_utilization is not None:
@@ -60,9 +57,7 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
         # The profile fixes the pool in blocks (what-if / replay profiles): pin it exactly.
         settings["num-gpu-blocks-override"] = facts.kv_blocks_override
 
-    unsupported: list[str] = []
-    if policy.long_requests.enabled:
-        unsupported.append(lanes_instead(policy))
+    unsupported = unsupported_settings(policy, "vllm", INSTEAD)
     if policy.scheduling == "priority" and policy.classes:
         unsupported.append(class_priority_instead(policy, TITLE))
     if not b.enable_chunked_prefill:

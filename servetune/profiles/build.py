@@ -32,6 +32,8 @@ from servetune.profiles.fit import (
     step_time_from_perop,
 )
 from servetune.profiles.measurements import Measurements, load_measurements, step_rows
+from servetune.profiles.steptime import StepTimeModel
+from servetune.schemas.base import _read_yaml, format_validation_error
 from servetune.schemas.profile import (
     Calibration,
     CalibrationFile,
@@ -50,8 +52,6 @@ def resolve_arch(model: str) -> ModelArch:
         return catalog.MODELS[key]
     p = Path(model)
     if p.suffix in (".yaml", ".yml") or p.exists():
-        from servetune.schemas.base import _read_yaml, format_validation_error
-
         data = _read_yaml(p)
         try:
             return ModelArch.model_validate(data)
@@ -60,7 +60,7 @@ def resolve_arch(model: str) -> ModelArch:
                 raise ServetuneError(format_validation_error(exc, str(p))) from None
             raise ServetuneError(f"{p}: {exc}") from None
     raise ServetuneError(
-        f"--model {model!r}: unknown architecture (built in: {', '.join(catalog.MODELS)}; "
+        f"argument `model` {model!r}: unknown architecture (built in: {', '.join(catalog.MODELS)}; "
         "or give a YAML file with name, layers, hidden, intermediate, heads, kv_heads, "
         "head_dim, vocab, params, dtype)"
     )
@@ -73,7 +73,7 @@ def resolve_gpu(gpu: str) -> Hardware:
     found = catalog.gpu_key(gpu)
     if found:
         return catalog.GPUS[found]
-    raise ServetuneError(f"--gpu {gpu!r}: unknown GPU (known: {', '.join(catalog.GPUS)})")
+    raise ServetuneError(f"argument `gpu` {gpu!r}: unknown GPU (known: {', '.join(catalog.GPUS)})")
 
 
 def gpu_from_env(meas: Measurements) -> Hardware | None:
@@ -107,16 +107,35 @@ def rows_name_for(meas: Measurements, arch: ModelArch, tp: int) -> str:
 
 @dataclass
 class FitReport:
+    """What ``profile fit`` learned besides the profile: the launch-floor correction and,
+    when the folder has whole-step timings, the profile's error on them."""
+
     correction: GraphCorrection
-    correction_fit: dict[str, float]
     check: dict | None
 
 
-def _default_memory(arch: ModelArch, tp: int, utilization: float, block_size: int
-                    ) -> MemoryBudget:
+def _new_profile(name: str, hardware: Hardware, arch: ModelArch, tp: int, utilization: float,
+                 block_size: int, step_time: StepTimeModel, calibration: Calibration) -> Profile:
+    """A profile of ``arch`` at tensor parallelism ``tp`` on ``hardware``, with the
+    activation reserve estimated from the architecture."""
     reserve = memory.estimate_activation_reserve(arch.hidden, arch.intermediate, arch.vocab, tp)
-    return MemoryBudget(gpu_memory_utilization=utilization, activation_reserve_bytes=reserve,
-                        block_size=block_size)
+    return Profile(
+        name=name, hardware=hardware, model=arch, parallelism=Parallelism(tensor_parallel=tp),
+        memory=MemoryBudget(gpu_memory_utilization=utilization, activation_reserve_bytes=reserve,
+                            block_size=block_size),
+        step_time=step_time, calibration=calibration,
+    )
+
+
+def _default_name(prefix: str, arch: ModelArch, tp: int) -> str:
+    return f"{prefix}-{arch.name}" + (f"-tp{tp}" if tp > 1 else "")
+
+
+def _calibration_files(meas: Measurements, base: Path | None) -> list[CalibrationFile]:
+    """The timing files a profile was built from, with their hashes (paths relative to
+    ``base`` when given)."""
+    return [CalibrationFile(path=_relpath(t.path, base), sha256=t.sha256, rows=len(t.rows))
+            for t in meas.files()]
 
 
 def _relpath(path: Path, base: Path | None) -> str:
@@ -170,8 +189,8 @@ def fit_profile(
     tp = tensor_parallel
     hardware = resolve_gpu(gpu) if gpu else gpu_from_env(meas)
     if hardware is None:
-        raise ServetuneError(f"{meas.folder}/env.txt: no known GPU named there; pass --gpu "
-                             f"({', '.join(catalog.GPUS)})")
+        raise ServetuneError(f"{meas.folder}/env.txt: no known GPU named there; pass "
+                             f"argument `gpu` ({', '.join(catalog.GPUS)})")
     rows_name = rows_name_for(meas, arch, tp)
     corr, corr_fit = learn_from_folder(meas, hardware, prefer_model=arch.name,
                                        prefer_arch=arch)
@@ -199,25 +218,16 @@ def fit_profile(
         fit["step_rows"] = check["rows"]
         fit["median_abs_pct_error"] = check["median_abs_pct_error"]
         fit["max_abs_pct_error"] = check["max_abs_pct_error"]
-    files = [
-        CalibrationFile(path=_relpath(t.path, paths_relative_to), sha256=t.sha256,
-                        rows=len(t.rows))
-        for t in meas.files()
-    ]
-    profile = Profile(
-        name=name or f"{_gpu_slug(hardware)}-{arch.name}" + (f"-tp{tp}" if tp > 1 else ""),
-        hardware=hardware, model=arch, parallelism=Parallelism(tensor_parallel=tp),
-        memory=_default_memory(arch, tp, gpu_memory_utilization, block_size),
-        step_time=step_time,
-        calibration=Calibration(
-            kind="measured",
-            source=f"per-operation and whole-step timings in "
-                   f"{_relpath(meas.folder, paths_relative_to)} (rows of {rows_name!r}, "
-                   f"{hardware.name}), fitted by servetune profile fit",
-            files=files, assumptions=assumptions, fit=fit,
-        ),
+    calibration = Calibration(
+        kind="measured",
+        source=f"per-operation and whole-step timings in "
+               f"{_relpath(meas.folder, paths_relative_to)} (rows of {rows_name!r}, "
+               f"{hardware.name}), fitted by servetune profile fit",
+        files=_calibration_files(meas, paths_relative_to), assumptions=assumptions, fit=fit,
     )
-    return profile, FitReport(corr, corr_fit, check)
+    profile = _new_profile(name or _default_name(_gpu_slug(hardware), arch, tp), hardware,
+                           arch, tp, gpu_memory_utilization, block_size, step_time, calibration)
+    return profile, FitReport(corr, check)
 
 
 def _allreduce_assumption(hw: Hardware) -> str:
@@ -255,7 +265,7 @@ def derive_profile(
     base_hw = resolve_gpu(base_gpu) if base_gpu else gpu_from_env(meas)
     if base_hw is None:
         raise ServetuneError(f"{meas.folder}/env.txt: no known GPU named there; pass "
-                             "--base-gpu")
+                             "argument `base_gpu`")
     tp = tensor_parallel
     present = set.intersection(*(set(t.models()) for t in meas.tables.values()))
     base_arch, base_tp, rows_name = None, 1, None
@@ -299,21 +309,15 @@ def derive_profile(
         assumptions.append(_allreduce_assumption(target_hw))
     sources = [catalog.DATASHEETS[k] for k in dict.fromkeys((gpu_key, base_key))
                if k in catalog.DATASHEETS]
-    files = [CalibrationFile(path=_relpath(t.path, paths_relative_to), sha256=t.sha256,
-                             rows=len(t.rows)) for t in meas.files()]
-    return Profile(
-        name=name or f"{gpu_key}-{arch.name}" + (f"-tp{tp}" if tp > 1 else ""),
-        hardware=target_hw, model=arch, parallelism=Parallelism(tensor_parallel=tp),
-        memory=_default_memory(arch, tp, gpu_memory_utilization, block_size),
-        step_time=step_time,
-        calibration=Calibration(
-            kind="derived",
-            source="derived by servetune profile derive from measured H200 per-operation "
-                   "timings and datasheets: " + "; ".join(sources),
-            files=files, assumptions=assumptions,
-            fit={**{k: round_sig(v) for k, v in target_corr.as_dict().items()}, **corr_fit},
-        ),
+    calibration = Calibration(
+        kind="derived",
+        source="derived by servetune profile derive from measured H200 per-operation "
+               "timings and datasheets: " + "; ".join(sources),
+        files=_calibration_files(meas, paths_relative_to), assumptions=assumptions,
+        fit={**{k: round_sig(v) for k, v in target_corr.as_dict().items()}, **corr_fit},
     )
+    return _new_profile(name or _default_name(gpu_key, arch, tp), target_hw, arch, tp,
+                        gpu_memory_utilization, block_size, step_time, calibration)
 
 
 def profile_header(profile: Profile) -> str:

@@ -62,9 +62,16 @@ import numpy as np
 
 from servetune.errors import ServetuneError
 from servetune.profiles.lp import solve_lp
-from servetune.profiles.measurements import GEMM_OPS, Measurements, StepRow
+from servetune.profiles.measurements import (
+    GEMM_OPS,
+    STEP_COLUMNS,
+    Measurements,
+    StepRow,
+    read_csv,
+    step_rows,
+)
 from servetune.profiles.steptime import StepTimeModel
-from servetune.schemas.profile import Hardware, ModelArch
+from servetune.schemas.profile import Hardware, ModelArch, Profile
 
 # Interconnect assumptions for the TP all-reduce term (stated in every TP>1 profile).
 ALLREDUCE_EFFICIENCY = 0.7  # achieved share of per-direction NVLink bandwidth (NCCL busbw)
@@ -551,6 +558,20 @@ def check_rows(model: StepTimeModel, rows: list[StepRow]) -> dict:
         "max_abs_pct_error": round(float(np.max(np.abs(err))), 3) if rows else None,
         "per_row": per_row,
     }
+
+
+def check_profile(profile: Profile, measured: str | Path, model: str | None = None) -> dict:
+    """:func:`check_rows` of ``profile`` against a whole-step CSV: the rows of ``model``, by
+    default the profile's own model when the file has it, else every row."""
+    table = read_csv(measured, STEP_COLUMNS)
+    want = model
+    if want is None and profile.model is not None and profile.model.name in table.models():
+        want = profile.model.name
+    rows = step_rows(table, want)
+    if not rows:
+        raise ServetuneError(f"{measured}: no rows for model {want!r} in column 'model' "
+                             f"(models present: {', '.join(table.models())})")
+    return check_rows(profile.step_time, rows)
 
 
 # --------------------------------------------------------------------------------------

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from servetune.errors import ServetuneError
+from servetune.io import write_text_atomic
 from servetune.profiles.catalog import MODELS
-from servetune.schemas.base import write_text_atomic
 from servetune.schemas.profile import ModelArch
 
 GEMM_TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
@@ -119,7 +119,7 @@ class _Clock:
 
 
 def _torch(device: str = "cuda") -> Any:
-    try:
+    try:  # lazy: torch is an optional extra (servetune[gpu])
         import torch
     except ImportError:
         raise ServetuneError(
@@ -183,11 +183,15 @@ def measure(
         elif model in MODELS:
             archs.append(MODELS[model])
         else:
-            raise ServetuneError(f"--model {model!r}: unknown (built in: {', '.join(MODELS)})")
+            raise ServetuneError(
+                f"argument `models` {model!r}: unknown (built in: {', '.join(MODELS)})"
+            )
     for arch in archs:
         if arch.dtype != "bf16":
-            raise ServetuneError(f"--model {arch.name!r}: dtype {arch.dtype!r}; profile measure "
-                                 "times bf16 kernels only (fit expects rows of the model's dtype)")
+            raise ServetuneError(
+                f"argument `models` {arch.name!r}: dtype {arch.dtype!r}; profile measure "
+                "times bf16 kernels only (fit expects rows of the model's dtype)"
+            )
     torch = _torch(device)
     if device == "cuda":
         return _measure(torch, archs, Path(output), whole_steps, budget_s, log, device, grid)
@@ -202,7 +206,7 @@ def measure(
 def _measure(torch: Any, archs: list[ModelArch], out: Path, whole_steps: bool,
              budget_s: float, log: Callable[[str], None], device: str, grid: MeasureGrid
              ) -> list[Path]:
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # lazy: the optional torch, present (see _torch)
 
     dev = device
     dt = torch.bfloat16

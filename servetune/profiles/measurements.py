@@ -17,11 +17,11 @@ Every problem is one :class:`ServetuneError` naming the file, the line and the c
 from __future__ import annotations
 
 import csv
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from servetune.errors import ServetuneError
+from servetune.io import decode_text, read_bytes, sha256_bytes
 
 PER_OP_FILES: dict[str, tuple[str, ...]] = {
     "linear.csv": ("model", "op", "tokens", "k", "n", "dtype", "ms"),
@@ -79,25 +79,11 @@ class CsvTable:
         return sorted({r.get("model", "").strip() for r in self.rows})
 
 
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def read_csv(path: str | Path, required: tuple[str, ...]) -> CsvTable:
     """Read a CSV with a header that must contain ``required`` columns."""
     p = Path(path)
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise ServetuneError(f"{p}: file not found") from None
-    except IsADirectoryError:
-        raise ServetuneError(f"{p}: is a directory, expected a CSV file") from None
-    except OSError as exc:
-        raise ServetuneError(f"{p}: cannot read ({exc.strerror})") from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        raise ServetuneError(f"{p}: not UTF-8 text; expected a CSV file") from None
+    data = read_bytes(p, "CSV")
+    text = decode_text(data, p, "CSV", encoding="utf-8-sig")
     reader = csv.reader(text.splitlines())
     try:
         header = next(reader)
@@ -124,7 +110,7 @@ def read_csv(path: str | Path, required: tuple[str, ...]) -> CsvTable:
         lines.append(line_no)
     if not rows:
         raise ServetuneError(f"{p}: no data rows")
-    return CsvTable(p, header, rows, lines, hashlib.sha256(data).hexdigest())
+    return CsvTable(p, header, rows, lines, sha256_bytes(data))
 
 
 @dataclass

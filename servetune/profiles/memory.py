@@ -1,6 +1,6 @@
 """GPU memory model: KV bytes per token, weight bytes, and the KV pool in blocks.
 
-The pool follows vLLM's own arithmetic (engines.md 1.3; vLLM V1 ``gpu_worker`` /
+The pool follows vLLM's own arithmetic (docs/engines.md 1.3; vLLM V1 ``gpu_worker`` /
 ``kv_cache_utils``):
 
     budget     = total_memory * gpu_memory_utilization            (per GPU)

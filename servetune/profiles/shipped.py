@@ -1,11 +1,14 @@
-"""Loading GPU profiles: from a path, or by name from the shipped ``gpu_profiles/``."""
+"""Loading GPU profiles (from a path, or by name from the shipped ``gpu_profiles/``),
+checking that one leaves a KV pool, and summarising one (``servetune profile show``)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from servetune.errors import ServetuneError
+from servetune.profiles.steptime import prefill_attn_pairs
 from servetune.schemas.base import load_document
 from servetune.schemas.profile import Profile
 
@@ -17,6 +20,15 @@ def shipped_profiles() -> list[str]:
     if not SHIPPED_DIR.is_dir():
         return []
     return sorted(p.stem for p in SHIPPED_DIR.glob("*.yaml"))
+
+
+def shipped_or_path(value: str) -> str:
+    """A bare shipped-profile name (``h200-llama-3.1-8b``) as its file's path; anything
+    else unchanged."""
+    shipped = SHIPPED_DIR / f"{value}.yaml"
+    if not Path(value).exists() and "/" not in value and shipped.is_file():
+        return str(shipped)
+    return value
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
@@ -31,6 +43,41 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
             names = ", ".join(shipped_profiles()) or "none"
             raise ServetuneError(f"{path}: no such file or shipped profile (shipped: {names})")
     return load_document(p, Profile)
+
+
+SUMMARY_SHAPES: tuple[tuple[str, int, int, int], ...] = (
+    # label, decode seqs, context per seq, prefill chunk tokens
+    ("decode 1 seq @ 1k ctx", 1, 1024, 0),
+    ("decode 32 seqs @ 2k ctx", 32, 2048, 0),
+    ("decode 128 seqs @ 2k ctx", 128, 2048, 0),
+    ("decode 256 seqs @ 1k ctx", 256, 1024, 0),
+    ("prefill 512", 0, 0, 512),
+    ("prefill 2048", 0, 0, 2048),
+    ("prefill 8192", 0, 0, 8192),
+    ("mixed 64 seqs @ 2k + 2048 chunk", 64, 2048, 2048),
+)
+
+
+def profile_summary(profile: Profile) -> dict[str, Any]:
+    """What ``servetune profile show`` prints, as data: name, calibration, memory and the
+    step time at each of :data:`SUMMARY_SHAPES`."""
+    rows = []
+    for label, d, ctx, p in SUMMARY_SHAPES:
+        t = d + p
+        s = d + (1 if p else 0)
+        w = prefill_attn_pairs(p, 0) if p else 0.0
+        sec = profile.step_time.seconds(t, s, d, d * ctx, w)
+        rows.append({"shape": label, "tokens": t, "step_ms": round(sec * 1e3, 3),
+                     "tokens_per_s": round(t / sec, 1)})
+    return {
+        "name": profile.name,
+        "calibration": profile.calibration.kind,
+        "source": profile.calibration.source,
+        "tensor_parallel": profile.tensor_parallel,
+        "memory": profile.memory_summary(),
+        "step_time": profile.step_time.model_dump(mode="json"),
+        "steps": rows,
+    }
 
 
 def require_kv_pool(profile: Profile, where: str | os.PathLike[str]) -> None:

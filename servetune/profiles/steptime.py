@@ -22,12 +22,6 @@ The GEMM term is convex piecewise-linear in ``T``: its first piece is the floor 
 all weights from HBM once (flat at small batch), later pieces the compute-bound growth.
 A profile may instead fix ``constant_s`` (a constant step time for what-if replays).
 
-For mathematical programs the model is exactly a maximum of affine functions,
-:meth:`StepTimeModel.affine_pieces` (one per GEMM piece: ``t = max_k (c0_k + cT_k*T + cS*S
-+ cD*D + cC*C + cW*W)``, usable as epigraph constraints ``t >= ...`` when t is
-minimised or bounded above), and its token term is a convex piecewise-linear function
-with breakpoints :meth:`StepTimeModel.token_breakpoints` (for lambda/SOS2 formulations).
-Both agree with :meth:`StepTimeModel.seconds` to rounding.
 Evaluation is a few multiply-adds; :func:`step_seconds` is numba-compilable and the
 simulator's hot loop calls it with :meth:`StepTimeModel.as_arrays`.
 """
@@ -85,72 +79,6 @@ class StepTimeModel(Strict):
         coef[COEF_CONSTANT] = self.constant_s if self.constant_s is not None else -1.0
         pieces = np.asarray(self.gemm_pieces, dtype=np.float64).reshape(-1, 2)
         return coef, pieces
-
-    def affine_pieces(self) -> list[tuple[float, float, float, float, float, float]]:
-        """``[(const_s, per_token, per_sampled_row, per_decode_seq, per_context_token,
-        per_prefill_pair), ...]``: the step time is the maximum of these affine functions of
-        (T, S, D, C, W). With ``constant_s`` there is one piece, the constant."""
-        if self.constant_s is not None:
-            return [(self.constant_s, 0.0, 0.0, 0.0, 0.0, 0.0)]
-        return [
-            (
-                self.fixed_s + intercept,
-                slope + self.allreduce_s_per_token,
-                self.lm_head_s_per_row,
-                self.decode_attn_s_per_seq,
-                self.decode_attn_s_per_context_token,
-                self.prefill_attn_s_per_token_pair,
-            )
-            for intercept, slope in self.active_gemm_pieces()
-        ]
-
-    def active_gemm_pieces(self) -> list[tuple[float, float]]:
-        """The GEMM pieces that are the maximum somewhere on T >= 0, ordered by slope
-        (dominated pieces dropped); the upper envelope the model evaluates."""
-        pieces = sorted(set(map(tuple, self.gemm_pieces)), key=lambda p: (p[1], -p[0]))
-        hull: list[tuple[float, float]] = []
-        for a, b in pieces:
-            # same slope: keep the larger intercept (sorted first)
-            if hull and hull[-1][1] == b:
-                continue
-            while hull:
-                a0, b0 = hull[-1]
-                # where the new line overtakes the last one
-                cross = (a0 - a) / (b - b0)
-                if len(hull) >= 2:
-                    a1, b1 = hull[-2]
-                    prev_cross = (a1 - a0) / (b0 - b1)
-                    if cross <= prev_cross:
-                        hull.pop()
-                        continue
-                if cross <= 0 and a >= a0:
-                    hull.pop()
-                    continue
-                break
-            hull.append((a, b))
-        # a first line beaten at T = 0 by a later one is never the maximum
-        while len(hull) >= 2 and hull[1][0] >= hull[0][0]:
-            hull.pop(0)
-        return hull
-
-    def token_breakpoints(self, max_tokens: float) -> list[tuple[float, float]]:
-        """``[(T, seconds), ...]`` from T = 0 to ``max_tokens`` at every kink of the token
-        term ``max_k(a_k + b_k*T) + allreduce*T`` (fixed cost excluded); linear
-        interpolation between them is exact."""
-        if self.constant_s is not None:
-            return [(0.0, 0.0), (float(max_tokens), 0.0)]
-        hull = self.active_gemm_pieces()
-        xs = [0.0]
-        for (a0, b0), (a1, b1) in zip(hull, hull[1:], strict=False):
-            x = (a0 - a1) / (b1 - b0)
-            if 0.0 < x < max_tokens:
-                xs.append(x)
-        xs.append(float(max_tokens))
-        coef, pieces = self.as_arrays()
-        zero = np.zeros(N_COEF)
-        zero[COEF_CONSTANT] = -1.0
-        zero[COEF_ALLREDUCE] = coef[COEF_ALLREDUCE]
-        return [(x, float(step_seconds(zero, pieces, x, 0.0, 0.0, 0.0, 0.0))) for x in xs]
 
     def seconds(
         self,

@@ -8,8 +8,6 @@ from servetune.schemas.base import (
     dump_yaml,
     load_document,
     save_document,
-    write_bytes_atomic,
-    write_text_atomic,
 )
 from servetune.schemas.policy import Admission, Batching, ClassPolicy, LongRequests, Policy
 from servetune.schemas.slo import ClassSLO, SLOSet
@@ -33,6 +31,4 @@ __all__ = [
     "knob_paths",
     "load_document",
     "save_document",
-    "write_bytes_atomic",
-    "write_text_atomic",
 ]

@@ -10,9 +10,7 @@ the same object always gives the same bytes.
 
 from __future__ import annotations
 
-import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -20,12 +18,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from servetune.errors import ServetuneError
+from servetune.io import decode_text, plain_data, read_bytes, write_text_atomic
 
 API_VERSION = "servetune/v1"
-
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-FILE_MODE = 0o666 & ~_UMASK  # the mode a plain open() would give a new file
 
 
 class Strict(BaseModel):
@@ -38,6 +33,8 @@ class Document(Strict):
     """A top-level file. Subclasses set ``kind`` to a ``Literal`` of their own name."""
 
     KIND: ClassVar[str] = ""
+    # Optional sections a file leaves out while they are empty (see document_data).
+    OMIT_WHEN_EMPTY: ClassVar[tuple[str, ...]] = ()
     apiVersion: Literal["servetune/v1"] = API_VERSION
     kind: str
 
@@ -71,16 +68,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
 
 
 def _read_yaml(path: Path) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ServetuneError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise ServetuneError(f"{path}: is a directory, expected a YAML file") from None
-    except UnicodeDecodeError:
-        raise ServetuneError(f"{path}: not UTF-8 text; expected a YAML file") from None
-    except OSError as exc:
-        raise ServetuneError(f"{path}: cannot read ({exc.strerror})") from None
+    text = decode_text(read_bytes(path, "YAML"), path, "YAML")
     return parse_yaml_text(text, str(path))
 
 
@@ -122,60 +110,26 @@ def load_document(path: str | os.PathLike[str], cls: type[D]) -> D:
     return document_from_data(_read_yaml(p), cls, str(p))
 
 
-def _clean(value: Any) -> Any:
-    """Make a dump YAML-safe: tuples to lists, numpy scalars to Python, finite floats."""
-    if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
-    if hasattr(value, "item") and callable(value.item):  # numpy scalar
-        return _clean(value.item())
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 def dump_yaml(data: Any) -> str:
     """Deterministic block-style YAML (keys in insertion order)."""
-    return yaml.safe_dump(_clean(data), sort_keys=False, default_flow_style=False, width=100)
+    return yaml.safe_dump(plain_data(data), sort_keys=False, default_flow_style=False, width=100)
+
+
+def document_data(doc: Document) -> dict[str, Any]:
+    """The document as plain data in field order, as its file holds it: every field,
+    except those in ``OMIT_WHEN_EMPTY`` while they are empty."""
+    data = doc.model_dump(mode="json", exclude_none=False)
+    for name in doc.OMIT_WHEN_EMPTY:
+        if not data.get(name):
+            data.pop(name, None)
+    return data
 
 
 def document_to_yaml(doc: Document, *, header: str = "") -> str:
-    data = doc.model_dump(mode="json", exclude_none=False)
-    text = dump_yaml(data)
+    text = dump_yaml(document_data(doc))
     if header:
         text = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + text
     return text
-
-
-def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and a rename,
-    so a reader never sees a half-written file and an interrupted run leaves the old one."""
-    p = Path(path)
-    parent = p.parent if str(p.parent) else Path(".")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=parent)
-    except OSError as exc:
-        blocker = next((a for a in (parent, *parent.parents) if a.is_file()), None)
-        if blocker is not None:
-            raise ServetuneError(
-                f"{p}: cannot write: {blocker} is a file, not a folder; choose another path"
-            ) from None
-        raise ServetuneError(f"{p}: cannot write ({exc.strerror})") from None
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, FILE_MODE)  # mkstemp makes 0600; give the usual file mode
-        os.replace(tmp, p)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise ServetuneError(f"{p}: cannot write ({exc.strerror})") from None
-
-
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """UTF-8 text twin of :func:`write_bytes_atomic`."""
-    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def save_document(doc: Document, path: str | os.PathLike[str], *, header: str = "") -> None:

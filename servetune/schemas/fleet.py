@@ -91,7 +91,7 @@ class GPUType(Strict):
                 if len(self.profiles) != 1:
                     raise ValueError(
                         f"gpu_types[{self.name}].profiles names {sorted(self.profiles)}; "
-                        "set the fleet's `model` (or --model) to pick one"
+                        "set the fleet's `model` (or argument `model`) to pick one"
                     )
                 raw = next(iter(self.profiles.values()))
             elif model not in self.profiles:
@@ -312,6 +312,7 @@ class CapacityPlan(Document):
     """What ``servetune plan`` writes and ``servetune place`` reads."""
 
     KIND: ClassVar[str] = "CapacityPlan"
+    OMIT_WHEN_EMPTY: ClassVar[tuple[str, ...]] = ("excluded_gpu_types", "growth_sweep")
     kind: Literal["CapacityPlan"] = "CapacityPlan"
     name: str = "plan"
     inputs: dict = Field(default_factory=dict, description="input paths and SHA-256 hashes")
@@ -331,4 +332,7 @@ class CapacityPlan(Document):
     single_type: dict = Field(default_factory=dict)
     validation: dict = Field(default_factory=dict)
     solver: dict = Field(default_factory=dict)
+    excluded_gpu_types: dict[str, str] = Field(
+        default_factory=dict, description="fleet GPU types left out of the plan, and why"
+    )
     growth_sweep: list[dict] = Field(default_factory=list, description="what-if scenarios")

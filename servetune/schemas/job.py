@@ -11,9 +11,13 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from servetune.engines import ENGINE_NAMES
 from servetune.schemas.base import Document
 
-METHODS = ("milp", "grid", "random", "optuna")
+# The optimization methods, by name: the names of the methods table of
+# servetune.apps.optimize (which the tests check against this tuple).
+METHODS: tuple[str, ...] = ("milp", "grid", "random", "optuna")
+METHODS_IN_WORDS = f"{', '.join(METHODS[:-1])} or {METHODS[-1]}"  # for error messages
 
 
 class OptimizeJob(Document):
@@ -26,13 +30,13 @@ class OptimizeJob(Document):
     profile: str = Field(..., min_length=1, description="Profile YAML or shipped profile name")
     slo: str = Field(..., min_length=1, description="SLOSet YAML")
     space: str | None = Field(None, description="SearchSpace YAML; the default space if omitted")
-    method: Literal["milp", "grid", "random", "optuna"] = "milp"
+    method: Literal[METHODS] = "milp"  # type: ignore[valid-type]
     time_limit_s: float = Field(60.0, gt=0, le=86400, description="wall-clock budget, seconds")
     seed: int = Field(0, ge=0, description="seed of the workload sample and of random methods")
     requests: int = Field(
         3000, ge=50, le=1_000_000, description="requests per simulation (a sample, not the hour)"
     )
-    engine: Literal["vllm", "sglang", "trtllm", "tgi"] = "vllm"
+    engine: Literal[ENGINE_NAMES] = "vllm"  # type: ignore[valid-type]
     output: str | None = Field(None, description="policy YAML to write (-o overrides)")
     summary_json: str | None = Field(None, description="summary JSON to write (--json overrides)")
 

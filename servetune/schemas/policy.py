@@ -1,7 +1,7 @@
 """Policy: the scheduling settings servetune chooses (the product).
 
 Defaults reproduce ``vllm serve`` on a GPU with >= 70 GiB that is not an A100
-(engines.md 1.2-1.4): FCFS, 1024 sequences, 8192 batched tokens, no per-request chunk
+(docs/engines.md 1.2-1.4): FCFS, 1024 sequences, 8192 batched tokens, no per-request chunk
 cap, chunked prefill on, full prompt reserved at admission, watermark 0, no queue caps,
 no long-request lanes.
 

@@ -18,9 +18,12 @@ from servetune.schemas.base import Document, Strict
 
 
 class ClassSLO(Strict):
-    ttft_s: float | None = Field(None, gt=0, description="time to first token limit, seconds")
-    tpot_s: float | None = Field(None, gt=0, description="time per output token limit, seconds")
-    e2e_s: float | None = Field(None, gt=0, description="end-to-end latency limit, seconds")
+    ttft_s: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                 description="time to first token limit, seconds")
+    tpot_s: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                 description="time per output token limit, seconds")
+    e2e_s: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                description="end-to-end latency limit, seconds")
     percentile: float | None = Field(
         None, gt=0, lt=100, description="judge by this percentile of each metric (e.g. 99)"
     )

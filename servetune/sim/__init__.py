@@ -34,6 +34,7 @@ _FROM_ENGINE = ("run_engine", "ENGINES", "EngineOutput", "REASONS")
 
 def __getattr__(name: str) -> Any:
     if name in _FROM_ENGINE:
+        # lazy: the engine imports numba (0.5 s), which `import servetune.sim` should not pay
         from servetune.sim import engine
 
         return getattr(engine, name)

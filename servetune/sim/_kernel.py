@@ -1,18 +1,37 @@
-"""The engine simulator's hot loop: flat arrays in, flat arrays out, one step function.
+"""The engine simulator's hot loop: four named tuples of flat arrays in, one step at a time.
 
-This module is loaded twice (see :mod:`servetune.sim.engine`): once as itself, where
-``jit`` is ``numba.njit(cache=True)`` and the loop runs compiled (fast mode), and once
-under the name ``servetune.sim._kernel_pure``, where ``jit`` is the identity, so the very
-same source runs as plain Python (reference mode). Fast mode additionally jumps
-decode-only stretches (``P_JUMP``); reference mode walks every step. Tests prove the two
-give identical per-request records and, after expanding ``repeat``, identical step logs.
+This module is loaded twice (see :mod:`servetune.sim.engine`): once as itself, where the
+functions are compiled with numba (fast mode; the two entry points, :func:`run_kernel` and
+:func:`reject_at_arrival`, are cached), and once under the name
+``servetune.sim._kernel_pure``, where ``jit`` is the identity, so the very same source runs
+as plain Python (reference mode). Fast mode additionally jumps decode-only stretches
+(``Params.jump``); reference mode walks every step. Tests prove the two give identical
+per-request records and, after expanding ``repeat``, identical step logs.
 
-State lives in a few flat numpy arrays (per request: computed/generated tokens, blocks
-held, timestamps, status), the waiting queue is one binary heap per lane, and the running
-list is an array in admission order, in the spirit of vLLM's ``scheduler.py``.
-Scalars that survive between calls (clock, counters, queue sizes) live in ``si``
-(int64) and ``sf`` (float64) so the Python driver can pause the loop (to grow the
-step-log buffers or report progress) and resume it.
+Layout (module-level ``NamedTuple`` classes, which numba compiles and caches):
+
+- :class:`Params`: run constants: engine, policy knobs (in tokens and blocks), KV pool,
+  step-time coefficients, SGLang's token-ratio constants, mode (jump, log).
+- :class:`Requests`: the trace's columns, one entry per request, including the reason it
+  is rejected at arrival (:func:`reject_at_arrival` fills it before the run).
+- :class:`State`: per-request progress and timestamps; the waiting queue as one binary
+  heap per lane (``heap_key[lane]``, ``heap_id[lane]``, ``heap_size[lane]``; lane 1 holds
+  long requests when lanes are on); the running list in admission order (in the spirit of
+  vLLM's ``scheduler.py``); the step's batch; and the scalars that survive between calls
+  (clock, counters, KV in use; :data:`SCALARS`) in ``scalars[0]``, so the Python driver
+  can pause the loop (to grow the step log or report progress) and resume it.
+- :class:`StepLog`: step records, their events, jumped stretches' per-step values, counts.
+
+A step (:func:`run_kernel`): arrivals enter the queue or are turned away (``_arrivals``);
+in fast mode a stretch of identical decode steps is jumped instead (``_jump``); else the
+batch is formed (``_schedule``). vLLM, TensorRT-LLM and TGI grant tokens to the running
+requests in admission order (``_grant_running``), preempting when blocks run out
+(``_preempt``), then admit waiting requests unless they preempted. SGLang continues its
+chunked prefill and admits, else decodes every running request, retracting when blocks
+run out (``_sglang_decode_batch``). Admission is one routine for every engine
+(``_admit_waiting``); its checks (``_lane_has_room``, ``_kv_refused``) also decide which
+requests are rejected at arrival. Last, the step is executed (``_execute_step``): its
+duration from the batch's aggregates, then its tokens, first tokens and finishes.
 
 Token accounting (one rule for every engine, as vLLM V1): a request's target is
 ``prompt + generated``; a step grants it ``new`` tokens towards that target; a step that
@@ -24,6 +43,11 @@ admission).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from servetune.engines import kernel_id
 from servetune.profiles.steptime import step_seconds as _step_seconds_py
 
 if __name__.endswith("_pure"):
@@ -31,105 +55,202 @@ if __name__.endswith("_pure"):
     def jit(fn):  # noqa: D103 - reference mode: plain Python
         return fn
 
+    entry = inline = jit
     _step_seconds = _step_seconds_py
 else:
     import numba
 
-    jit = numba.njit(cache=True)
+    # No reference counting (_nrt=False, as numba's own sort kernels): the kernel
+    # allocates nothing, and counting references to every array of a named tuple at each
+    # access and call made the loop 15x slower. Helpers are called only from compiled
+    # code, so they get no Python wrapper (unboxing the tuples there doubled the compile
+    # time); the entry points are cached with their helpers linked in. The few tiny
+    # helpers called with many different constants are inlined where they are called
+    # (numba would compile them once per constant).
+    jit = numba.njit(_nrt=False, no_cpython_wrapper=True)
+    inline = numba.njit(_nrt=False, no_cpython_wrapper=True, inline="always")
+    entry = numba.njit(cache=True, _nrt=False)
     _step_seconds = jit(_step_seconds_py)
 
-# --- engines ---------------------------------------------------------------------------
-E_VLLM = 0
-E_SGLANG = 1
-E_TRTLLM = 2
-E_TGI = 3
+# --- engines (their ids in the engine registry; compile-time constants here) ----------
+E_VLLM = kernel_id("vllm")
+E_SGLANG = kernel_id("sglang")
+E_TRTLLM = kernel_id("trtllm")
+E_TGI = kernel_id("tgi")
 
-# --- int parameters (pi) ---------------------------------------------------------------
-P_ENGINE = 0
-P_PRIO_MODE = 1  # 1: priority scheduling, 0: FCFS
-P_MAX_SEQS = 2
-P_BUDGET = 3  # max_num_batched_tokens (prefill budget for sglang/tgi)
-P_THRESH = 4  # long_prefill_token_threshold (vLLM only; 0 = off)
-P_CHUNKED = 5
-P_RESERVE_FULL = 6
-P_WM = 7  # watermark blocks
-P_TOTAL = 8  # usable KV blocks
-P_BS = 9  # block size in tokens
-P_QREQ = 10  # max_queued_requests (-1 = none)
-P_QTOK = 11  # max_queued_prompt_tokens (-1 = none)
-P_LANES = 12
-P_RSEQ = 13
-P_RKV = 14
-P_MSEQ = 15
-P_MKV = 16
-P_JUMP = 17
-P_LOG = 18
-P_CLIP = 19  # SGLang's output-estimate clip (4096)
-P_RETRACT_STEPS = 20  # SGLang's SGLANG_RETRACT_DECODE_STEPS (20)
-N_PI = 21
+# --- request status (State.status) -----------------------------------------------------
+PENDING = -1
+COMPLETED = 0
+SHED = 1
+REJECTED = 2
 
-# --- float parameters (pf) -------------------------------------------------------------
-F_RATIO_INIT = 0
-F_RATIO_FLOOR = 1
-F_RATIO_DECAY = 2
-N_PF = 3
+# --- why a request did not complete (State.reason; REASONS[code] is the text) -----------
+REASON_NONE = 0
+REASON_SHED_REQUESTS = 1
+REASON_SHED_TOKENS = 2
+REASON_KV_POOL = 3
+REASON_LANE = 4
+REASON_BUDGET = 5
+REASON_RESERVATION = 6
+REASON_READMIT = 7
+REASONS = (
+    "",
+    "shed: max_queued_requests reached (HTTP 503)",
+    "shed: max_queued_prompt_tokens reached (HTTP 503)",
+    "rejected: needs more KV blocks than the pool (less watermark/lane reserve at admission)",
+    "rejected: the request's footprint exceeds the long-request lane (max_kv_fraction)",
+    "rejected: prompt longer than max_num_batched_tokens with chunked prefill off",
+    "rejected: prompt + max output reservation exceeds the KV pool",
+    "rejected: preempted, its re-prefill no longer fits the pool less watermark/lane reserve",
+)
 
-# --- int state (si) --------------------------------------------------------------------
-S_NEXT_ARR = 0  # next trace row to arrive
-S_NRUN = 1  # running list length
-S_STEPS = 2
-S_USED = 3  # KV blocks in use
-S_FRONT = 4  # push-front counter (FCFS keys of requeued requests)
-S_QPROMPT = 5  # prompt tokens of accepted requests that have not produced a first token
-S_LONG_N = 6  # running long requests
-S_LONG_HELD = 7  # KV blocks held by long requests
-S_LONG_LANE = 8  # lane footprint (blocks of prompt + expected output) of running long ones
-S_RESV_SUM = 9  # reserved blocks (trtllm / tgi)
-S_DONE = 10  # requests completed, shed or rejected
-S_PURE = 11  # previous step was a pure decode step that changed nothing else
-S_REC = 12  # step-log records written
-S_EV = 13  # step-log events written
-S_REP = 14  # per-step values of jumped records written
-S_CHUNKED_REQ = 15  # SGLang's request in chunked prefill (-1 none)
-S_PEAK = 16  # peak KV blocks in use
-S_H0 = 17  # short-lane (or only) waiting heap size
-S_H1 = 18  # long-lane waiting heap size
-S_JUMPS = 19  # jumped stretches
-N_SI = 20
-
-# --- float state (sf) ------------------------------------------------------------------
-T_NOW = 0
-T_KV_INT = 1  # integral of KV blocks in use over time
-T_RATIO = 2  # SGLang new_token_ratio
-T_BIN_W = 3  # series bin width
-N_SF = 4
-
-# --- step-log events -------------------------------------------------------------------
+# --- step-log events (StepLog.event_kind) ------------------------------------------------
 EV_SCHED = 0
 EV_PREEMPT = 1
 EV_FINISH = 2
 EV_ADMIT = 3
 EV_SHED = 4
 
-# step-log record columns (rec_i)
-R_STEP = 0
-R_KV = 1
-R_WAITING = 2
-R_RUNNING = 3
-R_REPEAT = 4
-R_EV_END = 5
-R_REP_END = 6
-N_RI = 7
-
 WINDOW_MAX = 4096  # longest jumped stretch (size of the allocation histogram)
 
-# a rejection reason the kernel itself records (engine.REASONS[RJ_READMIT])
-RJ_READMIT = 7
-
+# --- run_kernel's return codes -----------------------------------------------------------
 RC_DONE = 0
 RC_LOG_FULL = 1
 RC_STEP_LIMIT = 2
 RC_STUCK = 3
+
+
+class Params(NamedTuple):
+    """Run constants. Token and block counts are absolute (fractions already applied)."""
+
+    engine: int  # E_*
+    # policy knobs
+    priority_scheduling: bool  # else FCFS
+    max_seqs: int  # max_num_seqs
+    budget: int  # max_num_batched_tokens (the prefill budget for SGLang and TGI)
+    long_prefill_threshold: int  # vLLM only; 0 = off
+    chunked_prefill: bool
+    reserve_full_prompt: bool  # vLLM's scheduler_reserve_full_isl
+    watermark_blocks: int
+    max_queued_requests: int  # <= 0: no cap
+    max_queued_prompt_tokens: int  # <= 0: no cap
+    lanes: bool  # long-request lanes on
+    lane_reserved_seqs: int
+    lane_reserved_blocks: int
+    lane_max_seqs: int
+    lane_max_blocks: int
+    # KV pool and step time
+    total_blocks: int
+    block_size: int
+    step_coef: np.ndarray  # float64, StepTimeModel.as_arrays()
+    step_pieces: np.ndarray  # float64 (k, 2)
+    # SGLang environment constants (engines.md 2.2)
+    sglang_clip: int  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
+    sglang_retract_steps: int  # SGLANG_RETRACT_DECODE_STEPS
+    ratio_init: float
+    ratio_floor: float
+    ratio_decay: float  # per decode step
+    # mode
+    jump: bool  # fast mode: jump decode stretches
+    log: bool  # keep a step log
+
+
+class Requests(NamedTuple):
+    """The trace's columns (request id = row)."""
+
+    arrival: np.ndarray  # float64, seconds, sorted
+    prompt: np.ndarray  # int64
+    output: np.ndarray  # int64, tokens it generates
+    max_tokens: np.ndarray  # int64, its declared maximum output
+    priority: np.ndarray  # int64, lower first
+    is_long: np.ndarray  # int8, 1: long lane
+    lane_blocks: np.ndarray  # int64, long lane footprint (0 for short requests)
+    reserved_blocks: np.ndarray  # int64, TensorRT-LLM/TGI reservation (else 0)
+    reject: np.ndarray  # int8, REASON_* it is rejected with at arrival (0: none)
+
+
+# The scalars a run carries from step to step (State.scalars[0]): compiled, a numpy record
+# (read and written in place through the 1-element array); in reference mode, any object
+# with these attributes. One record keeps the tuples small: numba passes each array of a
+# tuple as seven machine words to every call.
+SCALARS = np.dtype([
+    ("next_arrival", np.int64),  # next trace row to arrive
+    ("n_running", np.int64),  # running list length
+    ("batch_size", np.int64),  # requests in this step's batch
+    ("steps", np.int64),
+    ("used", np.int64),  # KV blocks in use
+    ("peak", np.int64),  # peak KV blocks in use
+    ("front_count", np.int64),  # FCFS keys of requeued requests go below 0
+    ("queued_prompt", np.int64),  # prompt tokens of accepted requests before their first token
+    ("long_running", np.int64),  # running long requests
+    ("long_held", np.int64),  # KV blocks held by long requests
+    ("long_footprint", np.int64),  # lane footprint (blocks) of running long requests
+    ("reserved_sum", np.int64),  # reserved blocks of running requests (TensorRT-LLM, TGI)
+    ("resolved", np.int64),  # requests completed, shed or rejected
+    ("pure_decode", np.int64),  # 1: the last step only decoded (a stretch may be jumped)
+    ("chunked_req", np.int64),  # SGLang's request in chunked prefill (-1: none)
+    ("jumps", np.int64),  # jumped stretches
+    ("now", np.float64),  # clock (s)
+    ("kv_integral", np.float64),  # integral of blocks in use over time
+    ("token_ratio", np.float64),  # SGLang's new_token_ratio
+    ("bin_width", np.float64),  # series bin width (s)
+], align=True)
+
+# Step-log entries written so far (StepLog.counts[0]), kept like SCALARS.
+LOG_COUNTS = np.dtype([("records", np.int64), ("events", np.int64), ("repeats", np.int64)],
+                      align=True)
+
+
+class State(NamedTuple):
+    """Everything a run changes."""
+
+    # per request
+    computed: np.ndarray  # int64, tokens in KV
+    generated: np.ndarray  # int64, output tokens sampled
+    held: np.ndarray  # int64, KV blocks held
+    in_prefill: np.ndarray  # int8, admitted and not yet past its (re-)prefill
+    admitted_s: np.ndarray  # float64, first admission (nan: never)
+    first_token_s: np.ndarray  # float64
+    finish_s: np.ndarray  # float64
+    preemptions: np.ndarray  # int32
+    status: np.ndarray  # int8, PENDING/COMPLETED/SHED/REJECTED
+    reason: np.ndarray  # int8, REASON_*
+    # waiting queue: a min-heap on (key, request id) per lane
+    heap_key: tuple  # (int64[], int64[])
+    heap_id: tuple  # (int64[], int64[])
+    heap_size: np.ndarray  # int64[2]
+    # running list (admission order) and this step's batch (grant order)
+    running: np.ndarray  # int64, request ids
+    batch_req: np.ndarray  # int64, request ids
+    batch_tokens: np.ndarray  # int64, tokens granted
+    jump_hist: np.ndarray  # int64 scratch: blocks opened per step of a jumped stretch
+    series: np.ndarray  # float64 (3, bins): time-weighted KV blocks, waiting, running
+    scalars: Any  # SCALARS record array of 1 (reference mode: [namespace])
+
+
+class StepLog(NamedTuple):
+    """The step log: one record per step (or jumped stretch), its events, and the per-step
+    values of jumped stretches; record k's events and values end at ``events_end[k]`` and
+    ``repeats_end[k]``. Without a log, every column has one row."""
+
+    step: np.ndarray  # int64
+    start_s: np.ndarray  # float64
+    duration_s: np.ndarray  # float64
+    kv_used: np.ndarray  # int64
+    waiting: np.ndarray  # int64
+    running: np.ndarray  # int64
+    repeat: np.ndarray  # int64, steps in the record
+    events_end: np.ndarray  # int64
+    repeats_end: np.ndarray  # int64
+    event_kind: np.ndarray  # int64, EV_*
+    event_req: np.ndarray  # int64
+    event_value: np.ndarray  # int64 (EV_SCHED: tokens granted)
+    repeat_duration_s: np.ndarray  # float64
+    repeat_kv_used: np.ndarray  # int64
+    counts: Any  # LOG_COUNTS record array of 1 (reference mode: [namespace])
+
+
+# --- small helpers -------------------------------------------------------------------------
 
 
 @jit
@@ -180,167 +301,101 @@ def _heap_pop(hk, hid, size):
 
 
 @jit
-def _enqueue(r, front, pi, si, prio, is_long, hk0, hid0, hk1, hid1):
-    """Put a request into the waiting queue: FCFS at the back (arrival) or the front
-    (requeued after preemption), or by (priority, arrival) under priority scheduling."""
-    if pi[P_PRIO_MODE] == 1:
-        key = prio[r]
-    elif front:
-        si[S_FRONT] += 1
-        key = -si[S_FRONT]
-    else:
-        key = r
-    if pi[P_LANES] == 1 and is_long[r] == 1:
-        si[S_H1] = _heap_push(hk1, hid1, si[S_H1], key, r)
-    else:
-        si[S_H0] = _heap_push(hk0, hid0, si[S_H0], key, r)
+def _waiting(st):
+    return st.heap_size[0] + st.heap_size[1]
 
 
 @jit
-def _pick_lane(si, hk0, hid0, hk1, hid1, blocked0, blocked1):
+def _enqueue(p, rq, st, r, front):
+    """Put a request into its lane's waiting queue: FCFS at the back (arrival) or the front
+    (requeued after preemption), or by (priority, arrival) under priority scheduling."""
+    sc = st.scalars[0]
+    if p.priority_scheduling:
+        key = rq.priority[r]
+    elif front:
+        sc.front_count += 1
+        key = -sc.front_count
+    else:
+        key = r
+    lane = 1 if p.lanes and rq.is_long[r] == 1 else 0
+    st.heap_size[lane] = _heap_push(st.heap_key[lane], st.heap_id[lane], st.heap_size[lane],
+                                    key, r)
+
+
+@jit
+def _pop_head(st, lane):
+    st.heap_size[lane] = _heap_pop(st.heap_key[lane], st.heap_id[lane], st.heap_size[lane])
+
+
+@jit
+def _pick_lane(st, blocked0, blocked1):
     """The waiting lane whose head comes first in queue order (-1: none unblocked)."""
     lane = -1
-    if si[S_H0] > 0 and not blocked0:
+    if st.heap_size[0] > 0 and not blocked0:
         lane = 0
-    if si[S_H1] > 0 and not blocked1:
-        if lane == -1 or hk1[0] < hk0[0] or (hk1[0] == hk0[0] and hid1[0] < hid0[0]):
+    if st.heap_size[1] > 0 and not blocked1:
+        hk0 = st.heap_key[0]
+        hk1 = st.heap_key[1]
+        if lane == -1 or hk1[0] < hk0[0] or (hk1[0] == hk0[0]
+                                             and st.heap_id[1][0] < st.heap_id[0][0]):
             lane = 1
     return lane
 
 
-@jit
-def _event(ev, si, kind, r, val):
-    k = si[S_EV]
-    ev[k, 0] = kind
-    ev[k, 1] = r
-    ev[k, 2] = val
-    si[S_EV] = k + 1
+@inline
+def _log_event(p, lg, kind, r, value):
+    if not p.log:
+        return
+    lc = lg.counts[0]
+    k = lc.events
+    lg.event_kind[k] = kind
+    lg.event_req[k] = r
+    lg.event_value[k] = value
+    lc.events = k + 1
+
+
+@inline
+def _log_record(p, lg, step, start, dur, kv, waiting, running, repeat):
+    if not p.log:
+        return
+    lc = lg.counts[0]
+    k = lc.records
+    lg.step[k] = step
+    lg.start_s[k] = start
+    lg.duration_s[k] = dur
+    lg.kv_used[k] = kv
+    lg.waiting[k] = waiting
+    lg.running[k] = running
+    lg.repeat[k] = repeat
+    lg.events_end[k] = lc.events
+    lg.repeats_end[k] = lc.repeats
+    lc.records = k + 1
 
 
 @jit
-def _record(rec_i, rec_f, si, step, start, dur, kv, waiting, running, repeat):
-    k = si[S_REC]
-    rec_i[k, R_STEP] = step
-    rec_i[k, R_KV] = kv
-    rec_i[k, R_WAITING] = waiting
-    rec_i[k, R_RUNNING] = running
-    rec_i[k, R_REPEAT] = repeat
-    rec_i[k, R_EV_END] = si[S_EV]
-    rec_i[k, R_REP_END] = si[S_REP]
-    rec_f[k, 0] = start
-    rec_f[k, 1] = dur
-    si[S_REC] = k + 1
+def _log_needs_room(p, rq, st, lg, t):
+    """The step log might overflow in the next step (the driver grows it)."""
+    sc = st.scalars[0]
+    lc = lg.counts[0]
+    n = rq.arrival.shape[0]
+    a = sc.next_arrival
+    while a < n and rq.arrival[a] <= t:
+        a += 1
+    return (lc.records + 2 > lg.step.shape[0]
+            or lc.events + 4 * p.max_seqs + (a - sc.next_arrival) + _waiting(st) + 8
+            > lg.event_kind.shape[0]
+            or lc.repeats + 2 > lg.repeat_duration_s.shape[0])
 
 
 @jit
-def _alloc(r, nblocks, pi, si, held, is_long):
-    held[r] += nblocks
-    si[S_USED] += nblocks
-    if pi[P_LANES] == 1 and is_long[r] == 1:
-        si[S_LONG_HELD] += nblocks
-    if si[S_USED] > si[S_PEAK]:
-        si[S_PEAK] = si[S_USED]
-
-
-@jit
-def _release(r, pi, si, held, is_long, lane_blocks, resv):
-    """Give back a request's blocks and its seat accounting (finish or preemption)."""
-    si[S_USED] -= held[r]
-    if pi[P_LANES] == 1 and is_long[r] == 1:
-        si[S_LONG_HELD] -= held[r]
-        si[S_LONG_N] -= 1
-        si[S_LONG_LANE] -= lane_blocks[r]
-    held[r] = 0
-    si[S_RESV_SUM] -= resv[r]
-
-
-@jit
-def _preempt(v, vp, pi, si, comp, held, in_prefill, npre, prio, is_long, lane_blocks, resv,
-             run, hk0, hid0, hk1, hid1, ev):
-    """Recompute-preempt (SGLang: retract) running request ``v`` at running position
-    ``vp``: free its blocks, drop its computed tokens, requeue it at the front."""
-    _release(v, pi, si, held, is_long, lane_blocks, resv)
-    comp[v] = 0
-    in_prefill[v] = 0
-    npre[v] += 1
-    _enqueue(v, True, pi, si, prio, is_long, hk0, hid0, hk1, hid1)
-    nrun = si[S_NRUN]
-    for q in range(vp, nrun - 1):
-        run[q] = run[q + 1]
-    si[S_NRUN] = nrun - 1
-    if pi[P_LOG] == 1:
-        _event(ev, si, EV_PREEMPT, v, 0)
-
-
-@jit
-def _admission_headroom(r, pi, si, is_long, lane_blocks):
-    """Blocks a waiting request must leave free when admitted: the watermark, plus (for a
-    short request) what the long lane's reserve still lacks; -1 when its lane has no seat
-    or KV share left for it."""
-    headroom = pi[P_WM]
-    if pi[P_LANES] == 1:
-        if is_long[r] == 1:
-            if si[S_LONG_N] + 1 > pi[P_MSEQ] or si[S_LONG_LANE] + lane_blocks[r] > pi[P_MKV]:
-                return -1
-        else:
-            spare = pi[P_RSEQ] - si[S_LONG_N]
-            if spare < 0:
-                spare = 0
-            if si[S_NRUN] + 1 + spare > pi[P_MAX_SEQS]:
-                return -1
-            spare = pi[P_RKV] - si[S_LONG_HELD]
-            if spare > 0:
-                headroom += spare
-    return headroom
-
-
-@jit
-def _admit(r, lane, nblocks, t, pi, si, hk0, hid0, hk1, hid1, run, held, is_long,
-           lane_blocks, resv, in_prefill, admitted_s, ev):
-    """Move the head of waiting ``lane`` (request ``r``) to the end of the running list
-    with ``nblocks`` blocks allocated."""
-    if lane == 0:
-        si[S_H0] = _heap_pop(hk0, hid0, si[S_H0])
-    else:
-        si[S_H1] = _heap_pop(hk1, hid1, si[S_H1])
-    run[si[S_NRUN]] = r
-    si[S_NRUN] += 1
-    _alloc(r, nblocks, pi, si, held, is_long)
-    if pi[P_LANES] == 1 and is_long[r] == 1:
-        si[S_LONG_N] += 1
-        si[S_LONG_LANE] += lane_blocks[r]
-    si[S_RESV_SUM] += resv[r]
-    in_prefill[r] = 1
-    if admitted_s[r] != admitted_s[r]:  # nan: first admission
-        admitted_s[r] = t
-    if pi[P_LOG] == 1:
-        _event(ev, si, EV_ADMIT, r, 0)
-
-
-@jit
-def _reject_head(r, lane, si, hk0, hid0, hk1, hid1, prompt, gen, status, reason, pi, ev):
-    """Turn away the head of waiting ``lane`` (request ``r``): an empty engine cannot
-    admit it, so it never will (a resumed request whose re-prefill outgrew the headroom)."""
-    if lane == 0:
-        si[S_H0] = _heap_pop(hk0, hid0, si[S_H0])
-    else:
-        si[S_H1] = _heap_pop(hk1, hid1, si[S_H1])
-    status[r] = 2
-    reason[r] = RJ_READMIT
-    si[S_DONE] += 1
-    if gen[r] == 0:
-        si[S_QPROMPT] -= prompt[r]
-    if pi[P_LOG] == 1:
-        _event(ev, si, EV_SHED, r, 0)
-
-
-@jit
-def _series_add(ser, sf, t0, t1, kv, waiting, running):
+def _series_add(st, t0, t1, kv, waiting, running):
     """Add a step's time-weighted values to the coarse series (bins double when full)."""
     if t1 <= t0:
         return
+    sc = st.scalars[0]
+    ser = st.series
     nb = ser.shape[1]
-    while t1 > nb * sf[T_BIN_W]:
+    while t1 > nb * sc.bin_width:
         half = nb // 2
         for i in range(half):
             for c in range(3):
@@ -348,8 +403,8 @@ def _series_add(ser, sf, t0, t1, kv, waiting, running):
         for i in range(half, nb):
             for c in range(3):
                 ser[c, i] = 0.0
-        sf[T_BIN_W] = sf[T_BIN_W] * 2.0
-    bw = sf[T_BIN_W]
+        sc.bin_width = sc.bin_width * 2.0
+    bw = sc.bin_width
     b = int(t0 / bw)
     if b >= nb:
         b = nb - 1
@@ -365,6 +420,588 @@ def _series_add(ser, sf, t0, t1, kv, waiting, running):
         b += 1
 
 
+# --- blocks and the batch --------------------------------------------------------------------
+
+
+@jit
+def _alloc(p, rq, st, r, nblocks):
+    sc = st.scalars[0]
+    st.held[r] += nblocks
+    sc.used += nblocks
+    if p.lanes and rq.is_long[r] == 1:
+        sc.long_held += nblocks
+    if sc.used > sc.peak:
+        sc.peak = sc.used
+
+
+@jit
+def _release(p, rq, st, r):
+    """Give back a request's blocks and its seat accounting (finish or preemption)."""
+    sc = st.scalars[0]
+    sc.used -= st.held[r]
+    if p.lanes and rq.is_long[r] == 1:
+        sc.long_held -= st.held[r]
+        sc.long_running -= 1
+        sc.long_footprint -= rq.lane_blocks[r]
+    st.held[r] = 0
+    sc.reserved_sum -= rq.reserved_blocks[r]
+
+
+@inline
+def _grant(st, r, tokens):
+    sc = st.scalars[0]
+    k = sc.batch_size
+    st.batch_req[k] = r
+    st.batch_tokens[k] = tokens
+    sc.batch_size = k + 1
+
+
+@jit
+def _ungrant(st, r):
+    """Take ``r`` out of this step's batch; returns the tokens it had been granted."""
+    sc = st.scalars[0]
+    nb = sc.batch_size
+    for q in range(nb):
+        if st.batch_req[q] == r:
+            tokens = st.batch_tokens[q]
+            for q2 in range(q, nb - 1):
+                st.batch_req[q2] = st.batch_req[q2 + 1]
+                st.batch_tokens[q2] = st.batch_tokens[q2 + 1]
+            sc.batch_size = nb - 1
+            return tokens
+    return 0
+
+
+@jit
+def _long_prefill_cap(p, tokens):
+    """vLLM's long_prefill_token_threshold caps a request's tokens per step (only vLLM)."""
+    if p.engine == E_VLLM and p.long_prefill_threshold > 0 and tokens > p.long_prefill_threshold:
+        return p.long_prefill_threshold
+    return tokens
+
+
+# --- preempt ---------------------------------------------------------------------------------
+
+
+@jit
+def _preempt(p, rq, st, lg, v, vp):
+    """Recompute-preempt (SGLang: retract) running request ``v`` at running position
+    ``vp``: free its blocks, drop its computed tokens, requeue it at the front."""
+    sc = st.scalars[0]
+    _release(p, rq, st, v)
+    st.computed[v] = 0
+    st.in_prefill[v] = 0
+    st.preemptions[v] += 1
+    _enqueue(p, rq, st, v, True)
+    nrun = sc.n_running
+    for q in range(vp, nrun - 1):
+        st.running[q] = st.running[q + 1]
+    sc.n_running = nrun - 1
+    _log_event(p, lg, EV_PREEMPT, v, 0)
+
+
+@jit
+def _preemption_victim(p, rq, st):
+    """vLLM: the running position of the last admitted request (FCFS) or of the max
+    (priority, arrival) one."""
+    sc = st.scalars[0]
+    nrun = sc.n_running
+    vp = nrun - 1
+    if p.priority_scheduling:
+        vp = 0
+        for q in range(1, nrun):
+            a = st.running[q]
+            b = st.running[vp]
+            if rq.priority[a] > rq.priority[b] or (rq.priority[a] == rq.priority[b] and a > b):
+                vp = q
+    return vp
+
+
+@jit
+def _retraction_victim(rq, st):
+    """SGLang: the running position of the request with the fewest generated tokens
+    (longest prompt, then latest arrival among ties)."""
+    sc = st.scalars[0]
+    gen = st.generated
+    prompt = rq.prompt
+    vp = 0
+    for q in range(1, sc.n_running):
+        a = st.running[q]
+        b = st.running[vp]
+        if gen[a] < gen[b] or (gen[a] == gen[b] and (
+                prompt[a] > prompt[b] or (prompt[a] == prompt[b] and a > b))):
+            vp = q
+    return vp
+
+
+# --- admission: shared by every engine and by the arrival-time rejection ---------------------
+
+
+@jit
+def _lane_has_room(p, rq, st, r):
+    """Request ``r``'s lane has a seat and KV share for it: a long request within the long
+    lane's seats and footprint cap; a short one leaving the seats reserved for long ones."""
+    if not p.lanes:
+        return True
+    sc = st.scalars[0]
+    if rq.is_long[r] == 1:
+        return (sc.long_running + 1 <= p.lane_max_seqs
+                and sc.long_footprint + rq.lane_blocks[r] <= p.lane_max_blocks)
+    spare = p.lane_reserved_seqs - sc.long_running
+    if spare < 0:
+        spare = 0
+    return sc.n_running + 1 + spare <= p.max_seqs
+
+
+@jit
+def _headroom(p, rq, st, r):
+    """Blocks request ``r`` must leave free when admitted: the watermark, plus (for a short
+    request) what the long lane's reserve still lacks."""
+    sc = st.scalars[0]
+    headroom = p.watermark_blocks
+    if p.lanes and rq.is_long[r] == 0:
+        spare = p.lane_reserved_blocks - sc.long_held
+        if spare > 0:
+            headroom += spare
+    return headroom
+
+
+@jit
+def _kv_refused(p, rq, st, r, target, chunk, owed):
+    """The engine's KV check refuses request ``r`` (a (re-)prefill of ``target`` tokens whose
+    first chunk is ``chunk``): what the admission needs does not fit beside what is committed,
+    less the headroom. vLLM: the whole (re-)prefill plus the blocks in-flight prefills are
+    ``owed`` (``reserve_full_prompt``), else this chunk, beside the blocks in use; SGLang:
+    the whole (re-)prefill beside the blocks in use; TensorRT-LLM and TGI: the prompt +
+    max output reservation beside the running requests' reservations."""
+    sc = st.scalars[0]
+    if p.engine == E_VLLM:
+        committed = sc.used
+        if p.reserve_full_prompt:
+            need = _blocks(target, p.block_size) + owed
+        else:
+            need = _blocks(chunk, p.block_size)
+    elif p.engine == E_SGLANG:
+        committed = sc.used
+        need = _blocks(target, p.block_size)
+    else:
+        committed = sc.reserved_sum
+        need = rq.reserved_blocks[r]
+    return committed + need + _headroom(p, rq, st, r) > p.total_blocks
+
+
+@jit
+def _sglang_estimate(p, rq, r, generated, ratio):
+    """SGLang's estimate of the KV tokens request ``r`` still grows by: its remaining
+    maximum output, clipped, times the new-token ratio."""
+    f = rq.max_tokens[r] - generated
+    if f > p.sglang_clip:
+        f = p.sglang_clip
+    return f * ratio
+
+
+@jit
+def _owed_blocks(p, rq, st):
+    """Blocks the running requests' in-flight (re-)prefills still need."""
+    sc = st.scalars[0]
+    owed = 0
+    for q in range(sc.n_running):
+        r = st.running[q]
+        if st.in_prefill[r] == 1:
+            d = _blocks(rq.prompt[r] + st.generated[r], p.block_size) - st.held[r]
+            if d > 0:
+                owed += d
+    return owed
+
+
+@jit
+def _reject_head(p, rq, st, lg, lane):
+    """Turn away the head of waiting ``lane``: an empty engine cannot admit it, so it never
+    will (a resumed request whose re-prefill outgrew the headroom)."""
+    sc = st.scalars[0]
+    r = st.heap_id[lane][0]
+    _pop_head(st, lane)
+    st.status[r] = REJECTED
+    st.reason[r] = REASON_READMIT
+    sc.resolved += 1
+    if st.generated[r] == 0:
+        sc.queued_prompt -= rq.prompt[r]
+    _log_event(p, lg, EV_SHED, r, 0)
+
+
+@jit
+def _admit(p, rq, st, lg, lane, nblocks, t):
+    """Move the head of waiting ``lane`` to the end of the running list with ``nblocks``
+    blocks allocated."""
+    sc = st.scalars[0]
+    r = st.heap_id[lane][0]
+    _pop_head(st, lane)
+    st.running[sc.n_running] = r
+    sc.n_running += 1
+    _alloc(p, rq, st, r, nblocks)
+    if p.lanes and rq.is_long[r] == 1:
+        sc.long_running += 1
+        sc.long_footprint += rq.lane_blocks[r]
+    sc.reserved_sum += rq.reserved_blocks[r]
+    st.in_prefill[r] = 1
+    if st.admitted_s[r] != st.admitted_s[r]:  # nan: first admission
+        st.admitted_s[r] = t
+    _log_event(p, lg, EV_ADMIT, r, 0)
+
+
+@jit
+def _admit_waiting(p, rq, st, lg, t, budget, ratio):
+    """Admit waiting requests in queue order into this step, up to ``max_seqs`` and while
+    ``budget`` tokens are left; returns (budget left, requests admitted).
+
+    Every engine: a (re-)prefill's first chunk is capped by the budget (with chunked prefill
+    off, one that would fit a whole step waits); the lane must have room; the engine's KV
+    check (``_kv_refused``) must pass; SGLang also needs the re-prefill plus the output
+    estimate of it and of every running request to fit the free KV tokens. A head that does
+    not fit blocks its lane (strict head-of-line; with lanes, only within its lane), or is
+    rejected when the engine is empty. Admitting allocates the chunk's blocks (SGLang: the
+    whole re-prefill's); SGLang stops after a chunked admission.
+    """
+    sc = st.scalars[0]
+    engine = p.engine
+    bs = p.block_size
+    sglang = engine == E_SGLANG
+    owed = 0  # blocks in-flight prefills still need (vLLM reserve_full_prompt)
+    if engine == E_VLLM and p.reserve_full_prompt and _waiting(st) > 0:
+        owed = _owed_blocks(p, rq, st)
+    rem = 0.0  # SGLang: free KV tokens less the running requests' output estimate
+    if sglang:
+        future = 0.0
+        for q in range(sc.n_running):
+            r = st.running[q]
+            future += _sglang_estimate(p, rq, r, st.generated[r], ratio)
+        rem = float((p.total_blocks - sc.used) * bs) - future
+    nadm = 0
+    blocked0 = False
+    blocked1 = False
+    while budget > 0 and sc.n_running < p.max_seqs:
+        lane = _pick_lane(st, blocked0, blocked1)
+        if lane == -1:
+            break
+        r = st.heap_id[lane][0]
+        target = rq.prompt[r] + st.generated[r]
+        chunk = _long_prefill_cap(p, target)
+        waits = False
+        if chunk > budget:
+            if not p.chunked_prefill and chunk <= p.budget:
+                waits = True  # chunked prefill off: the prompt waits for a step with room
+            else:
+                chunk = budget  # (off: a re-prefill over the whole budget is chunked)
+        fr = 0.0
+        if sglang:
+            fr = _sglang_estimate(p, rq, r, st.generated[r], ratio)
+        fits = (not waits and _lane_has_room(p, rq, st, r)
+                and not _kv_refused(p, rq, st, r, target, chunk, owed)
+                and (not sglang or target + fr <= rem))
+        if not fits:
+            if sc.n_running == 0:
+                _reject_head(p, rq, st, lg, lane)
+                continue
+            if p.lanes:  # each lane is head-of-line only within itself
+                if lane == 0:
+                    blocked0 = True
+                else:
+                    blocked1 = True
+                continue
+            break  # strict head-of-line blocking
+        nblocks = _blocks(target, bs) if sglang else _blocks(chunk, bs)
+        _admit(p, rq, st, lg, lane, nblocks, t)
+        if engine == E_VLLM and p.reserve_full_prompt:
+            owed += _blocks(target, bs) - nblocks
+        if sglang:
+            rem -= nblocks * bs + fr
+        _grant(st, r, chunk)
+        budget -= chunk
+        nadm += 1
+        if sglang and chunk < target:
+            sc.chunked_req = r
+            break
+    return budget, nadm
+
+
+@entry
+def reject_at_arrival(p, rq, st):
+    """Fill ``rq.reject`` before the run: why each request could never run (0: it can), so
+    that none waits forever at the head of the queue. ``st`` is the run's initial (empty)
+    state: the checks are the kernel's own admission checks on an empty engine with a whole
+    step's budget, plus the request's KV at its last token. The first that applies wins:
+
+    - REASON_KV_POOL: its last token's KV exceeds the pool (TensorRT-LLM, TGI: less the
+      headroom), or (vLLM, SGLang) the KV check refuses it on an empty engine;
+    - REASON_LANE: its lane has no room for it on an empty engine;
+    - REASON_BUDGET: chunked prefill off and its first chunk exceeds the budget (a
+      resumed request's longer re-prefill is chunked instead: vLLM's own config check
+      rules that case out);
+    - REASON_RESERVATION: TensorRT-LLM/TGI's KV check (its reservation) refuses it on an
+      empty engine; SGLang: its re-prefill at its last token plus the output estimate at
+      the ratio's maximum (1) exceeds the pool.
+    """
+    bs = p.block_size
+    total = p.total_blocks
+    for r in range(rq.arrival.shape[0]):
+        prompt = rq.prompt[r]
+        last = prompt + rq.output[r] - 1  # tokens in KV when its last token is sampled
+        chunk = _long_prefill_cap(p, prompt)
+        over_budget = not p.chunked_prefill and chunk > p.budget
+        if chunk > p.budget:
+            chunk = p.budget
+        refused = _kv_refused(p, rq, st, r, prompt, chunk, 0)
+        if p.engine == E_TRTLLM or p.engine == E_TGI:
+            never_fits = _blocks(last, bs) + _headroom(p, rq, st, r) > total
+            reservation = refused
+        else:
+            never_fits = refused or _blocks(last, bs) > total
+            reservation = (p.engine == E_SGLANG and last + _sglang_estimate(
+                p, rq, r, rq.output[r] - 1, 1.0) > total * bs)
+        if never_fits:
+            rq.reject[r] = REASON_KV_POOL
+        elif not _lane_has_room(p, rq, st, r):
+            rq.reject[r] = REASON_LANE
+        elif over_budget:
+            rq.reject[r] = REASON_BUDGET
+        elif reservation:
+            rq.reject[r] = REASON_RESERVATION
+        else:
+            rq.reject[r] = REASON_NONE
+
+
+# --- the step's parts ------------------------------------------------------------------------
+
+
+@jit
+def _arrivals(p, rq, st, lg, t):
+    """Arrivals up to ``t`` enter the waiting queue, or are rejected (``rq.reject``) or
+    shed (queue caps); returns whether any arrived."""
+    sc = st.scalars[0]
+    n = rq.arrival.shape[0]
+    arrived = False
+    while sc.next_arrival < n and rq.arrival[sc.next_arrival] <= t:
+        r = sc.next_arrival
+        sc.next_arrival = r + 1
+        arrived = True
+        waiting = _waiting(st)
+        if rq.reject[r] != REASON_NONE:
+            st.status[r] = REJECTED
+            st.reason[r] = rq.reject[r]
+        elif p.max_queued_requests > 0 and waiting + sc.n_running >= p.max_queued_requests:
+            st.status[r] = SHED
+            st.reason[r] = REASON_SHED_REQUESTS
+        elif (p.max_queued_prompt_tokens > 0
+              and sc.queued_prompt + rq.prompt[r] > p.max_queued_prompt_tokens):
+            st.status[r] = SHED
+            st.reason[r] = REASON_SHED_TOKENS
+        else:
+            _enqueue(p, rq, st, r, False)
+            sc.queued_prompt += rq.prompt[r]
+            continue
+        sc.resolved += 1
+        _log_event(p, lg, EV_SHED, r, 0)
+    return arrived
+
+
+@jit
+def _grant_running(p, rq, st, lg):
+    """vLLM, TensorRT-LLM, TGI: grant each running request, in admission order, its
+    remaining tokens capped by the threshold and the budget (TGI: decode tokens are not
+    budgeted), allocating their blocks; when blocks run out, preempt the last admitted
+    (FCFS) or the max (priority, arrival) request until this one fits (if it is itself the
+    victim, nothing after it runs). Returns (budget left, preempted)."""
+    sc = st.scalars[0]
+    budget = p.budget
+    tgi = p.engine == E_TGI
+    bs = p.block_size
+    preempted = False
+    i = 0
+    while i < sc.n_running:
+        if budget <= 0 and not tgi:
+            break
+        r = st.running[i]
+        target = rq.prompt[r] + st.generated[r]
+        new = target - st.computed[r]
+        decoding = st.generated[r] >= 1 and new == 1
+        new = _long_prefill_cap(p, new)
+        if not (tgi and decoding) and new > budget:
+            new = budget
+        if new <= 0:
+            i += 1
+            continue
+        need = _blocks(st.computed[r] + new, bs) - st.held[r]
+        fits = True
+        while need > p.total_blocks - sc.used:
+            vp = _preemption_victim(p, rq, st)
+            v = st.running[vp]
+            budget += _ungrant(st, v)  # already granted this step: give it back
+            _preempt(p, rq, st, lg, v, vp)
+            preempted = True
+            if v == r:
+                fits = False
+                break
+            if vp < i:
+                i -= 1
+        if not fits:
+            break
+        _alloc(p, rq, st, r, need)
+        _grant(st, r, new)
+        if not (tgi and decoding):
+            budget -= new
+        i += 1
+    return budget, preempted
+
+
+@jit
+def _sglang_decode_batch(p, rq, st, lg, ratio):
+    """SGLang's decode batch: every running request decodes one token (not budgeted);
+    when the batch's blocks do not fit, retract requests until it does, then update the
+    new-token ratio (jump up after a retraction, else decay). Returns whether it retracted."""
+    sc = st.scalars[0]
+    bs = p.block_size
+    need = 0
+    for q in range(sc.n_running):
+        r = st.running[q]
+        need += _blocks(st.computed[r] + 1, bs) - st.held[r]
+    retracted = False
+    while need > p.total_blocks - sc.used and sc.n_running > 0:
+        vp = _retraction_victim(rq, st)
+        v = st.running[vp]
+        need -= _blocks(st.computed[v] + 1, bs) - st.held[v]
+        _preempt(p, rq, st, lg, v, vp)
+        retracted = True
+    if retracted:
+        if sc.n_running > 0:
+            decoded = 0
+            max_new = 0
+            for q in range(sc.n_running):
+                r = st.running[q]
+                decoded += st.generated[r]
+                max_new += rq.max_tokens[r]
+            ratio = (decoded + p.sglang_retract_steps * sc.n_running) / max_new
+            if ratio > 1.0:
+                ratio = 1.0
+    else:
+        ratio = ratio - p.ratio_decay
+        if ratio < p.ratio_floor:
+            ratio = p.ratio_floor
+    sc.token_ratio = ratio
+    for q in range(sc.n_running):
+        r = st.running[q]
+        _alloc(p, rq, st, r, _blocks(st.computed[r] + 1, bs) - st.held[r])
+        _grant(st, r, 1)
+    return retracted
+
+
+@jit
+def _schedule(p, rq, st, lg, t):
+    """Form this step's batch; returns (admitted, preempted, SGLang prefill step)."""
+    sc = st.scalars[0]
+    if p.engine != E_SGLANG:
+        budget, preempted = _grant_running(p, rq, st, lg)
+        nadm = 0
+        if not preempted:  # never admit in a step that preempted
+            budget, nadm = _admit_waiting(p, rq, st, lg, t, budget, 0.0)
+        return nadm, preempted, False
+    # SGLang: a prefill batch when one can be formed (the chunked request first, then
+    # admissions under the new_token_ratio estimate), else a decode batch.
+    ratio = sc.token_ratio
+    budget = p.budget
+    prefill_step = False
+    still_chunking = False
+    cr = sc.chunked_req
+    if cr >= 0:
+        new = rq.prompt[cr] + st.generated[cr] - st.computed[cr]
+        if new > budget:
+            new = budget
+            still_chunking = True
+        _grant(st, cr, new)
+        budget -= new
+        prefill_step = True
+    nadm = 0
+    if _waiting(st) > 0 and budget > 0 and not still_chunking:
+        budget, nadm = _admit_waiting(p, rq, st, lg, t, budget, ratio)
+        if nadm > 0:
+            prefill_step = True
+    preempted = False
+    if not prefill_step:
+        preempted = _sglang_decode_batch(p, rq, st, lg, ratio)
+    return nadm, preempted, prefill_step
+
+
+@jit
+def _execute_step(p, rq, st, lg, t, nadm, preempted, prefill_step):
+    """Run the batch: the step's time from its five aggregates, then its tokens, first
+    tokens and finishes; record it and note whether it only decoded."""
+    sc = st.scalars[0]
+    nsched = sc.batch_size
+    T = 0
+    S = 0
+    D = 0
+    C = 0
+    W = 0.0
+    for q in range(nsched):
+        r = st.batch_req[q]
+        new = st.batch_tokens[q]
+        before = st.computed[r]
+        target = rq.prompt[r] + st.generated[r]
+        T += new
+        if st.generated[r] >= 1 and new == 1 and before == target - 1:
+            D += 1
+            C += before + 1
+        else:
+            W += new * (before + new / 2.0)
+        if before + new == target:
+            S += 1
+    dur = 0.0
+    if nsched > 0:
+        dur = _step_seconds(p.step_coef, p.step_pieces, float(T), float(S), float(D), float(C),
+                            W)
+    used = sc.used
+    waiting = _waiting(st)
+    nrun_step = sc.n_running
+    sc.kv_integral += used * dur
+    _series_add(st, t, t + dur, float(used), float(waiting), float(nrun_step))
+    t_end = t + dur
+    nfin = 0
+    for q in range(nsched):
+        r = st.batch_req[q]
+        st.computed[r] += st.batch_tokens[q]
+        _log_event(p, lg, EV_SCHED, r, st.batch_tokens[q])
+        if st.computed[r] == rq.prompt[r] + st.generated[r]:
+            st.generated[r] += 1
+            st.in_prefill[r] = 0
+            if r == sc.chunked_req:
+                sc.chunked_req = -1
+            if st.generated[r] == 1:
+                st.first_token_s[r] = t_end
+                sc.queued_prompt -= rq.prompt[r]
+            if st.generated[r] == rq.output[r]:
+                st.status[r] = COMPLETED
+                st.finish_s[r] = t_end
+                _release(p, rq, st, r)
+                sc.resolved += 1
+                nfin += 1
+                _log_event(p, lg, EV_FINISH, r, 0)
+    if nfin > 0:
+        k = 0
+        for q in range(sc.n_running):
+            r = st.running[q]
+            if st.status[r] != COMPLETED:
+                st.running[k] = r
+                k += 1
+        sc.n_running = k
+    _log_record(p, lg, sc.steps, t, dur, used, waiting, nrun_step, 1)
+    sc.now = t_end
+    sc.steps += 1
+    pure = (D == nsched and nsched == nrun_step and nadm == 0 and not preempted
+            and nfin == 0)
+    if p.engine == E_SGLANG:
+        pure = pure and not prefill_step and _waiting(st) == 0
+    sc.pure_decode = 1 if pure else 0
+
+
 @jit
 def _need_blocks(run, nrun, comp, k, bs):
     """Blocks the running (decoding) requests allocate over the next ``k`` decode steps."""
@@ -376,8 +1013,7 @@ def _need_blocks(run, nrun, comp, k, bs):
 
 
 @jit
-def _jump(pi, pf, coef, pieces, arrival, out, gen, comp, held, is_long, run, hist,
-          si, sf, ser, rec_i, rec_f, ev, rep_f, rep_i):
+def _jump(p, rq, st, lg):
     """Advance a stretch of identical decode steps in one go; returns the steps taken
     (0: no stretch of at least two steps is possible here).
 
@@ -390,31 +1026,34 @@ def _jump(pi, pf, coef, pieces, arrival, out, gen, comp, held, is_long, run, his
     one step at a time: with the same float operations as the reference loop, the
     clock is bit-identical to it (a closed form would differ in the last bits).
     """
-    n = arrival.shape[0]
-    nrun = si[S_NRUN]
-    bs = pi[P_BS]
-    engine = pi[P_ENGINE]
-    if ((engine == E_TRTLLM or engine == E_TGI) and pi[P_LANES] == 1 and pi[P_RKV] > 0
-            and si[S_H0] > 0):
+    sc = st.scalars[0]
+    lc = lg.counts[0]
+    n = rq.arrival.shape[0]
+    run = st.running
+    comp = st.computed
+    nrun = sc.n_running
+    bs = p.block_size
+    engine = p.engine
+    if ((engine == E_TRTLLM or engine == E_TGI) and p.lanes and p.lane_reserved_blocks > 0
+            and st.heap_size[0] > 0):
         # These engines admit against reservations, which decoding does not change, while
         # a waiting short request's headroom (the long lane's reserve less what long
         # requests hold) shrinks as long requests grow: it may fit after any step.
         return 0
-    log = pi[P_LOG] == 1
     kfin = WINDOW_MAX
     csum = 0
     for q in range(nrun):
         r = run[q]
-        rem = out[r] - gen[r] - 1
+        rem = rq.output[r] - st.generated[r] - 1
         if rem < kfin:
             kfin = rem
         csum += comp[r] + 1
     k = kfin
-    if log and rep_f.shape[0] - si[S_REP] < k:
-        k = rep_f.shape[0] - si[S_REP]
+    if p.log and lg.repeat_duration_s.shape[0] - lc.repeats < k:
+        k = lg.repeat_duration_s.shape[0] - lc.repeats
     if k < 2:
         return 0
-    free = pi[P_TOTAL] - si[S_USED]
+    free = p.total_blocks - sc.used
     if engine == E_VLLM or engine == E_SGLANG:
         if _need_blocks(run, nrun, comp, k, bs) > free:
             lo = 0  # need(lo) <= free
@@ -428,6 +1067,7 @@ def _jump(pi, pf, coef, pieces, arrival, out, gen, comp, held, is_long, run, his
             k = lo
         if k < 2:
             return 0
+    hist = st.jump_hist
     for j in range(k + 1):
         hist[j] = 0
     for q in range(nrun):
@@ -436,453 +1076,104 @@ def _jump(pi, pf, coef, pieces, arrival, out, gen, comp, held, is_long, run, his
         while j <= k:
             hist[j] += 1
             j += bs
-    waiting = si[S_H0] + si[S_H1]
-    t0 = sf[T_NOW]
+    waiting = _waiting(st)
+    t0 = sc.now
     t = t0
-    used = si[S_USED]
-    step0 = si[S_STEPS]
+    used = sc.used
+    step0 = sc.steps
     fD = float(nrun)
     done = 0
     while done < k:
-        if done > 0 and si[S_NEXT_ARR] < n and arrival[si[S_NEXT_ARR]] <= t:
+        if done > 0 and sc.next_arrival < n and rq.arrival[sc.next_arrival] <= t:
             break
         j = done + 1
         used += hist[j]
         C = csum + (j - 1) * nrun
-        dur = _step_seconds(coef, pieces, fD, fD, fD, float(C), 0.0)
-        if log:
-            rep_f[si[S_REP]] = dur
-            rep_i[si[S_REP]] = used
-            si[S_REP] += 1
-        sf[T_KV_INT] += used * dur
-        _series_add(ser, sf, t, t + dur, float(used), float(waiting), fD)
+        dur = _step_seconds(p.step_coef, p.step_pieces, fD, fD, fD, float(C), 0.0)
+        if p.log:
+            lg.repeat_duration_s[lc.repeats] = dur
+            lg.repeat_kv_used[lc.repeats] = used
+            lc.repeats += 1
+        sc.kv_integral += used * dur
+        _series_add(st, t, t + dur, float(used), float(waiting), fD)
         t = t + dur
         if engine == E_SGLANG:
-            ratio = sf[T_RATIO] - pf[F_RATIO_DECAY]
-            sf[T_RATIO] = ratio if ratio > pf[F_RATIO_FLOOR] else pf[F_RATIO_FLOOR]
+            ratio = sc.token_ratio - p.ratio_decay
+            sc.token_ratio = ratio if ratio > p.ratio_floor else p.ratio_floor
         done += 1
-    if used > si[S_PEAK]:
-        si[S_PEAK] = used
-    lanes = pi[P_LANES] == 1
+    if used > sc.peak:
+        sc.peak = used
     for q in range(nrun):
         r = run[q]
         comp[r] += done
-        gen[r] += done
+        st.generated[r] += done
         nb = _blocks(comp[r], bs)
-        if lanes and is_long[r] == 1:
-            si[S_LONG_HELD] += nb - held[r]
-        held[r] = nb
-    si[S_USED] = used
-    si[S_STEPS] = step0 + done
-    sf[T_NOW] = t
-    si[S_JUMPS] += 1
-    if log:
+        if p.lanes and rq.is_long[r] == 1:
+            sc.long_held += nb - st.held[r]
+        st.held[r] = nb
+    sc.used = used
+    sc.steps = step0 + done
+    sc.now = t
+    sc.jumps += 1
+    if p.log:
         for q in range(nrun):
-            _event(ev, si, EV_SCHED, run[q], 1)
-        _record(rec_i, rec_f, si, step0, t0, t - t0, used, waiting, nrun, done)
+            _log_event(p, lg, EV_SCHED, run[q], 1)
+        _log_record(p, lg, step0, t0, t - t0, used, waiting, nrun, done)
     return done
 
 
-@jit
-def run_kernel(pi, pf, coef, pieces,
-               arrival, prompt, out, maxtok, prio, is_long, lane_blocks, reject, resv,
-               comp, gen, held, in_prefill, admitted_s, first_s, finish_s, npre, status,
-               reason, hk0, hid0, hk1, hid1, run, sched_r, sched_n, hist,
-               si, sf, ser, rec_i, rec_f, ev, rep_f, rep_i, max_steps):
-    """Run the engine until every request is resolved (RC_DONE), the step-log buffers
-    need to grow (RC_LOG_FULL), ``max_steps`` steps ran (RC_STEP_LIMIT), or no progress
-    is possible (RC_STUCK, a bug guard)."""
-    n = arrival.shape[0]
-    engine = pi[P_ENGINE]
-    bs = pi[P_BS]
-    total = pi[P_TOTAL]
-    max_seqs = pi[P_MAX_SEQS]
-    lanes = pi[P_LANES] == 1
-    log = pi[P_LOG] == 1
+@entry
+def run_kernel(p, rq, st, lg, max_steps):
+    """Run the engine until every request is resolved (RC_DONE), the step log needs to
+    grow (RC_LOG_FULL), ``max_steps`` steps ran (RC_STEP_LIMIT), or no progress is
+    possible (RC_STUCK, a bug guard)."""
+    sc = st.scalars[0]
+    lc = lg.counts[0]
+    n = rq.arrival.shape[0]
     steps_here = 0
     while True:
         if steps_here >= max_steps:
             return RC_STEP_LIMIT
-        t = sf[T_NOW]
-        if log:
-            a = si[S_NEXT_ARR]
-            while a < n and arrival[a] <= t:
-                a += 1
-            if (si[S_REC] + 2 > rec_i.shape[0]
-                    or si[S_EV] + 4 * max_seqs + (a - si[S_NEXT_ARR]) + si[S_H0] + si[S_H1]
-                    + 8 > ev.shape[0]
-                    or si[S_REP] + 2 > rep_f.shape[0]):
-                return RC_LOG_FULL
+        t = sc.now
+        if p.log and _log_needs_room(p, rq, st, lg, t):
+            return RC_LOG_FULL
 
         # ---- arrivals enter at the step boundary (rejected / shed ones are turned away)
-        arrived = False
-        while si[S_NEXT_ARR] < n and arrival[si[S_NEXT_ARR]] <= t:
-            r = si[S_NEXT_ARR]
-            si[S_NEXT_ARR] = r + 1
-            arrived = True
-            waiting = si[S_H0] + si[S_H1]
-            if reject[r] != 0:
-                status[r] = 2
-                reason[r] = reject[r]
-            elif pi[P_QREQ] > 0 and waiting + si[S_NRUN] >= pi[P_QREQ]:
-                status[r] = 1
-                reason[r] = 1
-            elif pi[P_QTOK] > 0 and si[S_QPROMPT] + prompt[r] > pi[P_QTOK]:
-                status[r] = 1
-                reason[r] = 2
-            else:
-                _enqueue(r, False, pi, si, prio, is_long, hk0, hid0, hk1, hid1)
-                si[S_QPROMPT] += prompt[r]
-                continue
-            si[S_DONE] += 1
-            if log:
-                _event(ev, si, EV_SHED, r, 0)
-        waiting = si[S_H0] + si[S_H1]
-        if waiting == 0 and si[S_NRUN] == 0:
-            si[S_PURE] = 0
-            if si[S_NEXT_ARR] >= n:
+        arrived = _arrivals(p, rq, st, lg, t)
+        if _waiting(st) == 0 and sc.n_running == 0:
+            sc.pure_decode = 0
+            if sc.next_arrival >= n:
                 break
-            nxt = arrival[si[S_NEXT_ARR]]
-            sf[T_NOW] = nxt if nxt > t else t  # idle: jump to the next arrival
-            sf[T_RATIO] = pf[F_RATIO_INIT]
+            nxt = rq.arrival[sc.next_arrival]
+            sc.now = nxt if nxt > t else t  # idle: jump to the next arrival
+            sc.token_ratio = p.ratio_init
             continue
 
         # ---- fast mode: a stretch of identical decode steps in one go
-        if pi[P_JUMP] == 1 and not arrived and si[S_PURE] == 1:
-            k = _jump(pi, pf, coef, pieces, arrival, out, gen, comp, held, is_long, run, hist,
-                      si, sf, ser, rec_i, rec_f, ev, rep_f, rep_i)
+        if p.jump and not arrived and sc.pure_decode == 1:
+            k = _jump(p, rq, st, lg)
             if k > 0:
                 steps_here += k
                 continue
 
-        # ---- schedule one step
-        nsched = 0
-        nadm = 0
-        preempted = False
-        prefill_step = False
-        retracted = False
-        if engine != E_SGLANG:
-            budget = pi[P_BUDGET]
-            thresh = pi[P_THRESH] if engine == E_VLLM else 0
-            tgi = engine == E_TGI
-            # Pass 1: running requests in admission order.
-            i = 0
-            while i < si[S_NRUN]:
-                if budget <= 0 and not tgi:
-                    break
-                r = run[i]
-                target = prompt[r] + gen[r]
-                new = target - comp[r]
-                decoding = gen[r] >= 1 and new == 1
-                if thresh > 0 and new > thresh:
-                    new = thresh
-                if not (tgi and decoding) and new > budget:
-                    new = budget  # tgi: decode tokens are not budgeted
-                if new <= 0:
-                    i += 1
-                    continue
-                need = _blocks(comp[r] + new, bs) - held[r]
-                ok = True
-                while need > total - si[S_USED]:
-                    # Out of blocks: recompute-preempt the last admitted (FCFS) or the
-                    # max (priority, arrival) running request until this one fits.
-                    nrun = si[S_NRUN]
-                    vp = nrun - 1
-                    if pi[P_PRIO_MODE] == 1:
-                        vp = 0
-                        for q in range(1, nrun):
-                            a = run[q]
-                            b = run[vp]
-                            if prio[a] > prio[b] or (prio[a] == prio[b] and a > b):
-                                vp = q
-                    v = run[vp]
-                    for q in range(nsched):
-                        if sched_r[q] == v:  # already granted this step: give it back
-                            budget += sched_n[q]
-                            for q2 in range(q, nsched - 1):
-                                sched_r[q2] = sched_r[q2 + 1]
-                                sched_n[q2] = sched_n[q2 + 1]
-                            nsched -= 1
-                            break
-                    _preempt(v, vp, pi, si, comp, held, in_prefill, npre, prio, is_long,
-                             lane_blocks, resv, run, hk0, hid0, hk1, hid1, ev)
-                    preempted = True
-                    if v == r:
-                        ok = False
-                        break
-                    if vp < i:
-                        i -= 1
-                if not ok:
-                    break
-                _alloc(r, need, pi, si, held, is_long)
-                sched_r[nsched] = r
-                sched_n[nsched] = new
-                nsched += 1
-                if not (tgi and decoding):
-                    budget -= new
-                i += 1
-            # Pass 2: admit from the waiting queue, never in a step that preempted.
-            if not preempted:
-                owed = 0  # blocks in-flight prefills still need (vLLM reserve_full_isl)
-                if engine == E_VLLM and pi[P_RESERVE_FULL] == 1 and si[S_H0] + si[S_H1] > 0:
-                    for q in range(si[S_NRUN]):
-                        r = run[q]
-                        if in_prefill[r] == 1:
-                            d = _blocks(prompt[r] + gen[r], bs) - held[r]
-                            if d > 0:
-                                owed += d
-                blocked0 = False
-                blocked1 = False
-                while budget > 0 and si[S_NRUN] < max_seqs:
-                    lane = _pick_lane(si, hk0, hid0, hk1, hid1, blocked0, blocked1)
-                    if lane == -1:
-                        break
-                    r = hid0[0] if lane == 0 else hid1[0]
-                    target = prompt[r] + gen[r]
-                    new = target
-                    if thresh > 0 and new > thresh:
-                        new = thresh
-                    fits = True
-                    if new > budget:
-                        if pi[P_CHUNKED] == 0 and new <= pi[P_BUDGET]:
-                            fits = False  # chunked prefill off: the prompt waits
-                        else:
-                            new = budget  # (off: a re-prefill over the whole budget)
-                    headroom = _admission_headroom(r, pi, si, is_long, lane_blocks)
-                    chunk_blocks = _blocks(new, bs)
-                    if headroom < 0:
-                        fits = False
-                    elif engine == E_VLLM:
-                        if pi[P_RESERVE_FULL] == 1:
-                            need_check = _blocks(target, bs) + owed
-                        else:
-                            need_check = chunk_blocks
-                        if total - si[S_USED] - need_check < headroom:
-                            fits = False
-                    elif si[S_RESV_SUM] + resv[r] + headroom > total:
-                        fits = False
-                    if not fits and si[S_NRUN] == 0:
-                        _reject_head(r, lane, si, hk0, hid0, hk1, hid1, prompt, gen, status,
-                                     reason, pi, ev)
-                        continue
-                    if not fits:
-                        if lanes:  # each lane is head-of-line only within itself
-                            if lane == 0:
-                                blocked0 = True
-                            else:
-                                blocked1 = True
-                            continue
-                        break  # strict head-of-line blocking
-                    _admit(r, lane, chunk_blocks, t, pi, si, hk0, hid0, hk1, hid1, run, held,
-                           is_long, lane_blocks, resv, in_prefill, admitted_s, ev)
-                    if pi[P_RESERVE_FULL] == 1 and engine == E_VLLM:
-                        owed += _blocks(target, bs) - chunk_blocks
-                    sched_r[nsched] = r
-                    sched_n[nsched] = new
-                    nsched += 1
-                    budget -= new
-                    nadm += 1
-        else:
-            # SGLang: a prefill batch when one can be formed (chunked continuation first,
-            # then admissions under the new_token_ratio reservation), else a decode batch.
-            ratio = sf[T_RATIO]
-            budget = pi[P_BUDGET]
-            clip = pi[P_CLIP]
-            cr = si[S_CHUNKED_REQ]
-            still_chunking = False
-            if cr >= 0:
-                new = prompt[cr] + gen[cr] - comp[cr]
-                if new > budget:
-                    new = budget
-                    still_chunking = True
-                sched_r[nsched] = cr
-                sched_n[nsched] = new
-                nsched += 1
-                budget -= new
-                prefill_step = True
-            if si[S_H0] + si[S_H1] > 0 and budget > 0 and not still_chunking:
-                future = 0.0
-                for q in range(si[S_NRUN]):
-                    r = run[q]
-                    f = maxtok[r] - gen[r]
-                    if f > clip:
-                        f = clip
-                    future += f * ratio
-                rem = float((total - si[S_USED]) * bs) - future
-                blocked0 = False
-                blocked1 = False
-                while budget > 0 and si[S_NRUN] < max_seqs:
-                    lane = _pick_lane(si, hk0, hid0, hk1, hid1, blocked0, blocked1)
-                    if lane == -1:
-                        break
-                    r = hid0[0] if lane == 0 else hid1[0]
-                    extend = prompt[r] + gen[r]
-                    f = maxtok[r] - gen[r]
-                    if f > clip:
-                        f = clip
-                    fr = f * ratio
-                    fits = extend + fr <= rem
-                    new = extend
-                    if new > budget:
-                        if pi[P_CHUNKED] == 0 and new <= pi[P_BUDGET]:
-                            fits = False
-                        else:
-                            new = budget
-                    headroom = _admission_headroom(r, pi, si, is_long, lane_blocks)
-                    eb = _blocks(extend, bs)
-                    if headroom < 0 or total - si[S_USED] - eb < headroom:
-                        fits = False
-                    if not fits and si[S_NRUN] == 0:
-                        _reject_head(r, lane, si, hk0, hid0, hk1, hid1, prompt, gen, status,
-                                     reason, pi, ev)
-                        continue
-                    if not fits:
-                        if lanes:
-                            if lane == 0:
-                                blocked0 = True
-                            else:
-                                blocked1 = True
-                            continue
-                        break
-                    # the whole re-prefill is allocated at admission
-                    _admit(r, lane, eb, t, pi, si, hk0, hid0, hk1, hid1, run, held, is_long,
-                           lane_blocks, resv, in_prefill, admitted_s, ev)
-                    rem -= eb * bs + fr
-                    sched_r[nsched] = r
-                    sched_n[nsched] = new
-                    nsched += 1
-                    budget -= new
-                    nadm += 1
-                    prefill_step = True
-                    if new < extend:
-                        si[S_CHUNKED_REQ] = r
-                        break
-            if not prefill_step:
-                # Decode batch: every running request decodes one token (not budgeted).
-                need = 0
-                for q in range(si[S_NRUN]):
-                    r = run[q]
-                    need += _blocks(comp[r] + 1, bs) - held[r]
-                while need > total - si[S_USED] and si[S_NRUN] > 0:
-                    # Retract the request with the fewest generated tokens (longest
-                    # prompt, then latest arrival among ties) until the batch fits.
-                    nrun = si[S_NRUN]
-                    vp = 0
-                    for q in range(1, nrun):
-                        a = run[q]
-                        b = run[vp]
-                        if gen[a] < gen[b] or (gen[a] == gen[b] and (
-                                prompt[a] > prompt[b] or (prompt[a] == prompt[b] and a > b))):
-                            vp = q
-                    v = run[vp]
-                    need -= _blocks(comp[v] + 1, bs) - held[v]
-                    _preempt(v, vp, pi, si, comp, held, in_prefill, npre, prio, is_long,
-                             lane_blocks, resv, run, hk0, hid0, hk1, hid1, ev)
-                    retracted = True
-                    preempted = True
-                if retracted:
-                    if si[S_NRUN] > 0:
-                        decoded = 0
-                        max_new = 0
-                        for q in range(si[S_NRUN]):
-                            r = run[q]
-                            decoded += gen[r]
-                            max_new += maxtok[r]
-                        ratio = (decoded + pi[P_RETRACT_STEPS] * si[S_NRUN]) / max_new
-                        if ratio > 1.0:
-                            ratio = 1.0
-                else:
-                    ratio = ratio - pf[F_RATIO_DECAY]
-                    if ratio < pf[F_RATIO_FLOOR]:
-                        ratio = pf[F_RATIO_FLOOR]
-                sf[T_RATIO] = ratio
-                for q in range(si[S_NRUN]):
-                    r = run[q]
-                    _alloc(r, _blocks(comp[r] + 1, bs) - held[r], pi, si, held, is_long)
-                    sched_r[nsched] = r
-                    sched_n[nsched] = 1
-                    nsched += 1
-
-        # ---- execute the step: its time from the five aggregates, then its outcomes
-        if nsched == 0 and not preempted:
-            si[S_PURE] = 0
-            if si[S_NRUN] == 0 and si[S_H0] + si[S_H1] == 0:
+        # ---- form the batch, then execute it
+        sc.batch_size = 0
+        nadm, preempted, prefill_step = _schedule(p, rq, st, lg, t)
+        if sc.batch_size == 0 and not preempted:
+            sc.pure_decode = 0
+            if sc.n_running == 0 and _waiting(st) == 0:
                 continue  # every waiting request was turned away: end or idle at the top
-            if si[S_NRUN] == 0 and si[S_NEXT_ARR] < n and arrival[si[S_NEXT_ARR]] > t:
-                sf[T_NOW] = arrival[si[S_NEXT_ARR]]  # only blocked requests wait: idle
+            if (sc.n_running == 0 and sc.next_arrival < n
+                    and rq.arrival[sc.next_arrival] > t):
+                sc.now = rq.arrival[sc.next_arrival]  # only blocked requests wait: idle
                 continue
             return RC_STUCK
-        T = 0
-        S = 0
-        D = 0
-        C = 0
-        W = 0.0
-        for q in range(nsched):
-            r = sched_r[q]
-            new = sched_n[q]
-            before = comp[r]
-            target = prompt[r] + gen[r]
-            T += new
-            if gen[r] >= 1 and new == 1 and before == target - 1:
-                D += 1
-                C += before + 1
-            else:
-                W += new * (before + new / 2.0)
-            if before + new == target:
-                S += 1
-        dur = 0.0
-        if nsched > 0:
-            dur = _step_seconds(coef, pieces, float(T), float(S), float(D), float(C), W)
-        used = si[S_USED]
-        waiting = si[S_H0] + si[S_H1]
-        nrun_step = si[S_NRUN]
-        sf[T_KV_INT] += used * dur
-        _series_add(ser, sf, t, t + dur, float(used), float(waiting), float(nrun_step))
-        t_end = t + dur
-        nfin = 0
-        for q in range(nsched):
-            r = sched_r[q]
-            comp[r] += sched_n[q]
-            if log:
-                _event(ev, si, EV_SCHED, r, sched_n[q])
-            if comp[r] == prompt[r] + gen[r]:
-                gen[r] += 1
-                in_prefill[r] = 0
-                if r == si[S_CHUNKED_REQ]:
-                    si[S_CHUNKED_REQ] = -1
-                if gen[r] == 1:
-                    first_s[r] = t_end
-                    si[S_QPROMPT] -= prompt[r]
-                if gen[r] == out[r]:
-                    status[r] = 0
-                    finish_s[r] = t_end
-                    _release(r, pi, si, held, is_long, lane_blocks, resv)
-                    si[S_DONE] += 1
-                    nfin += 1
-                    if log:
-                        _event(ev, si, EV_FINISH, r, 0)
-        if nfin > 0:
-            k = 0
-            for q in range(si[S_NRUN]):
-                r = run[q]
-                if status[r] != 0:
-                    run[k] = r
-                    k += 1
-            si[S_NRUN] = k
-        if log:
-            _record(rec_i, rec_f, si, si[S_STEPS], t, dur, used, waiting, nrun_step, 1)
-        sf[T_NOW] = t_end
-        si[S_STEPS] += 1
+        _execute_step(p, rq, st, lg, t, nadm, preempted, prefill_step)
         steps_here += 1
-        pure = (D == nsched and nsched == nrun_step and nadm == 0 and not preempted
-                and nfin == 0)
-        if engine == E_SGLANG:
-            pure = pure and not prefill_step and si[S_H0] + si[S_H1] == 0
-        si[S_PURE] = 1 if pure else 0
 
     # Requests turned away after the last step still get a (zero-length) record.
-    if log:
-        last = rec_i[si[S_REC] - 1, R_EV_END] if si[S_REC] > 0 else 0
-        if si[S_EV] > last:
-            _record(rec_i, rec_f, si, si[S_STEPS], sf[T_NOW], 0.0, 0, 0, 0, 1)
+    if p.log:
+        last = lg.events_end[lc.records - 1] if lc.records > 0 else 0
+        if lc.events > last:
+            _log_record(p, lg, sc.steps, sc.now, 0.0, 0, 0, 0, 1)
     return RC_DONE

@@ -2,8 +2,8 @@
 
 ``simulate`` turns a trace (replayed) or a workload (sampled with a seed) plus a policy and
 a profile into one engine run (:func:`servetune.sim.engine.run_engine`) and wraps the
-engine's per-request arrays in a :class:`SimResult`, which computes the summary JSON of
-issue 3, judges an SLO set, and writes records, step logs and timelines.
+engine's per-request arrays in a :class:`SimResult`, which computes the run's summary JSON,
+judges an SLO set, and writes records, step logs and timelines.
 """
 
 from __future__ import annotations
@@ -14,32 +14,38 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from servetune.engines import ENGINE_NAMES
 from servetune.errors import ServetuneError
-from servetune.schemas.base import write_text_atomic
+from servetune.io import finite_or_none, plain_data, write_text_atomic
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
+from servetune.schemas.workload import Workload
 from servetune.sim import metrics as M
 from servetune.sim.goodput import GoodputResult, goodput_search
 from servetune.sim.records import write_records
 from servetune.sim.timeline import Window, build_timeline, write_timeline
-from servetune.workloads.fitting import check_rate_scale
+from servetune.steady_state import steady_window_s
+from servetune.workloads.fitting import check_rate_scale, class_stats, sample_trace
 from servetune.workloads.trace import Trace
 
-ENGINE_NAMES = ("vllm", "sglang", "trtllm", "tgi")
+if TYPE_CHECKING:  # the engine is imported where used (see _engine_module)
+    from servetune.schemas.profile import Profile
+    from servetune.sim.engine import EngineOutput
 
 
 def _engine_module():
+    # lazy: the engine imports numba (0.5 s), which `import servetune.sim` should not pay
     from servetune.sim import engine
 
     return engine
 
 
 def prepare_trace(
-    source: Any,
+    source: Trace | Workload,
     *,
     seed: int = 0,
     n_requests: int | None = None,
@@ -53,9 +59,9 @@ def prepare_trace(
     ``seed`` for ``n_requests`` and/or ``duration_s`` at ``rate_scale`` times its rates."""
     check_rate_scale(rate_scale)
     if n_requests is not None and n_requests < 1:
-        raise ServetuneError(f"--requests must be >= 1 (got {n_requests})")
+        raise ServetuneError(f"argument `n_requests` must be >= 1 (got {n_requests})")
     if duration_s is not None and not (duration_s > 0 and math.isfinite(duration_s)):
-        raise ServetuneError(f"--duration must be > 0 seconds (got {duration_s})")
+        raise ServetuneError(f"argument `duration_s` must be > 0 seconds (got {duration_s})")
     if isinstance(source, Trace):
         trace = source.head(n_requests) if n_requests is not None else source
         if rate_scale != 1.0:
@@ -64,9 +70,6 @@ def prepare_trace(
             keep = int(np.searchsorted(trace.arrival_s, duration_s, side="left"))
             trace = trace.take(slice(0, max(keep, 1)))
         return trace
-    from servetune.schemas.workload import Workload
-    from servetune.workloads.fitting import sample_trace
-
     if isinstance(source, Workload):
         return sample_trace(
             source, n_requests=n_requests, duration_s=duration_s, seed=seed,
@@ -77,7 +80,7 @@ def prepare_trace(
     )
 
 
-def base_rate_per_s(source: Any) -> float:
+def base_rate_per_s(source: Trace | Workload) -> float:
     """Mean arrival rate of ``source`` at rate scale 1 (requests per second)."""
     if isinstance(source, Trace):
         return (len(source) - 1) / source.duration_s if source.duration_s > 0 else 0.0
@@ -89,7 +92,7 @@ class SimResult:
     """One simulated run: its trace, the engine's output, and derived views."""
 
     trace: Trace
-    output: Any  # servetune.sim.engine.EngineOutput
+    output: EngineOutput
     engine: str = "vllm"
     reference: bool = False
     sim_wall_s: float = 0.0
@@ -127,7 +130,7 @@ class SimResult:
         return M.slo_verdicts(self.metrics, slo, self.trace.class_names)
 
     def summary(self, slo: SLOSet | None = None) -> dict[str, Any]:
-        """The issue-3 summary: counts, latency distributions, throughput, attainment (null
+        """The run's summary: counts, latency distributions, throughput, attainment (null
         without an SLO), per class, KV utilization and preemptions."""
         m = self.metrics
         span = self.span_s
@@ -160,8 +163,8 @@ class SimResult:
             },
             "per_class": per_class,
             "kv": {
-                "mean_util": _finite_or_none(self.output.kv_util_mean),
-                "peak_util": _finite_or_none(self.output.kv_util_peak),
+                "mean_util": finite_or_none(self.output.kv_util_mean),
+                "peak_util": finite_or_none(self.output.kv_util_peak),
             },
             "preemptions": int(preemptions.sum()),
         }
@@ -184,7 +187,9 @@ class SimResult:
 
     def write_steps(self, path: str | os.PathLike[str]) -> None:
         """The step log as JSON lines, one record per engine step (or jumped stretch)."""
-        lines = [json.dumps(_plain(rec), separators=(",", ":")) for rec in self.step_log()]
+        # finite=False: a NaN stays NaN, as in every step log written so far
+        lines = [json.dumps(plain_data(rec, finite=False), separators=(",", ":"))
+                 for rec in self.step_log()]
         write_text_atomic(path, "".join(line + "\n" for line in lines))
 
     def timeline(self, window: Window | None = None) -> dict[str, Any]:
@@ -204,28 +209,10 @@ class SimResult:
         write_timeline(path, self.timeline(window))
 
 
-def _finite_or_none(x: Any) -> float | None:
-    value = float(x)
-    return value if math.isfinite(value) else None
-
-
-def _plain(value: Any) -> Any:
-    """numpy scalars/arrays to JSON-able Python values."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, np.ndarray):
-        return _plain(value.tolist())
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
 def simulate(
-    source: Any,
+    source: Trace | Workload,
     policy: Policy,
-    profile: Any,
+    profile: Profile,
     *,
     engine: str = "vllm",
     reference: bool = False,
@@ -239,7 +226,8 @@ def simulate(
     """Simulate ``policy`` serving ``source`` (Trace or Workload) on ``profile``."""
     if engine not in ENGINE_NAMES:
         raise ServetuneError(
-            f"--engine {engine!r}: unknown engine; choose one of {', '.join(ENGINE_NAMES)}"
+            f"argument `engine` {engine!r}: unknown engine; choose one of "
+            f"{', '.join(ENGINE_NAMES)}"
         )
     trace = prepare_trace(
         source, seed=seed, n_requests=n_requests, duration_s=duration_s, rate_scale=rate_scale
@@ -249,8 +237,6 @@ def simulate(
     if not isinstance(source, Trace) and policy.long_requests.enabled:
         # A request is long by its class's expected output: the workload's mean, not the
         # mean of this particular sample.
-        from servetune.workloads.fitting import class_stats
-
         extra["expected_output"] = np.array([c.output_mean for c in class_stats(source)])
     started = time.perf_counter()
     output = eng.run_engine(
@@ -278,9 +264,9 @@ def simulate(
 
 
 def goodput(
-    source: Any,
+    source: Trace | Workload,
     policy: Policy,
-    profile: Any,
+    profile: Profile,
     slo: SLOSet,
     *,
     engine: str = "vllm",
@@ -337,20 +323,17 @@ def goodput(
     return result
 
 
-def steady_window_s(slo: SLOSet) -> float:
-    """Arrivals a run should span before its queue is trusted to be in steady state:
-    a minute, or 30 TTFT limits when those are longer (a faster replay of a fixed number
-    of requests spans less and less time, and a short burst never fills the queue)."""
-    ttfts = [c.ttft_s for c in slo.classes.values() if c.ttft_s is not None]
-    return max(60.0, 30.0 * max(ttfts, default=0.0))
+# The steady-state window a goodput point should span before ``servetune goodput`` trusts
+# it without a warning (servetune.steady_state): a minute, or 30 TTFT targets if longer.
+WARN_WINDOW_FLOOR_S = 60.0
+WARN_WINDOW_TTFTS = 30.0
 
 
 def _short_window_warnings(result: GoodputResult, slo: SLOSet) -> list[str]:
-    passing = [p for p in result.points if p["meets_slo"]]
-    if not passing:
+    best = result.best_point
+    if best is None:
         return []
-    best = max(passing, key=lambda p: p["rate_scale"])
-    need = steady_window_s(slo)
+    need = steady_window_s(slo, floor_s=WARN_WINDOW_FLOOR_S, ttft_multiple=WARN_WINDOW_TTFTS)
     if best["window_s"] >= need:
         return []
     return [

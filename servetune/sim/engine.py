@@ -5,7 +5,7 @@ scheduler under a :class:`~servetune.schemas.policy.Policy`, a KV pool of ``kv_b
 blocks of ``block_size`` tokens, and a :class:`~servetune.profiles.steptime.StepTimeModel`, and
 returns per-request timestamps and run totals (:class:`EngineOutput`).
 
-Semantics (``reference/engines.md``; the step loop is in :mod:`servetune.sim._kernel`):
+Semantics (``docs/engines.md``; the step loop is in :mod:`servetune.sim._kernel`):
 
 - **vllm** (section 1.1): each step first serves the running list in admission order,
   each request getting its remaining tokens capped by ``long_prefill_token_threshold``
@@ -59,8 +59,9 @@ The policy's extensions act at admission for every engine:
   prompt (vLLM without ``reserve_full_prompt``: its first chunk) or TensorRT-LLM/TGI's
   reservation, exceeds the pool less the watermark and lane reserve; its lane; or the
   step budget with chunking off) is rejected at arrival (status 2) with a reason instead
-  of blocking the queue forever. A preempted request whose re-prefill has outgrown the
-  pool less that headroom is rejected when even an empty engine could not re-admit it.
+  of blocking the queue forever; the kernel decides this before the run with its own
+  admission checks on the empty engine. A preempted request whose re-prefill has outgrown
+  the pool less that headroom is rejected when even an empty engine could not re-admit it.
 
 Time: arrivals enter the waiting queue at step boundaries; an idle engine jumps to the
 next arrival; a step's duration is ``step_seconds(T, S, D, C, W)`` with T tokens, S rows
@@ -69,7 +70,7 @@ step's token, W = sum over prefill chunks of ``chunk * (prefix + chunk / 2)``.
 A request's first token comes at the end of the step that completes its prefill; it
 finishes at the end of the step that samples its last token.
 
-Step log (issue 7; ``step_log=True``): one dict per step, in order, with ``step``
+Step log (``step_log=True``): one dict per step, in order, with ``step``
 (0-based), ``start_s``, ``duration_s``, ``scheduled`` (``[request_id, new_tokens]`` in
 grant order; request id = trace row), ``preempted`` (in preemption order; SGLang
 retractions too), ``finished``, ``admitted`` (first admissions and re-admissions after
@@ -90,38 +91,32 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import numpy as np
 
+from servetune import knobs
+from servetune.engines import ENGINE_NAMES, kernel_id
 from servetune.errors import ServetuneError
 from servetune.profiles.steptime import StepTimeModel
 from servetune.schemas.policy import Policy
 from servetune.sim import _kernel as K
 from servetune.workloads.trace import Trace
 
-ENGINES = ("vllm", "sglang", "trtllm", "tgi")
+ENGINES = ENGINE_NAMES  # in kernel-id order: ENGINES.index(name) is the kernel's E_* id
 
-REASONS = (
-    "",
-    "shed: max_queued_requests reached (HTTP 503)",
-    "shed: max_queued_prompt_tokens reached (HTTP 503)",
-    "rejected: needs more KV blocks than the pool (less watermark/lane reserve at admission)",
-    "rejected: the request's footprint exceeds the long-request lane (max_kv_fraction)",
-    "rejected: prompt longer than max_num_batched_tokens with chunked prefill off",
-    "rejected: prompt + max output reservation exceeds the KV pool",
-    "rejected: preempted, its re-prefill no longer fits the pool less watermark/lane reserve",
-)
-REASON_SHED_REQUESTS = 1
-REASON_SHED_TOKENS = 2
-REASON_KV_POOL = 3
-REASON_LANE = 4
-REASON_BUDGET = 5
-REASON_RESERVATION = 6
-REASON_READMIT = K.RJ_READMIT  # rejected by the kernel when even an empty engine cannot re-admit
+# Why a request did not complete: the codes and texts live in the kernel, which records them.
+REASONS = K.REASONS
+REASON_SHED_REQUESTS = K.REASON_SHED_REQUESTS
+REASON_SHED_TOKENS = K.REASON_SHED_TOKENS
+REASON_KV_POOL = K.REASON_KV_POOL
+REASON_LANE = K.REASON_LANE
+REASON_BUDGET = K.REASON_BUDGET
+REASON_RESERVATION = K.REASON_RESERVATION
+REASON_READMIT = K.REASON_READMIT  # by the kernel, when even an empty engine cannot re-admit
 
-# SGLang environment defaults (engines.md 2.2).
+# SGLang environment defaults (docs/engines.md 2.2).
 SGLANG_CLIP_MAX_NEW_TOKENS = 4096
 SGLANG_INIT_NEW_TOKEN_RATIO = 0.7
 SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
@@ -220,39 +215,59 @@ def _validate(
         raise ServetuneError("trace has no requests")
 
 
-def run_engine(
-    trace: Trace,
+def kernel_params(
     policy: Policy,
+    *,
+    engine: str,
     kv_blocks: int,
     block_size: int,
     step_time: StepTimeModel,
-    *,
-    engine: str = "vllm",
     reference: bool = False,
     step_log: bool = False,
-    progress: Callable[[int, int], None] | None = None,
-    expected_output: np.ndarray | None = None,
-) -> EngineOutput:
-    """Simulate ``trace`` on one engine; see the module docstring for the semantics.
+) -> K.Params:
+    """The kernel's run constants: ``engine``, ``policy``'s knobs in tokens and blocks of a
+    pool of ``kv_blocks`` blocks of ``block_size`` tokens, the step-time coefficients,
+    SGLang's constants, and the mode (``reference``: no jumps; ``step_log``)."""
+    total = int(kv_blocks)
+    ratio_init = min(SGLANG_INIT_NEW_TOKEN_RATIO, 1.0)
+    ratio_floor = ratio_init * SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
+    coef, pieces = step_time.as_arrays()
+    return K.Params(
+        engine=kernel_id(engine),
+        # the policy's knobs, as the knob table encodes them
+        **knobs.sim_values(policy, total),
+        # the pool and the step time
+        total_blocks=total,
+        block_size=int(block_size),
+        step_coef=coef,
+        step_pieces=pieces,
+        # SGLang's environment constants
+        sglang_clip=SGLANG_CLIP_MAX_NEW_TOKENS,
+        sglang_retract_steps=SGLANG_RETRACT_DECODE_STEPS,
+        ratio_init=ratio_init,
+        ratio_floor=ratio_floor,
+        ratio_decay=(ratio_init - ratio_floor) / SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS,
+        # the mode
+        jump=not reference,
+        log=bool(step_log),
+    )
 
-    ``reference=True`` runs every step in plain Python (no jumps); otherwise the loop is
-    compiled with numba and stretches of identical decode steps are jumped. Both give
-    identical records. ``step_log=True`` also returns the issue-7 step log (jumped
-    stretches as one record with ``repeat``; :func:`expand_repeats` expands them).
-    ``progress(done, total)`` is called between chunks of steps with the number of
-    requests resolved so far. ``expected_output`` (per request or per class) overrides
-    the trace's class mean output in the long-request test when the trace has no
-    ``max_tokens``.
-    """
-    _validate(trace, kv_blocks, block_size, engine)
+
+def kernel_requests(
+    trace: Trace,
+    policy: Policy,
+    *,
+    engine: str,
+    block_size: int,
+    expected_output: np.ndarray | None = None,
+) -> K.Requests:
+    """The kernel's columns of ``trace`` under ``policy`` on ``engine``: tokens generated
+    and declared maximum output, priorities, long-lane membership and footprint, and
+    TensorRT-LLM/TGI reservations. ``reject`` is left 0 for the kernel's
+    :func:`~servetune.sim._kernel.reject_at_arrival`."""
     n = len(trace)
     bs = int(block_size)
-    total = int(kv_blocks)
-    b = policy.batching
-    adm = policy.admission
     lr = policy.long_requests
-    eng = ENGINES.index(engine)
-
     prompt = np.ascontiguousarray(trace.prompt_tokens, dtype=np.int64)
     if (prompt < 1).any() or (np.asarray(trace.output_tokens) < 1).any():
         raise ServetuneError("trace has a request with fewer than 1 prompt or output token")
@@ -272,14 +287,7 @@ def run_engine(
     arrival = np.ascontiguousarray(trace.arrival_s, dtype=np.float64)
     if not (np.all(np.isfinite(arrival)) and np.all(np.diff(arrival) >= 0)):
         raise ServetuneError("trace arrivals must be finite and sorted (use trace.from_arrays)")
-
-    wm = int(np.floor(adm.kv_watermark * total))
-    lanes = lr.enabled
-    r_kv = int(np.floor(lr.reserved_kv_fraction * total)) if lanes else 0
-    m_kv = int(np.floor(lr.max_kv_fraction * total)) if lanes else total
-    m_seq = int(lr.max_seqs) if (lanes and lr.max_seqs is not None) else int(b.max_num_seqs)
-    r_seq = int(lr.reserved_seqs) if lanes else 0
-    if lanes:
+    if lr.enabled:
         expected = _expected_output(trace, declared, expected_output)
         footprint = prompt + expected
         is_long = (footprint >= int(lr.threshold_tokens)).astype(np.int8)
@@ -287,180 +295,188 @@ def run_engine(
     else:
         is_long = np.zeros(n, dtype=np.int8)
         lane_blocks = np.zeros(n, dtype=np.int64)
-
-    # Requests that could never run are rejected at arrival (no head-of-line deadlock).
-    reject = np.zeros(n, dtype=np.int8)
-    headroom = wm + np.where(is_long == 1, 0, r_kv)
-    final_kv = prompt + out - 1  # tokens in KV when the last token is sampled
-    resv = np.zeros(n, dtype=np.int64)
-    if eng in (K.E_TRTLLM, K.E_TGI):
-        resv = _blocks(prompt + declared - 1, bs)
-        reject[resv + headroom > total] = REASON_RESERVATION
-    if eng == K.E_SGLANG:
-        worst = prompt + np.minimum(declared, out - 1 + SGLANG_CLIP_MAX_NEW_TOKENS)
-        reject[worst > total * bs] = REASON_RESERVATION
-    if not b.enable_chunked_prefill:
-        # Only the prompt's first chunk must fit the budget (engines.md 1.1). A resumed
-        # request's re-prefill (prompt + generated) may exceed it: vLLM then requires
-        # max_num_batched_tokens >= max_model_len, so it cannot happen there, and the
-        # kernel chunks such a re-prefill instead of blocking the queue forever.
-        first_chunk = prompt
-        if eng == K.E_VLLM and b.long_prefill_token_threshold > 0:
-            first_chunk = np.minimum(prompt, b.long_prefill_token_threshold)
-        reject[first_chunk > b.max_num_batched_tokens] = REASON_BUDGET
-    if lanes:
-        reject[(is_long == 1) & (lane_blocks > m_kv)] = REASON_LANE
-    if eng in (K.E_TRTLLM, K.E_TGI):
-        reject[_blocks(final_kv, bs) + headroom > total] = REASON_KV_POOL
-    else:
-        # The watermark and the long lane's reserve bind at admission only (engines.md
-        # 1.1): a request is turned away when it could never be admitted (its prompt, all
-        # of which is reserved or allocated at admission, does not fit the pool less the
-        # headroom) or never fit the pool at all. A preempted request whose re-prefill has
-        # outgrown the headroom is rejected by the kernel once even an empty engine could
-        # not take it back (REASON_READMIT).
-        first = prompt  # what the first admission allocates or reserves, engine empty
-        if eng == K.E_VLLM and not adm.reserve_full_prompt:
-            first = np.minimum(prompt, b.max_num_batched_tokens)
-            if b.long_prefill_token_threshold > 0:
-                first = np.minimum(first, b.long_prefill_token_threshold)
-        admit_blocks = _blocks(first, bs)
-        reject[(admit_blocks + headroom > total) | (_blocks(final_kv, bs) > total)] = (
-            REASON_KV_POOL
-        )
-
-    pi = np.zeros(K.N_PI, dtype=np.int64)
-    pi[K.P_ENGINE] = eng
-    pi[K.P_PRIO_MODE] = 1 if policy.scheduling == "priority" else 0
-    pi[K.P_MAX_SEQS] = b.max_num_seqs
-    pi[K.P_BUDGET] = b.max_num_batched_tokens
-    pi[K.P_THRESH] = b.long_prefill_token_threshold
-    pi[K.P_CHUNKED] = 1 if b.enable_chunked_prefill else 0
-    pi[K.P_RESERVE_FULL] = 1 if adm.reserve_full_prompt else 0
-    pi[K.P_WM] = wm
-    pi[K.P_TOTAL] = total
-    pi[K.P_BS] = bs
-    pi[K.P_QREQ] = adm.max_queued_requests if adm.max_queued_requests is not None else -1
-    pi[K.P_QTOK] = (
-        adm.max_queued_prompt_tokens if adm.max_queued_prompt_tokens is not None else -1
+    reserved = np.zeros(n, dtype=np.int64)
+    if kernel_id(engine) in (K.E_TRTLLM, K.E_TGI):
+        # GUARANTEED_NO_EVICT / TGI: prompt + max output - 1 tokens reserved at admission
+        reserved = _blocks(prompt + declared - 1, bs)
+    return K.Requests(
+        arrival=arrival,
+        prompt=prompt,
+        output=out,
+        max_tokens=declared,
+        priority=prio,
+        is_long=is_long,
+        lane_blocks=lane_blocks,
+        reserved_blocks=reserved,
+        reject=np.zeros(n, dtype=np.int8),
     )
-    pi[K.P_LANES] = 1 if lanes else 0
-    pi[K.P_RSEQ] = r_seq
-    pi[K.P_RKV] = r_kv
-    pi[K.P_MSEQ] = m_seq
-    pi[K.P_MKV] = m_kv
-    pi[K.P_JUMP] = 0 if reference else 1
-    pi[K.P_LOG] = 1 if step_log else 0
-    pi[K.P_CLIP] = SGLANG_CLIP_MAX_NEW_TOKENS
-    pi[K.P_RETRACT_STEPS] = SGLANG_RETRACT_DECODE_STEPS
-    pf = np.zeros(K.N_PF, dtype=np.float64)
-    ratio_init = min(SGLANG_INIT_NEW_TOKEN_RATIO, 1.0)
-    ratio_floor = ratio_init * SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
-    pf[K.F_RATIO_INIT] = ratio_init
-    pf[K.F_RATIO_FLOOR] = ratio_floor
-    pf[K.F_RATIO_DECAY] = (ratio_init - ratio_floor) / SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
-    coef, pieces = step_time.as_arrays()
 
-    n_long = int(is_long.sum())
-    state: dict[str, np.ndarray] = {
-        "comp": np.zeros(n, dtype=np.int64),
-        "gen": np.zeros(n, dtype=np.int64),
-        "held": np.zeros(n, dtype=np.int64),
-        "in_prefill": np.zeros(n, dtype=np.int8),
-        "admitted_s": np.full(n, np.nan),
-        "first_s": np.full(n, np.nan),
-        "finish_s": np.full(n, np.nan),
-        "npre": np.zeros(n, dtype=np.int32),
-        "status": np.full(n, -1, dtype=np.int8),
-        "reason": np.zeros(n, dtype=np.int8),
-    }
-    hk0 = np.zeros(max(n - n_long, 1), dtype=np.int64)
-    hid0 = np.zeros_like(hk0)
-    hk1 = np.zeros(max(n_long, 1), dtype=np.int64)
-    hid1 = np.zeros_like(hk1)
-    width = min(int(b.max_num_seqs), n) + 1
-    run = np.zeros(width, dtype=np.int64)
-    sched_r = np.zeros(width, dtype=np.int64)
-    sched_n = np.zeros(width, dtype=np.int64)
-    hist = np.zeros(K.WINDOW_MAX + 2, dtype=np.int64)
-    si = np.zeros(K.N_SI, dtype=np.int64)
-    si[K.S_CHUNKED_REQ] = -1
-    sf = np.zeros(K.N_SF, dtype=np.float64)
-    sf[K.T_RATIO] = ratio_init
-    sf[K.T_BIN_W] = max(float(arrival[-1]), 1.0) / (SERIES_BINS // 2)
-    ser = np.zeros((3, SERIES_BINS), dtype=np.float64)
-    if step_log:
-        rec_i = np.zeros((4096, K.N_RI), dtype=np.int64)
-        rec_f = np.zeros((4096, 2), dtype=np.float64)
-        ev = np.zeros((65536 + 8 * width, 3), dtype=np.int64)
-        rep_f = np.zeros(65536, dtype=np.float64)
-        rep_i = np.zeros(65536, dtype=np.int64)
-    else:
-        rec_i = np.zeros((1, K.N_RI), dtype=np.int64)
-        rec_f = np.zeros((1, 2), dtype=np.float64)
-        ev = np.zeros((1, 3), dtype=np.int64)
-        rep_f = np.zeros(1, dtype=np.float64)
-        rep_i = np.zeros(1, dtype=np.int64)
 
-    kernel = _kernel_module(reference).run_kernel
+def _scalar_holder(dtype: np.dtype, reference: bool, **values: float) -> Any:
+    """A 1-element holder of ``dtype``'s named scalars (zero unless given), read and written
+    as ``holder[0].name``: a record array for the compiled kernel; for the reference mode,
+    which runs as plain Python, a namespace of numpy scalars (faster to reach than a
+    record's fields)."""
+    if reference:
+        fields = {name: dtype.fields[name][0].type(values.get(name, 0)) for name in dtype.names}
+        return [SimpleNamespace(**fields)]
+    holder = np.zeros(1, dtype=dtype).view(np.recarray)
+    for name, value in values.items():
+        holder[name][0] = value
+    return holder
+
+
+def _initial_state(params: K.Params, requests: K.Requests, reference: bool) -> K.State:
+    """An empty engine at time 0 with every request still to arrive."""
+    n = len(requests.arrival)
+    n_long = int(requests.is_long.sum())
+    width = min(params.max_seqs, n) + 1
+    bin_width = max(float(requests.arrival[-1]), 1.0) / (SERIES_BINS // 2)
+    return K.State(
+        computed=np.zeros(n, dtype=np.int64),
+        generated=np.zeros(n, dtype=np.int64),
+        held=np.zeros(n, dtype=np.int64),
+        in_prefill=np.zeros(n, dtype=np.int8),
+        admitted_s=np.full(n, np.nan),
+        first_token_s=np.full(n, np.nan),
+        finish_s=np.full(n, np.nan),
+        preemptions=np.zeros(n, dtype=np.int32),
+        status=np.full(n, K.PENDING, dtype=np.int8),
+        reason=np.zeros(n, dtype=np.int8),
+        heap_key=(np.zeros(max(n - n_long, 1), dtype=np.int64),
+                  np.zeros(max(n_long, 1), dtype=np.int64)),
+        heap_id=(np.zeros(max(n - n_long, 1), dtype=np.int64),
+                 np.zeros(max(n_long, 1), dtype=np.int64)),
+        heap_size=np.zeros(2, dtype=np.int64),
+        running=np.zeros(width, dtype=np.int64),
+        batch_req=np.zeros(width, dtype=np.int64),
+        batch_tokens=np.zeros(width, dtype=np.int64),
+        jump_hist=np.zeros(K.WINDOW_MAX + 2, dtype=np.int64),
+        series=np.zeros((3, SERIES_BINS), dtype=np.float64),
+        scalars=_scalar_holder(K.SCALARS, reference, chunked_req=-1, token_ratio=params.ratio_init,
+                        bin_width=bin_width),
+    )
+
+
+_RECORD_COLUMNS = ("step", "start_s", "duration_s", "kv_used", "waiting", "running", "repeat",
+                   "events_end", "repeats_end")
+_EVENT_COLUMNS = ("event_kind", "event_req", "event_value")
+_REPEAT_COLUMNS = ("repeat_duration_s", "repeat_kv_used")
+_FLOAT_COLUMNS = ("start_s", "duration_s", "repeat_duration_s")
+
+
+def _new_step_log(step_log: bool, width: int, reference: bool) -> K.StepLog:
+    """Empty step-log buffers (one row each when no log is kept)."""
+    rows = {"records": 4096, "events": 65536 + 8 * width, "repeats": 65536}
+    if not step_log:
+        rows = dict.fromkeys(rows, 1)
+    columns: dict[str, np.ndarray] = {}
+    for group, names in (("records", _RECORD_COLUMNS), ("events", _EVENT_COLUMNS),
+                         ("repeats", _REPEAT_COLUMNS)):
+        for name in names:
+            dtype = np.float64 if name in _FLOAT_COLUMNS else np.int64
+            columns[name] = np.zeros(rows[group], dtype=dtype)
+    return K.StepLog(**columns, counts=_scalar_holder(K.LOG_COUNTS, reference))
+
+
+def _grown(log: K.StepLog, names: tuple[str, ...], extra: int) -> K.StepLog:
+    """``log`` with ``extra`` more (zero) rows in the ``names`` columns."""
+    return log._replace(**{
+        name: np.concatenate([getattr(log, name), np.zeros(extra, getattr(log, name).dtype)])
+        for name in names
+    })
+
+
+def run_engine(
+    trace: Trace,
+    policy: Policy,
+    kv_blocks: int,
+    block_size: int,
+    step_time: StepTimeModel,
+    *,
+    engine: str = "vllm",
+    reference: bool = False,
+    step_log: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    expected_output: np.ndarray | None = None,
+) -> EngineOutput:
+    """Simulate ``trace`` on one engine; see the module docstring for the semantics.
+
+    ``reference=True`` runs every step in plain Python (no jumps); otherwise the loop is
+    compiled with numba and stretches of identical decode steps are jumped. Both give
+    identical records. ``step_log=True`` also returns the step log (jumped
+    stretches as one record with ``repeat``; :func:`expand_repeats` expands them).
+    ``progress(done, total)`` is called between chunks of steps with the number of
+    requests resolved so far. ``expected_output`` (per request or per class) overrides
+    the trace's class mean output in the long-request test when the trace has no
+    ``max_tokens``.
+    """
+    _validate(trace, kv_blocks, block_size, engine)
+    n = len(trace)
+    total = int(kv_blocks)
+    requests = kernel_requests(trace, policy, engine=engine, block_size=block_size,
+                               expected_output=expected_output)
+    params = kernel_params(policy, engine=engine, kv_blocks=kv_blocks, block_size=block_size,
+                           step_time=step_time, reference=reference, step_log=step_log)
+    state = _initial_state(params, requests, reference)
+    scalars = state.scalars[0]
+    width = len(state.running)
+    log = _new_step_log(step_log, width, reference)
+    counts = log.counts[0]
+    km = _kernel_module(reference)
+    # Requests that could never run are rejected at arrival (no head-of-line deadlock),
+    # by the kernel's own admission checks on the still empty engine.
+    km.reject_at_arrival(params, requests, state)
+
     chunk = _CHUNK_STEPS_REFERENCE if reference else _CHUNK_STEPS_FAST
     while True:
-        rc = kernel(
-            pi, pf, coef, pieces, arrival, prompt, out, declared, prio, is_long, lane_blocks,
-            reject, resv, state["comp"], state["gen"], state["held"], state["in_prefill"],
-            state["admitted_s"], state["first_s"], state["finish_s"], state["npre"],
-            state["status"], state["reason"], hk0, hid0, hk1, hid1, run, sched_r, sched_n,
-            hist, si, sf, ser, rec_i, rec_f, ev, rep_f, rep_i, chunk,
-        )
+        rc = km.run_kernel(params, requests, state, log, chunk)
         if rc == K.RC_DONE:
             break
         if rc == K.RC_LOG_FULL:
-            if si[K.S_REC] + 2 > rec_i.shape[0]:
-                rec_i = np.concatenate([rec_i, np.zeros_like(rec_i)])
-                rec_f = np.concatenate([rec_f, np.zeros_like(rec_f)])
-            if si[K.S_EV] + 8 * width + n > ev.shape[0] // 2:
-                ev = np.concatenate([ev, np.zeros((ev.shape[0] + n, 3), dtype=np.int64)])
-            if si[K.S_REP] + 2 > rep_f.shape[0] // 2:
-                rep_f = np.concatenate([rep_f, np.zeros_like(rep_f)])
-                rep_i = np.concatenate([rep_i, np.zeros_like(rep_i)])
+            if counts.records + 2 > len(log.step):
+                log = _grown(log, _RECORD_COLUMNS, len(log.step))
+            if counts.events + 8 * width + n > len(log.event_kind) // 2:
+                log = _grown(log, _EVENT_COLUMNS, len(log.event_kind) + n)
+            if counts.repeats + 2 > len(log.repeat_duration_s) // 2:
+                log = _grown(log, _REPEAT_COLUMNS, len(log.repeat_duration_s))
         elif rc == K.RC_STUCK:
             raise RuntimeError(
-                f"engine {engine} made no progress at t={sf[K.T_NOW]:.6f} s with "
-                f"{si[K.S_H0] + si[K.S_H1]} waiting and {si[K.S_NRUN]} running (a bug)"
+                f"engine {engine} made no progress at t={scalars.now:.6f} s with "
+                f"{state.heap_size[0] + state.heap_size[1]} waiting and "
+                f"{scalars.n_running} running (a bug)"
             )
         if progress is not None:
-            progress(int(si[K.S_DONE]), n)
+            progress(int(scalars.resolved), n)
     if progress is not None:
-        progress(int(si[K.S_DONE]), n)
+        progress(int(scalars.resolved), n)
 
-    status = state["status"]
+    status = state.status
     if (status < 0).any():
         raise RuntimeError(f"{int((status < 0).sum())} requests unresolved at the end (a bug)")
-    sim_end = float(sf[K.T_NOW])
-    steps = int(si[K.S_STEPS])
-    kv_peak = float(si[K.S_PEAK]) / total
-    kv_mean = float(sf[K.T_KV_INT]) / (sim_end * total) if sim_end > 0 else 0.0
+    sim_end = float(scalars.now)
+    kv_peak = float(scalars.peak) / total
+    kv_mean = float(scalars.kv_integral) / (sim_end * total) if sim_end > 0 else 0.0
     kv_mean = min(kv_mean, kv_peak)  # rounding of the time integral can exceed the peak
-    series = _series(ser, float(sf[K.T_BIN_W]), sim_end, total)
-    log = _step_log(rec_i, rec_f, ev, rep_f, rep_i, si, total) if step_log else None
+    series = _series(state.series, float(scalars.bin_width), sim_end, total)
     return EngineOutput(
-        admitted_s=state["admitted_s"],
-        first_token_s=state["first_s"],
-        finish_s=state["finish_s"],
-        preemptions=state["npre"],
+        admitted_s=state.admitted_s,
+        first_token_s=state.first_token_s,
+        finish_s=state.finish_s,
+        preemptions=state.preemptions,
         status=status,
-        reason=state["reason"],
-        generated=state["gen"],
-        steps=steps,
+        reason=state.reason,
+        generated=state.generated,
+        steps=int(scalars.steps),
         kv_blocks_total=total,
         kv_util_mean=kv_mean,
         kv_util_peak=kv_peak,
         sim_end_s=sim_end,
         series=series,
-        step_log=log,
+        step_log=_step_log(log, total) if step_log else None,
         engine=engine,
-        jumps=int(si[K.S_JUMPS]),
-        kv_blocks_in_use_end=int(si[K.S_USED]),
+        jumps=int(scalars.jumps),
+        kv_blocks_in_use_end=int(scalars.used),
     )
 
 
@@ -478,51 +494,61 @@ def _series(ser: np.ndarray, bin_w: float, sim_end: float, total: int) -> dict[s
     }
 
 
-def _step_log(
-    rec_i: np.ndarray, rec_f: np.ndarray, ev: np.ndarray, rep_f: np.ndarray,
-    rep_i: np.ndarray, si: np.ndarray, total: int,
-) -> list[dict[str, Any]]:
-    """Issue-7 records from the kernel's flat buffers."""
+def _step_log(log: K.StepLog, total: int) -> list[dict[str, Any]]:
+    """Issue-7 records from the kernel's step-log columns."""
+    counts = log.counts[0]
+    n_records = int(counts.records)
+    n_events = int(counts.events)
+    n_repeats = int(counts.repeats)
+    records = zip(*(getattr(log, name)[:n_records].tolist() for name in _RECORD_COLUMNS),
+                  strict=True)
+    events = list(zip(log.event_kind[:n_events].tolist(), log.event_req[:n_events].tolist(),
+                      log.event_value[:n_events].tolist(), strict=True))
+    rep_durations = log.repeat_duration_s[:n_repeats].tolist()
+    rep_kv_used = log.repeat_kv_used[:n_repeats].tolist()
+    sched, preempt, finish, admit = K.EV_SCHED, K.EV_PREEMPT, K.EV_FINISH, K.EV_ADMIT
     out: list[dict[str, Any]] = []
     ev_start = 0
     rep_start = 0
-    names = {K.EV_PREEMPT: "preempted", K.EV_FINISH: "finished", K.EV_ADMIT: "admitted",
-             K.EV_SHED: "shed"}
-    for k in range(int(si[K.S_REC])):
-        row = rec_i[k]
-        ev_end = int(row[K.R_EV_END])
-        rep_end = int(row[K.R_REP_END])
-        lists: dict[str, list[Any]] = {
-            "scheduled": [], "preempted": [], "finished": [], "admitted": [], "shed": []
-        }
-        for kind, req, val in ev[ev_start:ev_end].tolist():
-            if kind == K.EV_SCHED:
-                lists["scheduled"].append([req, val])
+    for step, start, dur, kv_used, waiting, running, repeat, ev_end, rep_end in records:
+        scheduled: list[list[int]] = []
+        preempted: list[int] = []
+        finished: list[int] = []
+        admitted: list[int] = []
+        shed: list[int] = []
+        for kind, req, value in events[ev_start:ev_end]:
+            if kind == sched:
+                scheduled.append([req, value])
+            elif kind == preempt:
+                preempted.append(req)
+            elif kind == finish:
+                finished.append(req)
+            elif kind == admit:
+                admitted.append(req)
             else:
-                lists[names[kind]].append(req)
+                shed.append(req)
         rec: dict[str, Any] = {
-            "step": int(row[K.R_STEP]),
-            "start_s": float(rec_f[k, 0]),
-            "duration_s": float(rec_f[k, 1]),
-            "scheduled": lists["scheduled"],
-            "preempted": lists["preempted"],
-            "finished": lists["finished"],
-            "admitted": lists["admitted"],
-            "shed": lists["shed"],
-            "kv_blocks_used": int(row[K.R_KV]),
+            "step": step,
+            "start_s": start,
+            "duration_s": dur,
+            "scheduled": scheduled,
+            "preempted": preempted,
+            "finished": finished,
+            "admitted": admitted,
+            "shed": shed,
+            "kv_blocks_used": kv_used,
             "kv_blocks_total": total,
-            "waiting": int(row[K.R_WAITING]),
-            "running": int(row[K.R_RUNNING]),
+            "waiting": waiting,
+            "running": running,
         }
-        repeat = int(row[K.R_REPEAT])
         if repeat == 1 and rep_end == rep_start + 1:
             # a stretch cut to one step by an arrival: an ordinary record
-            rec["duration_s"] = float(rep_f[rep_start])
-            rec["kv_blocks_used"] = int(rep_i[rep_start])
+            rec["duration_s"] = rep_durations[rep_start]
+            rec["kv_blocks_used"] = rep_kv_used[rep_start]
         elif rep_end > rep_start:
             rec["repeat"] = repeat
-            rec["step_durations_s"] = rep_f[rep_start:rep_end].tolist()
-            rec["step_kv_blocks_used"] = rep_i[rep_start:rep_end].tolist()
+            rec["step_durations_s"] = rep_durations[rep_start:rep_end]
+            rec["step_kv_blocks_used"] = rep_kv_used[rep_start:rep_end]
         out.append(rec)
         ev_start = ev_end
         rep_start = rep_end

@@ -1,6 +1,6 @@
 """Request-level metrics of a simulated run, and SLO judgement.
 
-Definitions are the field's (DESIGN.md, "Metric definitions"):
+Definitions are the ones serving benchmarks report (``vllm bench serve``, MLPerf Inference):
 
 - TTFT = first token time - arrival;
 - end-to-end (e2e) = finish time - arrival;

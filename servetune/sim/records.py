@@ -16,13 +16,17 @@ import io
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from servetune.errors import ServetuneError
-from servetune.schemas.base import write_bytes_atomic
+from servetune.io import write_bytes_atomic
 from servetune.sim.metrics import STATUS_NAMES, request_metrics, served_output_tokens
+
+if TYPE_CHECKING:
+    from servetune.sim.engine import EngineOutput
+    from servetune.workloads.trace import Trace
 
 COLUMNS = (
     "request_id",
@@ -42,7 +46,9 @@ COLUMNS = (
 )
 
 
-def record_columns(trace: Any, output: Any, reasons: tuple[str, ...]) -> dict[str, np.ndarray]:
+def record_columns(
+    trace: Trace, output: EngineOutput, reasons: tuple[str, ...]
+) -> dict[str, np.ndarray]:
     """The record table as named columns (numpy arrays; strings as object arrays)."""
     served = served_output_tokens(trace)
     m = request_metrics(
@@ -107,7 +113,7 @@ def records_csv(columns: dict[str, np.ndarray], chunk_rows: int = 65536) -> byte
 
 def records_parquet(columns: dict[str, np.ndarray]) -> bytes:
     """Parquet bytes of the record table; needs pyarrow."""
-    try:
+    try:  # lazy: pyarrow is optional (only Parquet output needs it)
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
@@ -136,7 +142,7 @@ def is_parquet_path(path: str | os.PathLike[str]) -> bool:
 def check_records_path(path: str | os.PathLike[str]) -> None:
     """Fail early (before a long run) when Parquet is asked for without pyarrow."""
     if is_parquet_path(path):
-        try:
+        try:  # lazy: pyarrow is optional (only Parquet output needs it)
             import pyarrow  # noqa: F401
             import pyarrow.parquet  # noqa: F401
         except ImportError:
@@ -147,7 +153,8 @@ def check_records_path(path: str | os.PathLike[str]) -> None:
 
 
 def write_records(
-    path: str | os.PathLike[str], trace: Any, output: Any, reasons: tuple[str, ...] = ()
+    path: str | os.PathLike[str], trace: Trace, output: EngineOutput,
+    reasons: tuple[str, ...] = (),
 ) -> None:
     """Write the record table to ``path``: Parquet for ``.parquet``/``.pq``, else CSV."""
     p = Path(path)

@@ -1,6 +1,6 @@
 """A simulated run as a timeline in the Chrome trace-event format (Perfetto, chrome://tracing).
 
-Built from the engine's step log (issue 7 format: one record per step, or per jumped
+Built from the engine's step log (:mod:`servetune.sim.engine`: one record per step, or per jumped
 stretch of identical decode steps with ``repeat: N``) and the trace:
 
 - process ``engine``, thread ``steps``: one complete (``ph: X``) slice per step record,
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from servetune.errors import ServetuneError
-from servetune.schemas.base import write_text_atomic
+from servetune.io import write_text_atomic
 
 ENGINE_PID = 1
 REQUESTS_PID = 2
@@ -40,23 +40,25 @@ STEPS_TID = 0
 Window = tuple[float, float]
 
 
-def parse_window(text: str) -> Window:
+def parse_window(window: str) -> Window:
     """``"START:END"`` in seconds (either side may be empty: open) -> (start_s, end_s)."""
-    parts = text.split(":")
+    parts = window.split(":")
     if len(parts) != 2:
         raise ServetuneError(
-            f"--timeline-window {text!r}: expected START:END in seconds, e.g. 60:120"
+            f"argument `window` {window!r}: expected START:END in seconds, e.g. 60:120"
         )
     try:
         start = float(parts[0]) if parts[0].strip() else 0.0
         end = float(parts[1]) if parts[1].strip() else float("inf")
     except ValueError:
         raise ServetuneError(
-            f"--timeline-window {text!r}: START and END must be numbers of seconds, e.g. 60:120"
+            f"argument `window` {window!r}: START and END must be numbers of seconds, "
+            "e.g. 60:120"
         ) from None
     if not (np.isfinite(start) and start >= 0 and end > start):
         raise ServetuneError(
-            f"--timeline-window {text!r}: need 0 <= START < END (seconds from the first arrival)"
+            f"argument `window` {window!r}: need 0 <= START < END "
+            "(seconds from the first arrival)"
         )
     return start, end
 

@@ -4,7 +4,7 @@ Fitting (``fit_workload``): the trace is split into classes (one, by its class c
 by prompt-length quantile bands). Per class:
 
 - rate_c = overall mean rate * n_c / n, where the overall rate is (rows-1)/span as in
-  ``../shared/traces/README.md`` (so one class has exactly the trace's rate and the
+  :mod:`servetune.workloads.stats` (so one class has exactly the trace's rate and the
   classes' rates sum to it);
 - optional windows: relative rate m_i = (requests in window i / window length), divided
   by their mean;
@@ -43,6 +43,7 @@ drawn, a shorter sample is a prefix of a longer one with the same seed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -53,13 +54,8 @@ import yaml
 from pydantic import ValidationError
 
 from servetune.errors import ServetuneError
-from servetune.schemas.base import (
-    document_from_data,
-    format_validation_error,
-    load_document,
-    parse_yaml_text,
-    write_text_atomic,
-)
+from servetune.io import write_text_atomic
+from servetune.schemas.base import format_validation_error, load_document
 from servetune.schemas.workload import (
     Arrival,
     GapDistribution,
@@ -115,7 +111,9 @@ def distribution_mean(dist: LengthDistribution) -> float:
     return float(np.sum(np.diff(q) * (v[1:] + v[:-1]) / 2.0))
 
 
-def distribution_quantile(dist: LengthDistribution, p: float | np.ndarray) -> Any:
+def distribution_quantile(
+    dist: LengthDistribution, p: float | np.ndarray
+) -> float | np.ndarray:
     """The ``p`` quantile (0..1) of a length distribution, interpolating between knots."""
     q, v = _as_arrays(dist)
     out = np.interp(np.asarray(p, dtype=np.float64), q, v)
@@ -181,6 +179,26 @@ def class_stats(workload: Workload) -> list[ClassStats]:
             )
         )
     return out
+
+
+def class_stats_json(workload: Workload) -> dict[str, Any]:
+    """The workload and its :func:`class_stats` as plain data (``workload show --json``)."""
+    classes = []
+    for s in class_stats(workload):
+        row = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)
+               if f.name not in ("prompt", "output")}
+        cls = workload.classes[s.name]
+        row["process"] = cls.arrival.process
+        row["rate_windows"] = len(cls.arrival.windows.rate_multipliers) if (
+            cls.arrival.windows is not None) else 0
+        classes.append(row)
+    return {
+        "name": workload.name,
+        "source": workload.source,
+        "duration_s": workload.duration_s,
+        "rate_per_s": workload.total_rate_per_s,
+        "classes": classes,
+    }
 
 
 # ----------------------------------------------------------------------------- fitting
@@ -256,7 +274,7 @@ def _fit_arrival(
         if len(gaps) < 2 or not gaps.mean() > 0:
             raise ServetuneError(
                 f"an empirical arrival process needs at least 2 gaps with a positive mean "
-                f"(got {len(gaps)}); fit with --arrival gamma"
+                f"(got {len(gaps)}); fit with argument `arrival_process` gamma"
             )
         # its interarrival_cv is computed from the knots (the schema checks they agree)
         return Arrival(process="empirical", rate_per_s=rate, interarrival_gaps=fit_gaps(gaps),
@@ -284,7 +302,7 @@ def _split_indices(
         if trace.class_id is None:
             raise ServetuneError(
                 f"{trace.source or 'trace'}: has no class column to split by; map one with "
-                "--columns ...,class=COLUMN or use --split-by prompt-quantiles"
+                "argument `columns` ...,class=COLUMN or use argument `split` prompt-quantiles"
             )
         out = []
         for k, name in enumerate(trace.class_names):
@@ -296,8 +314,8 @@ def _split_indices(
     if split in ("prompt-quantiles", "prompt_quantiles", "bands"):
         if not 1 <= bands <= MAX_BANDS:
             raise ServetuneError(
-                f"--bands must be between 1 and {MAX_BANDS} (got {bands}); each band becomes "
-                "a class with its own length distributions"
+                f"argument `bands` must be between 1 and {MAX_BANDS} (got {bands}); each band "
+                "becomes a class with its own length distributions"
             )
         edges = np.quantile(trace.prompt_tokens, np.arange(1, bands) / bands)
         band = np.searchsorted(edges, trace.prompt_tokens, side="left")
@@ -312,7 +330,7 @@ def _split_indices(
     raise ServetuneError(f"unknown split {split!r}; use class or prompt-quantiles")
 
 
-def check_rate_scale(rate_scale: float, what: str = "--rate-scale") -> None:
+def check_rate_scale(rate_scale: float, what: str = "argument `rate_scale`") -> None:
     """Fail unless ``rate_scale`` is a number in [MIN_RATE_SCALE, MAX_RATE_SCALE]."""
     if not (
         isinstance(rate_scale, int | float)
@@ -338,7 +356,8 @@ def fit_workload(
     ``arrival_process``: auto (empirical when bursty), poisson, gamma or empirical."""
     if arrival_process not in ARRIVAL_PROCESSES:
         raise ServetuneError(
-            f"--arrival must be one of {', '.join(ARRIVAL_PROCESSES)} (got {arrival_process!r})"
+            f"argument `arrival_process` must be one of {', '.join(ARRIVAL_PROCESSES)} "
+            f"(got {arrival_process!r})"
         )
     n = len(trace)
     if n < 2 or trace.duration_s <= 0:
@@ -347,13 +366,16 @@ def fit_workload(
             f"an arrival rate (got {n} over {trace.duration_s:g} s)"
         )
     if rate_windows_s is not None and not (rate_windows_s > 0 and math.isfinite(rate_windows_s)):
-        raise ServetuneError(f"--rate-windows must be > 0 seconds (got {rate_windows_s})")
+        raise ServetuneError(
+            f"argument `rate_windows_s` must be > 0 seconds (got {rate_windows_s})"
+        )
     span = trace.duration_s
     overall_rate = (n - 1) / span
     if rate_windows_s is not None and span / rate_windows_s > MAX_RATE_WINDOWS:
         raise ServetuneError(
-            f"--rate-windows {rate_windows_s:g} s makes {span / rate_windows_s:.0f} windows over "
-            f"{span:g} s; use at most {MAX_RATE_WINDOWS:,} (a longer window)"
+            f"argument `rate_windows_s` {rate_windows_s:g} s makes "
+            f"{span / rate_windows_s:.0f} windows over {span:g} s; use at most "
+            f"{MAX_RATE_WINDOWS:,} (a longer window)"
         )
     classes: dict[str, WorkloadClass] = {}
     try:
@@ -573,7 +595,3 @@ def save_workload(
 def load_workload(path: str | os.PathLike[str]) -> Workload:
     """Load and validate a Workload YAML file."""
     return load_document(path, Workload)
-
-
-def workload_from_yaml_text(text: str, source: str) -> Workload:
-    return document_from_data(parse_yaml_text(text, source), Workload, source)

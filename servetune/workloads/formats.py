@@ -1,6 +1,7 @@
 """Load public LLM request traces into a columnar :class:`~servetune.workloads.trace.Trace`.
 
-Formats (``../shared/reference/trace-formats.md``):
+Formats (the columns as each trace's publisher ships them: Azure/AzurePublicDataset,
+HPMLL/BurstGPT, kvcache-ai/Mooncake and vLLM's benchmark client):
 
 - ``azure``: Azure LLM inference 2023 CSV and the 2024 week-long CSV (same columns):
   ``TIMESTAMP`` (date-time text), ``ContextTokens``, ``GeneratedTokens``;
@@ -40,8 +41,10 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import numpy as np
+import numpy.typing as npt
 
 from servetune.errors import ServetuneError
+from servetune.io import open_binary
 from servetune.workloads.trace import Trace, from_arrays
 
 FORMATS = ("azure", "burstgpt", "mooncake", "vllm-bench", "csv", "jsonl")
@@ -86,8 +89,8 @@ def parse_columns(spec: str | Mapping[str, str] | None) -> dict[str, str] | None
                 continue
             if "=" not in part:
                 raise ServetuneError(
-                    f"--columns: {part.strip()!r} is not ROLE=COLUMN; example: "
-                    "--columns arrival=ts,prompt=in,output=out"
+                    f"argument `columns`: {part.strip()!r} is not ROLE=COLUMN; example: "
+                    "argument `columns` arrival=ts,prompt=in,output=out"
                 )
             role, _, col = part.partition("=")
             pairs.append((role.strip(), col.strip()))
@@ -95,16 +98,16 @@ def parse_columns(spec: str | Mapping[str, str] | None) -> dict[str, str] | None
     for role, col in pairs:
         if role not in ROLES:
             raise ServetuneError(
-                f"--columns: unknown role {role!r}; roles are {', '.join(ROLES)}"
+                f"argument `columns`: unknown role {role!r}; roles are {', '.join(ROLES)}"
             )
         if not col:
-            raise ServetuneError(f"--columns: role {role!r} has no column name")
+            raise ServetuneError(f"argument `columns`: role {role!r} has no column name")
         mapping[role] = col
     missing = [r for r in REQUIRED_ROLES if r not in mapping]
     if missing:
         raise ServetuneError(
-            f"--columns: missing {', '.join(missing)}; the mapping needs arrival, prompt and "
-            "output (e.g. --columns arrival=ts,prompt=in,output=out)"
+            f"argument `columns`: missing {', '.join(missing)}; the mapping needs arrival, "
+            "prompt and output (e.g. argument `columns` arrival=ts,prompt=in,output=out)"
         )
     return mapping
 
@@ -117,14 +120,7 @@ class _Source:
 
     def __init__(self, path: str):
         self.path = path
-        try:
-            self.raw: BinaryIO = open(path, "rb")  # noqa: SIM115 - closed in close()
-        except FileNotFoundError:
-            raise ServetuneError(f"{path}: file not found") from None
-        except IsADirectoryError:
-            raise ServetuneError(f"{path}: is a directory, expected a trace file") from None
-        except OSError as exc:
-            raise ServetuneError(f"{path}: cannot read ({exc.strerror})") from None
+        self.raw: BinaryIO = open_binary(path, "trace")  # closed in close()
         try:
             self.total_bytes = os.fstat(self.raw.fileno()).st_size
         except OSError:
@@ -180,7 +176,7 @@ class _Column:
     size when full (or is sized from a row-count hint), so a large file makes a few large
     allocations instead of thousands of chunk arrays that fragment the heap."""
 
-    def __init__(self, dtype: Any):
+    def __init__(self, dtype: npt.DTypeLike):
         self.dtype = np.dtype(dtype)
         self.buffer = np.empty(0, dtype=self.dtype)
         self.size = 0
@@ -208,7 +204,7 @@ class _Column:
         return out
 
 
-def _column(dtype: Any) -> Any:
+def _column(dtype: npt.DTypeLike) -> _Column:
     return field(default_factory=lambda: _Column(dtype))
 
 
@@ -256,7 +252,7 @@ class _Rows:
         where = f"{self.unit} {row}" + (f" (line {line})" if line is not None else "")
         if self.on_bad_row == "error":
             raise ServetuneError(
-                f"{self.path}: {where}: {reason}; fix the row or pass --on-bad-row skip"
+                f"{self.path}: {where}: {reason}; fix the row or pass argument `on_bad_row` skip"
             )
         self.skipped += 1
         if not self.first_skipped:
@@ -288,7 +284,8 @@ class _Rows:
         if span > MAX_SPAN_S:
             raise ServetuneError(
                 f"{self.path}: arrivals span {span:.3g} s (over {MAX_SPAN_S / 3.156e7:.0f} "
-                "years); check the arrival column and its unit (--arrival-unit ms, us or ns)"
+                "years); check the arrival column and its unit "
+                "(argument `arrival_unit` ms, us or ns)"
             )
         prompt = self.prompt.result()
         output = self.output.result()
@@ -911,10 +908,13 @@ def load_trace(
     if fmt is not None and fmt not in FORMATS:
         raise ServetuneError(f"unknown trace format {fmt!r}; use one of {', '.join(FORMATS)}")
     if on_bad_row not in ("error", "skip"):
-        raise ServetuneError(f"--on-bad-row must be error or skip (got {on_bad_row!r})")
+        raise ServetuneError(
+            f"argument `on_bad_row` must be error or skip (got {on_bad_row!r})"
+        )
     if arrival_unit is not None and arrival_unit not in (*ARRIVAL_UNITS, "datetime"):
         raise ServetuneError(
-            f"--arrival-unit must be one of s, ms, us, ns, datetime (got {arrival_unit!r})"
+            f"argument `arrival_unit` must be one of s, ms, us, ns, datetime "
+            f"(got {arrival_unit!r})"
         )
     mapping = parse_columns(columns)
     source = _Source(p)
@@ -923,7 +923,7 @@ def load_trace(
         detected = detect_format(head, p)
         if fmt in ("csv", "jsonl") and mapping is None:
             raise ServetuneError(
-                f"{p}: --trace-format {fmt} needs a column mapping, e.g. --columns "
+                f"{p}: argument `fmt` {fmt} needs a column mapping, e.g. argument `columns` "
                 "arrival=ts,prompt=in,output=out"
             )
         if fmt is None:
@@ -932,12 +932,12 @@ def load_trace(
                 fmt = "jsonl" if detected in ("mooncake", "jsonl", "vllm-bench") else "csv"
         if mapping is not None and fmt not in ("csv", "jsonl"):
             raise ServetuneError(
-                f"--columns applies to --trace-format csv or jsonl, not {fmt}"
+                f"argument `columns` applies to argument `fmt` csv or jsonl, not {fmt}"
             )
         if fmt in ("csv", "jsonl") and mapping is None:
             raise ServetuneError(
                 f"{p}: not a known trace format (detected generic {detected}); give a column "
-                "mapping, e.g. --columns arrival=ts,prompt=in,output=out"
+                "mapping, e.g. argument `columns` arrival=ts,prompt=in,output=out"
             )
         rows = _Rows(p, on_bad_row, unit="request" if fmt == "vllm-bench" else "row")
         head = head.lstrip(b"\xef\xbb\xbf")

@@ -1,8 +1,8 @@
 """Summary statistics of a trace: request count, span, mean rate, burstiness, lengths.
 
-Definitions follow ``../shared/traces/README.md``: mean arrival rate = (rows - 1) / (last
-arrival - first arrival); inter-arrival CV = std / mean of the gaps (population std);
-percentiles use numpy's default linear interpolation.
+Definitions: mean arrival rate = (rows - 1) / (last arrival - first arrival); inter-arrival
+CV = std / mean of the gaps (population std); percentiles use numpy's default linear
+interpolation.
 """
 
 from __future__ import annotations

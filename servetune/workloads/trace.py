@@ -97,7 +97,7 @@ class Trace:
     def head(self, n: int) -> Trace:
         """The first ``n`` requests."""
         if n < 1:
-            raise ServetuneError(f"--requests must be >= 1 (got {n})")
+            raise ServetuneError(f"argument `n` must be >= 1 (got {n})")
         return self.take(slice(0, min(n, len(self))))
 
     def rate_scaled(self, rate_scale: float) -> Trace:

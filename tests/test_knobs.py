@@ -1,0 +1,313 @@
+"""The knob, engine and method tables: each list the code needs is the table's, and the
+table says what the code does (exporters, fluid model, default space, simulator values)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+
+from servetune import knobs
+from servetune.engines import CONFIG_FILES, ENGINE_NAMES, ENGINES, engine, kernel_id
+from servetune.errors import ServetuneError
+from servetune.export import export_policy
+from servetune.knobs import KNOBS, Converted, NotExpressible, Plain
+from servetune.models.fluid import Knobs
+from servetune.schemas.base import load_document
+from servetune.schemas.job import METHODS, OptimizeJob
+from servetune.schemas.policy import Policy
+from servetune.schemas.space import SearchSpace, knob_paths
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROFILE_FACTS = {
+    "gpu_memory_bytes": 150_000_000_000, "weight_bytes": 16_000_000_000,
+    "activation_bytes": 6_000_000_000, "gpu_memory_utilization": 0.9, "block_size": 16,
+    "kv_blocks": 1000,
+}
+
+# Every knob away from its default (and every lane size set).
+OFF_DEFAULT = {
+    "scheduling": "priority",
+    "batching": {"max_num_seqs": 64, "max_num_batched_tokens": 2048,
+                 "long_prefill_token_threshold": 512, "enable_chunked_prefill": False},
+    "admission": {"kv_watermark": 0.02, "reserve_full_prompt": False,
+                  "max_queued_requests": 256, "max_queued_prompt_tokens": 100_000},
+    "long_requests": {"threshold_tokens": 8192, "reserved_seqs": 2, "max_seqs": 4,
+                      "reserved_kv_fraction": 0.1, "max_kv_fraction": 0.5},
+}
+
+
+def policy_with(**sections) -> Policy:
+    return Policy.model_validate({"name": "t", "metadata": {"profile": PROFILE_FACTS},
+                                  **sections})
+
+
+def only_off_default(path: str) -> Policy:
+    """The default policy with just ``path`` moved to its OFF_DEFAULT value (and lanes
+    switched on when ``path`` is a lane size)."""
+    if "." not in path:
+        return policy_with(**{path: OFF_DEFAULT[path]})
+    section, name = path.split(".")
+    fields = {name: OFF_DEFAULT[section][name]}
+    if section == "long_requests":
+        fields["threshold_tokens"] = 8192
+    return policy_with(**{section: fields})
+
+
+def emitted(engine_name: str, result) -> dict[str, object]:
+    """The keys (or flags and environment variables) an export wrote, with values."""
+    if engine_name == "tgi":
+        return {**dict(zip(result.args[0::2], result.args[1::2], strict=True)), **result.env}
+    return dict(result.settings)
+
+
+# --- the knob table and the Policy ---------------------------------------------------------
+
+def test_every_policy_knob_is_a_row_in_policy_order():
+    assert [k.path for k in KNOBS] == list(Policy().knobs())
+    assert [k.path for k in KNOBS] == knob_paths()
+
+
+def test_values_read_the_policy():
+    policy = policy_with(**OFF_DEFAULT)
+    assert knobs.values(policy) == policy.knobs()
+    assert knobs.values(Policy()) == {k.path: k.default for k in KNOBS}
+
+
+def test_every_row_names_every_engine():
+    for k in KNOBS:
+        assert tuple(k.exports) == ENGINE_NAMES, k.path
+
+
+def test_switches_and_equivalence_refer_to_knobs():
+    for k in KNOBS:
+        for other in (k.switch, k.off_at_or_above):
+            assert other is None or other in knobs.BY_PATH
+
+
+def test_fluid_knobs_are_the_modeled_rows():
+    modeled = [k for k in KNOBS if k.modeled]
+    assert [f.name for f in dataclasses.fields(Knobs)] == [k.name for k in modeled]
+    assert Knobs.FIELDS == {k.path: k.name for k in modeled}
+    policy = policy_with(**OFF_DEFAULT)
+    assert Knobs.from_policy(policy).as_dotted() == {
+        k.path: policy.knobs()[k.path] for k in modeled}
+
+
+def test_default_space_is_the_shipped_file():
+    from servetune.apps.optimize import default_space
+
+    shipped = load_document(ROOT / "configs/spaces/default.yaml", SearchSpace)
+    assert default_space().knobs == shipped.knobs
+    assert list(default_space().knobs) == list(shipped.knobs)
+
+
+def test_equivalence_key_turns_a_cap_at_or_above_the_budget_off():
+    base = Knobs(256, 2048, 0, 0.01, 2048, None)
+    key = knobs.equivalence_key
+    for chunk in (2048, 4096):
+        assert key(dataclasses.replace(base, long_prefill_token_threshold=chunk).as_dotted()) \
+            == key(base.as_dotted()) == (256, 2048, 0, 0.01, 2048, None)
+    assert key(dataclasses.replace(base, long_prefill_token_threshold=512).as_dotted()) \
+        == (256, 2048, 512, 0.01, 2048, None)
+
+
+def test_optimizer_dedupes_with_the_table_key():
+    from servetune.solvers.loop import equivalence_key
+
+    k = Knobs(64, 1024, 1024)
+    assert equivalence_key(k) == knobs.equivalence_key(k.as_dotted()) == (
+        64, 1024, 0, 0.0, None, None)
+
+
+def test_nightly_compares_every_knob():
+    from servetune.apps.nightly import same_knobs
+
+    base = Policy()
+    for k in KNOBS:
+        other = only_off_default(k.path)
+        assert not same_knobs(base, other), k.path
+    renamed = base.model_copy(update={"name": "other", "metadata": {"x": 1}})
+    assert same_knobs(base, renamed)
+
+
+def test_summary_text_names_the_summary_knobs():
+    dotted = policy_with(**OFF_DEFAULT).knobs()
+    assert knobs.summary_text(dotted) == (
+        "max_num_seqs 64, max_num_batched_tokens 2048, long_prefill_token_threshold 512, "
+        "kv_watermark 0.02"
+    )
+
+
+def test_sim_values():
+    assert knobs.sim_values(Policy(), 1000) == {
+        "priority_scheduling": False, "max_seqs": 1024, "budget": 8192,
+        "long_prefill_threshold": 0, "chunked_prefill": True, "watermark_blocks": 0,
+        "reserve_full_prompt": True, "max_queued_requests": -1,
+        "max_queued_prompt_tokens": -1, "lanes": False, "lane_reserved_seqs": 0,
+        "lane_reserved_blocks": 0, "lane_max_seqs": 1024, "lane_max_blocks": 1000,
+    }
+    assert knobs.sim_values(policy_with(**OFF_DEFAULT), 1000) == {
+        "priority_scheduling": True, "max_seqs": 64, "budget": 2048,
+        "long_prefill_threshold": 512, "chunked_prefill": False, "watermark_blocks": 20,
+        "reserve_full_prompt": False, "max_queued_requests": 256,
+        "max_queued_prompt_tokens": 100_000, "lanes": True, "lane_reserved_seqs": 2,
+        "lane_reserved_blocks": 100, "lane_max_seqs": 4, "lane_max_blocks": 500,
+    }
+    # lane sizes without the switch are simulated at their defaults
+    sizes_only = policy_with(long_requests={"reserved_seqs": 3, "max_kv_fraction": 0.5})
+    values = knobs.sim_values(sizes_only, 1000)
+    assert (values["lanes"], values["lane_reserved_seqs"], values["lane_max_blocks"],
+            values["lane_max_seqs"]) == (False, 0, 1000, 1024)
+
+
+@pytest.mark.parametrize("sections", [{}, OFF_DEFAULT, {"long_requests": {"reserved_seqs": 3}}])
+def test_sim_values_are_what_the_simulator_packs(sections):
+    from servetune.profiles.steptime import StepTimeModel
+    from servetune.sim.engine import kernel_params
+
+    policy = policy_with(**sections)
+    params = kernel_params(policy, engine="vllm", kv_blocks=1000, block_size=16,
+                           step_time=StepTimeModel())
+    for name, value in knobs.sim_values(policy, 1000).items():
+        assert getattr(params, name) == value, name
+
+
+# --- the exporters follow the table -----------------------------------------------------
+
+@pytest.mark.parametrize("engine_name", ENGINE_NAMES)
+def test_plain_names_are_written_with_the_policy_value(engine_name):
+    policy = policy_with(**OFF_DEFAULT)
+    out = emitted(engine_name, export_policy(policy, engine_name))
+    for k in KNOBS:
+        cell = k.exports[engine_name]
+        if isinstance(cell, Plain):
+            value = k.value(policy)
+            if engine_name == "tgi":
+                assert out[cell.name] == str(value), k.path
+            elif engine_name == "sglang" and k.path == "batching.max_num_seqs":
+                pass  # capped by the queue cap (a conversion)
+            else:
+                assert out[cell.name] == value, k.path
+
+
+@pytest.mark.parametrize("engine_name", ENGINE_NAMES)
+def test_converted_names_are_written(engine_name):
+    for k in KNOBS:
+        cell = k.exports[engine_name]
+        if isinstance(cell, Converted):
+            out = emitted(engine_name, export_policy(only_off_default(k.path), engine_name))
+            for name in cell.names:
+                assert name in out, (k.path, name)
+
+
+@pytest.mark.parametrize("engine_name", ENGINE_NAMES)
+def test_not_expressible_knobs_are_listed_in_table_order(engine_name):
+    rows = knobs.not_expressible(engine_name)
+    for k in rows:
+        result = export_policy(only_off_default(k.path), engine_name)
+        token = "long_requests" if k.section == "long_requests" else k.path
+        assert any(item.startswith(f"{token} (") for item in result.unsupported), k.path
+    # every one at once: in the derived order (class priorities are the exporters' own)
+    result = export_policy(policy_with(**OFF_DEFAULT), engine_name)
+    listed = [item.split(" (")[0] for item in result.unsupported]
+    expected = ["long_requests" if k.section == "long_requests" else k.path for k in rows]
+    assert listed == expected
+    # and at the defaults only what no policy can leave out
+    listed = export_policy(policy_with(), engine_name).unsupported
+    always = [k for k in rows if isinstance(k.exports[engine_name], NotExpressible)
+              and k.exports[engine_name].always]
+    assert [item.split(" (")[0] for item in listed] == [k.path for k in always]
+
+
+def test_a_knob_without_advice_still_gets_listed():
+    from servetune.export import unsupported_settings
+
+    listed = unsupported_settings(only_off_default("admission.kv_watermark"), "tgi", {})
+    assert listed == [
+        "batching.max_num_seqs (1024): TGI has no such setting; enforce it outside the engine "
+        "(a router rule or a gateway limit)",
+        "admission.kv_watermark (0.02): TGI has no such setting; enforce it outside the engine "
+        "(a router rule or a gateway limit)",
+    ]
+
+
+def test_tgi_lists_its_missing_batch_cap_first():
+    assert knobs.not_expressible("tgi")[0].path == "batching.max_num_seqs"
+
+
+def test_names_of_an_engine_without_a_row_are_refused():
+    with pytest.raises(KeyError):
+        knobs.plain_names("nope")
+
+
+# --- the engine table -------------------------------------------------------------------
+
+def test_every_engine_list_is_the_registry():
+    from servetune.cli.simulate_cmd import ENGINE_CHOICES
+    from servetune.export import ENGINES as EXPORT_ENGINES
+    from servetune.export import FILENAMES
+    from servetune.sim.api import ENGINE_NAMES as SIM_API_NAMES
+    from servetune.sim.engine import ENGINES as SIM_ENGINES
+
+    assert ENGINE_NAMES == ("vllm", "sglang", "trtllm", "tgi")
+    for names in (EXPORT_ENGINES, SIM_ENGINES, SIM_API_NAMES, ENGINE_CHOICES):
+        assert tuple(names) == ENGINE_NAMES
+    assert typing.get_args(OptimizeJob.model_fields["engine"].annotation) == ENGINE_NAMES
+    assert FILENAMES == CONFIG_FILES
+
+
+def test_kernel_ids_are_the_kernels():
+    from servetune.sim import _kernel as K
+
+    for e in ENGINES:
+        assert e.kernel_id == ENGINE_NAMES.index(e.name) == getattr(K, f"E_{e.name.upper()}")
+        assert kernel_id(e.name) == e.kernel_id
+
+
+@pytest.mark.parametrize("engine_name", ENGINE_NAMES)
+def test_export_runs_the_registered_exporter_and_names_its_file(engine_name):
+    result = export_policy(policy_with(), engine_name)
+    assert result.engine == engine_name
+    assert result.filename == engine(engine_name).config_file
+    assert engine(engine_name).title in result.text.splitlines()[0]
+
+
+def test_nightly_engines_are_checked_against_the_registry():
+    from servetune.apps.nightly import parse_engines
+
+    assert parse_engines(",".join(ENGINE_NAMES)) == list(ENGINE_NAMES)
+    with pytest.raises(ServetuneError, match="vllm, sglang, trtllm, tgi"):
+        parse_engines("vllm,nope")
+
+
+def test_engine_defaults():
+    from servetune.solvers import baselines
+
+    assert engine("vllm").default_batching(10**6) == (1024, 8192)
+    assert engine("sglang").default_batching(909_072) == (4096, 8192)
+    assert engine("sglang").default_batching(100) == (50, 8192)
+    assert engine("trtllm").default_batching is None
+    assert (baselines.VLLM_DEFAULTS.max_num_seqs,
+            baselines.VLLM_DEFAULTS.max_num_batched_tokens) == (1024, 8192)
+
+
+# --- the methods table ------------------------------------------------------------------
+
+def test_methods_table_is_the_schema_list():
+    from servetune.apps.optimize import METHOD_TABLE
+
+    assert tuple(METHOD_TABLE) == METHODS
+    assert typing.get_args(OptimizeJob.model_fields["method"].annotation) == METHODS
+    assert [m.name for m in METHOD_TABLE.values() if not m.baseline] == ["milp"]
+    assert all(m.help for m in METHOD_TABLE.values())
+
+
+def test_unknown_method_names_the_choices():
+    from servetune.apps.optimize import optimize
+
+    with pytest.raises(ServetuneError, match="choose milp, grid, random or optuna"):
+        optimize(None, None, None, method="nope")
