@@ -13,6 +13,10 @@
   simulation budget is spent;
 - Optuna TPE (only when ``optuna`` is importable, the optional extra ``optuna``), seeded,
   same budget.
+
+Every baseline stops on work (a number of simulations), so its answer is the same on any
+machine; the wall-clock ``deadline`` is only a safety stop, and ``stopped_by`` says when
+it fired (the answer then depends on the machine's speed).
 """
 
 from __future__ import annotations
@@ -27,7 +31,15 @@ import numpy as np
 
 from servetune.engines import engine
 from servetune.models.fluid import Knobs
-from servetune.solvers.loop import Evaluated, Simulator, find_goodput, refine_goodput
+from servetune.solvers.loop import (
+    STOP_EXHAUSTED,
+    STOP_SIMULATIONS,
+    STOP_TIME_LIMIT,
+    Evaluated,
+    Simulator,
+    find_goodput,
+    refine_goodput,
+)
 
 
 def engine_default_knobs(name: str, kv_tokens: int) -> Knobs:
@@ -54,7 +66,13 @@ class BaselineResult:
     evaluated: list[Evaluated] = field(default_factory=list)
     simulations: int = 0
     skipped: str = ""
-    stopped_at_deadline: bool = False
+    # STOP_EXHAUSTED (every point tried), STOP_SIMULATIONS (the budget was spent) or
+    # STOP_TIME_LIMIT (the wall-clock safety stop fired)
+    stopped_by: str = STOP_EXHAUSTED
+
+    @property
+    def stopped_at_deadline(self) -> bool:
+        return self.stopped_by == STOP_TIME_LIMIT
 
     @property
     def goodput_rate_per_s(self) -> float:
@@ -94,22 +112,27 @@ def grid_search(
     *,
     rel_tol: float = 0.03,
     progress: Callable[[int, int], Any] | None = None,
+    budget: int | None = None,
     deadline: float | None = None,
 ) -> BaselineResult:
-    """Every point simulated (the oracle); with a ``deadline`` (``time.perf_counter``
-    value) no new point starts after it."""
+    """Every point simulated (the oracle), in order; no new point starts once ``budget``
+    simulations are spent (None: no limit) or, the safety stop, after ``deadline`` (a
+    ``time.perf_counter`` value)."""
     start = sim.simulations
     out = []
-    stopped = False
+    stopped_by = STOP_EXHAUSTED
     for i, k in enumerate(points):
+        if budget is not None and sim.simulations - start >= budget:
+            stopped_by = STOP_SIMULATIONS
+            break
         if deadline is not None and time.perf_counter() > deadline:
-            stopped = True
+            stopped_by = STOP_TIME_LIMIT
             break
         out.append(_evaluate(i, k, make_policy, sim, "grid", rel_tol))
         if progress:
             progress(i + 1, len(points))
     return BaselineResult("grid", _refined(out, sim), out, sim.simulations - start,
-                          stopped_at_deadline=stopped)
+                          stopped_by=stopped_by)
 
 
 def random_search(
@@ -122,20 +145,22 @@ def random_search(
     rel_tol: float = 0.03,
     deadline: float | None = None,
 ) -> BaselineResult:
-    """Points in a seeded random order until ``budget`` simulations are used."""
+    """Points in a seeded random order until ``budget`` simulations are used (or, the
+    safety stop, ``deadline`` passes)."""
     start = sim.simulations
     order = np.random.default_rng(seed).permutation(len(points))
     out = []
-    stopped = False
+    stopped_by = STOP_EXHAUSTED
     for i in order:
         if sim.simulations - start >= budget:
+            stopped_by = STOP_SIMULATIONS
             break
         if deadline is not None and time.perf_counter() > deadline:
-            stopped = True
+            stopped_by = STOP_TIME_LIMIT
             break
         out.append(_evaluate(int(i), points[int(i)], make_policy, sim, "random", rel_tol))
     return BaselineResult("random", _refined(out, sim), out, sim.simulations - start,
-                          stopped_at_deadline=stopped)
+                          stopped_by=stopped_by)
 
 
 def optuna_available() -> bool:
@@ -155,8 +180,10 @@ def optuna_search(
     budget: int,
     seed: int = 0,
     rel_tol: float = 0.03,
+    deadline: float | None = None,
 ) -> BaselineResult:
-    """Optuna's TPE sampler over the knobs (categorical), until ``budget`` simulations."""
+    """Optuna's TPE sampler over the knobs (categorical), until ``budget`` simulations
+    (or, the safety stop, until ``deadline`` passes)."""
     if not optuna_available():
         return BaselineResult("optuna", None, skipped="optuna is not installed "
                               "(pip install 'servetune[optuna]')")
@@ -171,7 +198,14 @@ def optuna_search(
         direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed)
     )
     trials = 0
-    while sim.simulations - start < budget and trials < 20 * max(budget, 1):
+    stopped_by = STOP_EXHAUSTED  # TPE stopped proposing new points
+    while trials < 20 * max(budget, 1):
+        if sim.simulations - start >= budget:
+            stopped_by = STOP_SIMULATIONS
+            break
+        if deadline is not None and time.perf_counter() > deadline:
+            stopped_by = STOP_TIME_LIMIT
+            break
         trials += 1
         trial = study.ask()
         values = {
@@ -190,4 +224,5 @@ def optuna_search(
         ev = _evaluate(index[knobs], knobs, make_policy, sim, "optuna", rel_tol)
         out.append(ev)
         study.tell(trial, ev.goodput.rate_per_s)
-    return BaselineResult("optuna", _refined(out, sim), out, sim.simulations - start)
+    return BaselineResult("optuna", _refined(out, sim), out, sim.simulations - start,
+                          stopped_by=stopped_by)

@@ -42,6 +42,7 @@ def _solve_milp(m: pyo.ConcreteModel, time_limit_s: float) -> tuple[str, float]:
     status = {
         SolveStatus.OPTIMAL: "optimal",
         SolveStatus.FEASIBLE_AT_TIME_LIMIT: "feasible",
+        SolveStatus.FEASIBLE_AT_WORK_LIMIT: "feasible",
         SolveStatus.INFEASIBLE: "infeasible",
     }.get(outcome.status, outcome.message or "error")
     return status, time.perf_counter() - t0

@@ -1,13 +1,20 @@
-"""Solver drivers: run HiGHS (through Pyomo's appsi) and CP-SAT with a time limit and
+"""Solver drivers: run HiGHS (through Pyomo's appsi) and CP-SAT within limits and
 report one explicit status, and enumerate the best k solutions with no-good cuts.
+
+Two kinds of limit. The *work* limits (HiGHS: branch-and-bound nodes and simplex
+iterations; CP-SAT: deterministic time with a fixed number of workers) stop a solve at
+the same point on any machine, so they decide results. The wall-clock ``time_limit_s``
+is only a safety stop: when it fires the answer depends on the machine's speed, and
+the outcome says so (``stopped_by == "time_limit"``) for the caller to report.
 
 Statuses (``SolveStatus``):
 
 - ``optimal``: the solver proved the solution optimal (within its gap);
-- ``feasible_at_time_limit``: the time limit stopped it with a solution in hand;
+- ``feasible_at_time_limit``: the wall-clock safety stop ended it with a solution in hand;
 - ``infeasible``: no solution exists (proved);
-- ``error``: anything else (no solution at the time limit, numerical trouble, a crash);
-  the message says what happened.
+- ``error``: anything else (no solution at a limit, numerical trouble, a crash);
+  the message says what happened;
+- ``feasible_at_work_limit``: a work limit ended it with a solution in hand.
 """
 
 from __future__ import annotations
@@ -31,10 +38,22 @@ class SolveStatus(StrEnum):
     FEASIBLE_AT_TIME_LIMIT = "feasible_at_time_limit"
     INFEASIBLE = "infeasible"
     ERROR = "error"
+    FEASIBLE_AT_WORK_LIMIT = "feasible_at_work_limit"
 
     @property
     def has_solution(self) -> bool:
-        return self in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE_AT_TIME_LIMIT)
+        return self in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE_AT_TIME_LIMIT,
+                        SolveStatus.FEASIBLE_AT_WORK_LIMIT)
+
+
+# Work limits, generous: the optimizer's MILPs and CP-SATs (a few hundred binaries) solve
+# at the root or in a few hundred nodes, so these never end a shipped example's solve;
+# they bound a pathological one at the same point on every machine.
+HIGHS_MAX_NODES = 1_000_000
+HIGHS_MAX_SIMPLEX_ITERATIONS = 50_000_000
+# CP-SAT's deterministic time (its own work units, about seconds on a fast core), with one
+# worker: the lane model solves in well under 0.1 of them.
+CPSAT_MAX_DETERMINISTIC_TIME = 60.0
 
 
 @dataclass
@@ -44,6 +63,9 @@ class SolveOutcome:
     solve_s: float = 0.0
     message: str = ""
     solution: Any = None  # the model-specific decoded solution
+    # "time_limit" (the wall-clock safety stop fired: the result depends on the machine),
+    # "work_limit" (a deterministic limit ended it), "" (the solve finished).
+    stopped_by: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -58,6 +80,7 @@ class TopK:
     """The best k solutions found one after another, each cut off before the next."""
 
     outcomes: list[SolveOutcome] = field(default_factory=list)
+    out_of_time: bool = False  # the safety time ran out before all k solves had run
 
     @property
     def solutions(self) -> list[Any]:
@@ -71,6 +94,11 @@ class TopK:
     def solve_s(self) -> float:
         return sum(o.solve_s for o in self.outcomes)
 
+    @property
+    def hit_time_limit(self) -> bool:
+        """Whether the wall-clock safety stop cut any solve short (or left none to run)."""
+        return self.out_of_time or any(o.stopped_by == "time_limit" for o in self.outcomes)
+
 
 def _highs() -> Any:
     solver = appsi.solvers.Highs()
@@ -80,15 +108,22 @@ def _highs() -> Any:
 
 
 def solve_highs(
-    model: pyo.ConcreteModel, *, time_limit_s: float, solver: Any = None, mip_gap: float = 1e-6
+    model: pyo.ConcreteModel, *, time_limit_s: float, solver: Any = None, mip_gap: float = 1e-6,
+    max_nodes: int = HIGHS_MAX_NODES, max_simplex_iterations: int = HIGHS_MAX_SIMPLEX_ITERATIONS,
 ) -> tuple[SolveOutcome, Any]:
     """Solve a Pyomo model with HiGHS (persistent appsi interface, so a later call after
-    adding a cut re-uses the loaded model). Returns the outcome and the solver to re-use."""
+    adding a cut re-uses the loaded model). Returns the outcome and the solver to re-use.
+
+    ``max_nodes`` and ``max_simplex_iterations`` are the work limits that decide where a
+    hard solve stops; ``time_limit_s`` is the wall-clock safety stop (module docstring)."""
     if solver is None:
         solver = _highs()
         if solver is None:
             return SolveOutcome(SolveStatus.ERROR, message="HiGHS (highspy) is not available"), None
     solver.config.time_limit = max(float(time_limit_s), 0.01)
+    # HiGHS options passed through appsi as they are (highspy's setOptionValue).
+    solver.highs_options = {"mip_max_nodes": int(max_nodes),
+                            "simplex_iteration_limit": int(max_simplex_iterations)}
     solver.config.mip_gap = mip_gap
     solver.config.load_solution = False
     solver.config.stream_solver = False
@@ -102,10 +137,15 @@ def solve_highs(
     elapsed = time.perf_counter() - start
     tc = res.termination_condition
     has_solution = res.best_feasible_objective is not None
+    stopped_by = ""
     if tc == TC.optimal:
         status = SolveStatus.OPTIMAL
-    elif tc == TC.maxTimeLimit and has_solution:
-        status = SolveStatus.FEASIBLE_AT_TIME_LIMIT
+    elif tc == TC.maxTimeLimit:
+        stopped_by = "time_limit"
+        status = SolveStatus.FEASIBLE_AT_TIME_LIMIT if has_solution else SolveStatus.ERROR
+    elif tc == TC.maxIterations:  # appsi's name for HiGHS's node and iteration limits
+        stopped_by = "work_limit"
+        status = SolveStatus.FEASIBLE_AT_WORK_LIMIT if has_solution else SolveStatus.ERROR
     elif tc in (TC.infeasible, TC.infeasibleOrUnbounded):
         status = SolveStatus.INFEASIBLE
     else:
@@ -118,6 +158,7 @@ def solve_highs(
         objective=float(res.best_feasible_objective) if status.has_solution else None,
         solve_s=elapsed,
         message=msg,
+        stopped_by=stopped_by,
     ), solver
 
 
@@ -143,6 +184,7 @@ def top_k_highs(
     for _ in range(max(k, 1)):
         left = deadline - time.perf_counter()
         if left <= 0:
+            out.out_of_time = True
             break
         outcome, solver = solve_highs(model, time_limit_s=left, solver=solver)
         if outcome.status.has_solution:
@@ -174,26 +216,42 @@ def cpsat_status(code: int) -> SolveStatus:
 
 
 def solve_cpsat(
-    model: cp_model.CpModel, *, time_limit_s: float, seed: int = 0, workers: int = 1
+    model: cp_model.CpModel, *, time_limit_s: float, seed: int = 0, workers: int = 1,
+    max_deterministic_time: float = CPSAT_MAX_DETERMINISTIC_TIME,
 ) -> tuple[SolveOutcome, cp_model.CpSolver]:
-    """Solve a CP-SAT model deterministically (one worker, fixed seed) within the limit."""
+    """Solve a CP-SAT model deterministically: a fixed seed and number of workers (one by
+    default; CP-SAT's search with several workers depends on thread timing), stopped by
+    ``max_deterministic_time`` (work, the same on every machine) or by ``time_limit_s``
+    (the wall-clock safety stop, module docstring)."""
     # lazy: as in cpsat_status
     from ortools.sat.python import cp_model
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(float(time_limit_s), 0.01)
+    solver.parameters.max_deterministic_time = float(max_deterministic_time)
     solver.parameters.random_seed = int(seed)
-    solver.parameters.num_search_workers = int(workers)
+    solver.parameters.num_workers = int(workers)
     start = time.perf_counter()
     try:
         code = solver.Solve(model)
     except Exception as exc:  # reported, never raised
         return SolveOutcome(SolveStatus.ERROR, message=f"CP-SAT: {exc}"), solver
     status = cpsat_status(code)
+    stopped_by = ""
+    if code not in (cp_model.OPTIMAL, cp_model.INFEASIBLE, cp_model.MODEL_INVALID):
+        # Stopped by a limit: the work limit when its deterministic time is spent,
+        # otherwise the wall clock.
+        if solver.deterministic_time >= 0.999 * float(max_deterministic_time):
+            stopped_by = "work_limit"
+            if status == SolveStatus.FEASIBLE_AT_TIME_LIMIT:
+                status = SolveStatus.FEASIBLE_AT_WORK_LIMIT
+        else:
+            stopped_by = "time_limit"
     msg = "" if status != SolveStatus.ERROR else f"CP-SAT stopped: {solver.StatusName(code)}"
     return SolveOutcome(
         status,
         objective=float(solver.ObjectiveValue()) if status.has_solution else None,
         solve_s=time.perf_counter() - start,
         message=msg,
+        stopped_by=stopped_by,
     ), solver

@@ -19,13 +19,19 @@
 4. Repeat until the best simulated goodput stops improving (by more than the goodput
    search's tolerance) from one round to the next *and* the recalibrated model promises
    no untried candidate above it by more than that tolerance, or the MILP has nothing
-   left, or the iteration / time limit is reached.
+   left, or the iteration limit or the simulation budget is reached.
 5. Screen the step shapes never tried, one simulation each at the best goodput plus the
    tolerance (a simulated bound); search only those that pass. Then narrow the answer's
    goodput bracket to 1% (it stays a lower bound, a tighter one).
 
 Every iteration is logged. Only a candidate that passed the SLOs in simulation is ever
 returned: the answer is the best *simulated* goodput, never the model's promise.
+
+Budgets are counted in work (iterations, simulations, the solvers' node / iteration /
+deterministic-time limits), so the same inputs stop at the same point on any machine,
+cold numba cache or warm. The wall-clock ``time_limit_s`` is only a safety stop; when it
+fires, :attr:`LoopResult.stopped_by` says ``"time_limit"`` and the answer is not
+reproducible (the caller reports it; ``nightly`` keeps the current policy).
 """
 
 from __future__ import annotations
@@ -48,6 +54,13 @@ from servetune.search import refine_goodput as _refine_goodput
 from servetune.solvers.formulations import solve_policy_milp
 
 CAL_CLAMP = (1.0 / 32, 32.0)
+
+# Why a search stopped (the policy's ``metadata.stopped_by``).
+STOP_CONVERGED = "converged"  # stable, or nothing left to try
+STOP_MAX_ITERATIONS = "max_iterations"  # the iteration limit came before it was stable
+STOP_SIMULATIONS = "simulation_budget"  # the work budget (simulations) was spent
+STOP_EXHAUSTED = "exhausted"  # a baseline simulated every point
+STOP_TIME_LIMIT = "time_limit"  # the wall-clock safety stop: result depends on the machine
 
 
 @dataclass
@@ -155,6 +168,7 @@ class LoopResult:
     converged: bool
     first_instance: MilpInstance | None = None
     first_status: str = ""
+    stopped_by: str = STOP_CONVERGED  # one of the STOP_* values
 
 
 def recalibrate(
@@ -237,7 +251,8 @@ def search(
     *,
     k: int = 3,
     max_iterations: int = 4,
-    time_limit_s: float = 60.0,
+    max_simulations: int | None = None,
+    time_limit_s: float = 600.0,
     rel_tol: float = 0.03,
     log: Callable[[str], Any] | None = None,
     screen: int = 6,
@@ -245,8 +260,22 @@ def search(
 ) -> LoopResult:
     """Run the loop of the module docstring over the grid ``points``; then screen up to
     ``screen`` untried step shapes (:func:`_screen`) and narrow the answer's goodput
-    bracket to ``refine_tol`` (:func:`refine_goodput`; ``None``: as searched)."""
+    bracket to ``refine_tol`` (:func:`refine_goodput`; ``None``: as searched).
+
+    ``max_iterations`` and ``max_simulations`` (None: no limit) are the work budget: no
+    new candidate starts once ``max_simulations`` simulations are spent (a started
+    goodput search finishes; it is bounded itself). ``time_limit_s`` is the wall-clock
+    safety stop (module docstring)."""
     started = time.perf_counter()
+    sims_at_start = sim.simulations
+
+    def budget_spent() -> bool:
+        return max_simulations is not None and sim.simulations - sims_at_start >= max_simulations
+
+    def out_of_time() -> bool:
+        return time.perf_counter() - started > time_limit_s
+
+    stops: set[str] = set()  # the limits that cut the search short
     calibration = fluid.calibration
     cut: set[int] = set()
     evaluated: list[Evaluated] = []
@@ -272,6 +301,10 @@ def search(
     for it in range(max_iterations):
         left = time_limit_s - (time.perf_counter() - started)
         if left <= 0:
+            stops.add(STOP_TIME_LIMIT)
+            break
+        if budget_spent():
+            stops.add(STOP_SIMULATIONS)
             break
         model = fluid.with_calibration(calibration)
         t0 = time.perf_counter()
@@ -280,9 +313,12 @@ def search(
         # budget, effective chunk cap). Seats, watermark and queue caps change nothing
         # until they bind, so without this a round spends its simulations on copies of
         # one shape, and a model that ranks the shapes wrongly is never corrected.
-        top = solve_policy_milp(inst, k=k, time_limit_s=max(left * 0.5, 0.5),
-                                excluded=cut, groups=shapes)
+        # The solver's own work limits decide where it stops; the time left is only the
+        # safety stop (the whole of it: a share of it would depend on the machine).
+        top = solve_policy_milp(inst, k=k, time_limit_s=left, excluded=cut, groups=shapes)
         solver_s += time.perf_counter() - t0
+        if top.hit_time_limit:
+            stops.add(STOP_TIME_LIMIT)
         statuses.append(top.statuses)
         if first_instance is None:
             first_instance = inst
@@ -313,8 +349,12 @@ def search(
         chosen: list[tuple[int, Any]] = list(top.solutions[:k])
         new: list[Evaluated] = []
         for idx, cand in chosen:
-            if new and time.perf_counter() - started > time_limit_s:
-                break  # out of time: keep what this round has simulated
+            if budget_spent():
+                stops.add(STOP_SIMULATIONS)
+                break  # the work budget is spent: keep what this round has simulated
+            if new and out_of_time():
+                stops.add(STOP_TIME_LIMIT)
+                break  # the safety stop: keep what this round has simulated
             policy = make_policy(cand.knobs)
             # Start where the model points, corrected by how far off it was this round.
             start_scale = max(cand.rate_per_s, 1e-9) * _bias(new) / sim.base_rate_per_s
@@ -370,9 +410,12 @@ def search(
     if stalled and not converged:
         converged = True  # stable when the iteration limit came
     if screen > 0 and first_instance is not None:
-        _screen(fluid, first_instance, unique, reps, shapes, evaluated, iterations,
-                make_policy, sim, screen=screen, rel_tol=rel_tol, log=log,
-                deadline=started + time_limit_s, refine_tol=refine_tol, refined=refined)
+        stop = _screen(fluid, first_instance, unique, reps, shapes, evaluated, iterations,
+                       make_policy, sim, screen=screen, rel_tol=rel_tol, log=log,
+                       out_of_time=out_of_time, budget_spent=budget_spent,
+                       refine_tol=refine_tol, refined=refined)
+        if stop:
+            stops.add(stop)
     passing = [e for e in evaluated if e.goodput.passed]
     best = max(passing, key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
     if best is not None and refine_tol is not None and id(best) not in refined:
@@ -387,16 +430,27 @@ def search(
         converged=converged,
         first_instance=first_instance,
         first_status=first_status,
+        stopped_by=_stopped_by(stops, converged),
     )
+
+
+def _stopped_by(stops: set[str], converged: bool) -> str:
+    """Why the search ended: the safety stop above all (the answer then depends on the
+    machine), then the simulation budget, then convergence or the iteration limit."""
+    for stop in (STOP_TIME_LIMIT, STOP_SIMULATIONS):
+        if stop in stops:
+            return stop
+    return STOP_CONVERGED if converged else STOP_MAX_ITERATIONS
 
 
 def _screen(
     fluid: FluidModel, inst: MilpInstance, unique: list[Knobs], reps: list[int],
     shapes: list[tuple], evaluated: list[Evaluated], iterations: list[dict[str, Any]],
     make_policy: Callable[[Knobs], Any], sim: Simulator, *, screen: int, rel_tol: float,
-    log: Callable[[str], Any] | None, deadline: float, refine_tol: float | None = None,
+    log: Callable[[str], Any] | None, out_of_time: Callable[[], bool],
+    budget_spent: Callable[[], bool], refine_tol: float | None = None,
     refined: set[int] | None = None,
-) -> None:
+) -> str:
     """Screen the step shapes the loop never tried, one simulation each.
 
     Within the search's tolerance the model cannot rank shapes whose goodputs differ by a
@@ -404,11 +458,14 @@ def _screen(
     The simulator settles it cheaply: each untried shape's best point (by the
     uncalibrated model, best first, at most ``screen`` of them) is simulated once at the
     leader's goodput raised by the tolerance; only one that passes can beat the leader,
-    and only then is its goodput searched (branch and bound on simulated bounds)."""
+    and only then is its goodput searched (branch and bound on simulated bounds).
+
+    Returns the limit that cut the screening short (``STOP_TIME_LIMIT`` or
+    ``STOP_SIMULATIONS``), or "" when every shape chosen was screened."""
     leader = max((e for e in evaluated if e.goodput.passed),
                  key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
     if leader is None:
-        return
+        return ""
     tried = {shape_key(e.knobs) for e in evaluated}
     best_of: dict[tuple, tuple[float, int]] = {}
     for j, shape in enumerate(shapes):
@@ -419,8 +476,13 @@ def _screen(
             best_of[shape] = (rate, j)
     order = sorted(best_of.values(), key=lambda v: (-v[0], v[1]))[:screen]
     screened: list[Evaluated] = []
+    stop = ""
     for rate, j in order:
-        if time.perf_counter() > deadline:
+        if budget_spent():
+            stop = STOP_SIMULATIONS
+            break
+        if out_of_time():
+            stop = STOP_TIME_LIMIT
             break
         leader = _incumbent(evaluated + screened, sim, refine_tol,
                             refined if refined is not None else set())
@@ -444,6 +506,7 @@ def _screen(
             "best_simulated_rate_per_s": best.goodput.rate_per_s,
             "best_knobs": best.knobs.as_dotted(),
         })
+    return stop
 
 
 def _incumbent(

@@ -92,7 +92,7 @@ def test_zero_time_limit_returns_no_solutions():
 
 def test_status_enum_values():
     assert [s.value for s in SolveStatus] == [
-        "optimal", "feasible_at_time_limit", "infeasible", "error"
+        "optimal", "feasible_at_time_limit", "infeasible", "error", "feasible_at_work_limit"
     ]
 
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from servetune.apps.optimize import DEFAULT_SPACE_KNOBS
 from servetune.cli import app
 from servetune.schemas.base import load_document
-from servetune.schemas.job import OptimizeJob
+from servetune.schemas.job import DEFAULT_MAX_SIMULATIONS, OptimizeJob
 from servetune.schemas.policy import Policy
 from servetune.schemas.space import SearchSpace
 
@@ -145,6 +145,8 @@ def test_shipped_default_space_and_quickstart_job():
     job_path = REPO / "configs" / "jobs" / "quickstart.yaml"
     job = load_document(job_path, OptimizeJob)
     assert job.method == "milp"
+    # Work decides the result; the wall clock is only a safety stop (tests/test_determinism.py).
+    assert job.max_simulations == DEFAULT_MAX_SIMULATIONS and job.time_limit_s == 600
     for rel in (job.workload, job.profile, job.slo, job.space):
         assert (job_path.parent / rel).exists(), rel
 

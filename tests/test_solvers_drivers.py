@@ -84,3 +84,38 @@ def test_cpsat_time_limit_stops_before_optimality():
     model.Maximize(sum(int(v[j]) * x[j] for j in range(n)))
     out, _ = solve_cpsat(model, time_limit_s=0.05)
     assert out.status in (SolveStatus.FEASIBLE_AT_TIME_LIMIT, SolveStatus.ERROR)
+
+
+def test_highs_node_limit_is_a_work_limit_with_the_same_answer_each_time():
+    # A work limit stops the solve at the same point on any machine: the same answer twice.
+    runs = [solve_highs(_hard_knapsack(), time_limit_s=600, max_nodes=1)[0] for _ in range(2)]
+    for out in runs:
+        assert out.stopped_by == "work_limit"
+        assert out.status in (SolveStatus.FEASIBLE_AT_WORK_LIMIT, SolveStatus.ERROR)
+    assert runs[0].status == runs[1].status and runs[0].objective == runs[1].objective
+
+
+def test_highs_time_limit_is_reported_as_the_safety_stop():
+    out, _ = solve_highs(_hard_knapsack(), time_limit_s=0.05)
+    assert out.stopped_by == "time_limit"
+
+
+def test_cpsat_deterministic_time_is_a_work_limit():
+    from ortools.sat.python import cp_model
+
+    rng = np.random.default_rng(5)
+    n, m_dim = 120, 10
+    w = rng.integers(200, 1000, (m_dim, n))
+    v = w.sum(axis=0) // m_dim + rng.integers(0, 20, n)
+    cap = w.sum(axis=1) // 2
+    model = cp_model.CpModel()
+    x = [model.NewBoolVar(f"x{j}") for j in range(n)]
+    for i in range(m_dim):
+        model.Add(sum(int(w[i, j]) * x[j] for j in range(n)) <= int(cap[i]))
+    model.Maximize(sum(int(v[j]) * x[j] for j in range(n)))
+    runs = [solve_cpsat(model, time_limit_s=600, max_deterministic_time=0.05)[0]
+            for _ in range(2)]
+    for out in runs:
+        assert out.stopped_by == "work_limit"
+        assert out.status in (SolveStatus.FEASIBLE_AT_WORK_LIMIT, SolveStatus.ERROR)
+    assert runs[0].objective == runs[1].objective

@@ -9,7 +9,10 @@
    +50 % rate stress, and searches both policies' goodput (:mod:`servetune.apps.report`);
 4. decides: the new policy replaces the current one only when its goodput is higher by at
    least ``min_gain`` (relative, 0.02 = 2 %) **and** its SLO attainment is not lower on any
-   stress run **and** it differs from the current one;
+   stress run **and** it differs from the current one **and** the optimizer stopped on its
+   work budget or by converging, not on the wall-clock safety stop (whose answer depends
+   on the machine's speed: then the current policy stays, exit 10, and the report says
+   why);
 5. writes, in ``out_dir``: ``policy.yaml`` and one config per engine (``vllm.yaml``,
    ``sglang.yaml`` ...) only when the new policy wins; ``report.md`` with its plots and
    ``summary.json`` always.
@@ -58,6 +61,7 @@ from servetune.schemas.profile import Profile
 from servetune.schemas.slo import SLOSet
 from servetune.schemas.space import SearchSpace
 from servetune.schemas.workload import Workload
+from servetune.solvers.loop import STOP_TIME_LIMIT
 from servetune.workloads.fitting import class_stats, fit_workload
 from servetune.workloads.formats import load_trace
 from servetune.workloads.trace import Trace
@@ -264,6 +268,7 @@ def optimize_policy(
     current: Policy,
     space: SearchSpace | None = None,
     time_limit_s: float | None = None,
+    max_simulations: int | None = None,
     seed: int = 0,
     inputs: dict[str, str] | None = None,
     engine: str = "vllm",
@@ -276,6 +281,8 @@ def optimize_policy(
     kwargs: dict[str, Any] = {}
     if time_limit_s is not None:
         kwargs["time_limit_s"] = time_limit_s
+    if max_simulations is not None:
+        kwargs["max_simulations"] = max_simulations
     result = optimize(
         workload, profile, slo, space, seed=seed, base_policy=current, inputs=inputs or {},
         n_requests=min(DEFAULT_REQUESTS, max(len(trace), 2)), compare_defaults=False,
@@ -299,6 +306,7 @@ def optimize_policy(
         "method": summary.get("method"),
         "simulations": summary.get("simulations"),
         "converged": summary.get("converged"),
+        "stopped_by": summary.get("stopped_by"),
         "goodput_rate_per_s_on_sample": summary.get("goodput_rate_per_s"),
         "predicted_goodput_rate_per_s": summary.get("predicted_goodput_rate_per_s"),
         "binding": objective.get("binding") if isinstance(objective, dict) else None,
@@ -326,6 +334,7 @@ def run_nightly(
     min_gain: float = 0.02,
     space_path: str | os.PathLike[str] | None = None,
     time_limit_s: float | None = None,
+    max_simulations: int | None = None,
     seed: int = 0,
     sim_engine: str = "vllm",
     stress: Sequence[float] = DEFAULT_STRESS,
@@ -373,7 +382,8 @@ def run_nightly(
     _say(progress, "optimizing a new policy")
     try:
         opt = optimize_policy(trace, workload, profile, slo, current=current, space=space,
-                              time_limit_s=time_limit_s, seed=seed, inputs=inputs,
+                              time_limit_s=time_limit_s, max_simulations=max_simulations,
+                              seed=seed, inputs=inputs,
                               engine=sim_engine, progress=progress)
     except InfeasibleError as err:
         _say(progress, "infeasible; simulating the current policy for the report")
@@ -384,6 +394,16 @@ def run_nightly(
     _say(progress, "simulating current and new policies (trace, +20%, +50%, goodput)")
     comp = compare(trace, current, new, profile, slo, engine=sim_engine, stress=stress)
     decision = decide(comp, min_gain)
+    timed_out = opt.info.get("stopped_by") == STOP_TIME_LIMIT
+    if timed_out:
+        # The safety stop cut the search short, so the new policy is whatever this
+        # machine reached in the time: another run could differ. Keep the current one.
+        decision = Decision(False, decision.gain, [
+            "the optimizer's wall-clock safety stop (--time-limit) ended its search before "
+            "its work budget or convergence did, so the proposed policy depends on this "
+            "machine's speed and is not adopted; raise --time-limit",
+            *decision.reasons,
+        ])
 
     exports: list[ExportResult] = []
     policy_text = ""
@@ -404,6 +424,9 @@ def run_nightly(
     else:
         status, code = "current_kept", EXIT_KEPT_CURRENT
         headline = f"Current policy kept: `{current.name}` stays in production (exit 10)."
+        if timed_out:
+            headline = (f"Current policy kept: `{current.name}` stays in production (exit 10): "
+                        "the optimizer's safety time limit fired.")
 
     files_written = (["policy.yaml"] + [e.filename for e in exports]) if exports else []
     summary_extra = {
@@ -411,6 +434,7 @@ def run_nightly(
         "status": status,
         "exit_code": code,
         "gain": decision.gain,
+        "kept_because": "time_limit" if timed_out else None,
         "files_written": [*files_written, "report.md", *FIGURE_NAMES, "summary.json"],
         "optimizer": drop_timings(opt.info),
         "new_policy": new.knobs(),

@@ -12,9 +12,14 @@ This is what ``servetune optimize`` and the nightly job call. Steps:
    baselines of :mod:`servetune.solvers.baselines`;
 3. the engine defaults are simulated the same way for comparison;
 4. the policy carries provenance in ``metadata`` (inputs' sha256, method, solver
-   statuses, objective, simulated metrics, version, the profile's memory figures) and no
-   wall-clock figure, so the same inputs and seed give the same bytes; times go in the
-   summary.
+   statuses, objective, simulated metrics, version, the profile's memory figures, why
+   the search stopped) and no wall-clock figure, so the same inputs and seed give the
+   same bytes; times go in the summary.
+
+Budgets are work, not time: the loop's iterations, ``max_simulations`` simulations, and
+the solvers' deterministic limits (:mod:`servetune.solvers.drivers`), so a slow machine or
+a cold numba cache gives the same policy. ``time_limit_s`` is only a safety stop: when it
+fires, ``metadata.stopped_by`` is ``"time_limit"`` and the result is not reproducible.
 
 When no candidate meets the SLOs, :class:`~servetune.errors.InfeasibleError` (exit 3)
 says which condition binds, the best value reachable and what would make it feasible.
@@ -46,7 +51,7 @@ from servetune.models.fluid import (
 from servetune.models.lanes_cpsat import build_instance
 from servetune.profiles.shipped import load_profile, shipped_or_path
 from servetune.schemas.base import document_to_yaml, load_document
-from servetune.schemas.job import METHODS_IN_WORDS
+from servetune.schemas.job import DEFAULT_MAX_SIMULATIONS, DEFAULT_TIME_LIMIT_S, METHODS_IN_WORDS
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
 from servetune.schemas.space import SearchSpace, apply_knobs
@@ -57,6 +62,7 @@ from servetune.sim.api import base_rate_per_s, prepare_trace
 from servetune.solvers import baselines
 from servetune.solvers.formulations import solve_lanes
 from servetune.solvers.loop import (
+    STOP_TIME_LIMIT,
     Evaluated,
     LoopResult,
     SimPoint,
@@ -289,8 +295,10 @@ def _profile_meta(profile: Profile) -> dict[str, Any]:
 @dataclass(frozen=True)
 class SearchInputs:
     """What an optimization method searches with: the model, the candidates, the
-    simulator, and its budget (``deadline``: a ``time.perf_counter()`` value after which no
-    new work starts; ``budget``: simulations, for the sampling baselines)."""
+    simulator, and its budget: ``max_simulations`` (work: no new candidate starts once
+    that many simulations are spent), ``budget`` (simulations, for the sampling
+    baselines, within ``max_simulations``), and ``deadline`` (the wall-clock safety stop:
+    a ``time.perf_counter()`` value after which no new work starts)."""
 
     fluid: FluidModel
     points: list[Knobs]
@@ -300,6 +308,7 @@ class SearchInputs:
     seed: int
     rel_tol: float
     budget: int
+    max_simulations: int
     deadline: float
     k: int
     max_iterations: int
@@ -309,15 +318,16 @@ class SearchInputs:
 def _run_milp(run: SearchInputs) -> LoopResult:
     return search(
         run.fluid, run.points, run.make_policy, run.sim, k=run.k,
-        max_iterations=run.max_iterations, time_limit_s=run.deadline - time.perf_counter(),
-        rel_tol=run.rel_tol, log=run.say,
+        max_iterations=run.max_iterations, max_simulations=run.max_simulations,
+        time_limit_s=run.deadline - time.perf_counter(), rel_tol=run.rel_tol, log=run.say,
     )
 
 
 def _run_grid(run: SearchInputs) -> baselines.BaselineResult:
     say = run.say
     return baselines.grid_search(
-        run.points, run.make_policy, run.sim, rel_tol=run.rel_tol, deadline=run.deadline,
+        run.points, run.make_policy, run.sim, rel_tol=run.rel_tol,
+        budget=run.max_simulations, deadline=run.deadline,
         progress=lambda i, n: say(f"grid: {i}/{n} points simulated") if i % 25 == 0
         or i == n else None,
     )
@@ -325,15 +335,16 @@ def _run_grid(run: SearchInputs) -> baselines.BaselineResult:
 
 def _run_random(run: SearchInputs) -> baselines.BaselineResult:
     return baselines.random_search(
-        run.points, run.make_policy, run.sim, budget=run.budget, seed=run.seed,
-        rel_tol=run.rel_tol, deadline=run.deadline,
+        run.points, run.make_policy, run.sim, budget=min(run.budget, run.max_simulations),
+        seed=run.seed, rel_tol=run.rel_tol, deadline=run.deadline,
     )
 
 
 def _run_optuna(run: SearchInputs) -> baselines.BaselineResult:
     return baselines.optuna_search(
-        run.space.knobs, run.points, run.make_policy, run.sim, budget=run.budget,
-        seed=run.seed, rel_tol=run.rel_tol,
+        run.space.knobs, run.points, run.make_policy, run.sim,
+        budget=min(run.budget, run.max_simulations), seed=run.seed, rel_tol=run.rel_tol,
+        deadline=run.deadline,
     )
 
 
@@ -369,7 +380,8 @@ def optimize(
     space: SearchSpace | None = None,
     *,
     method: str = "milp",
-    time_limit_s: float = 60.0,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    max_simulations: int = DEFAULT_MAX_SIMULATIONS,
     seed: int = 0,
     n_requests: int = DEFAULT_REQUESTS,
     engine: str = "vllm",
@@ -383,8 +395,14 @@ def optimize(
     rel_tol: float = 0.03,
 ) -> OptimizeResult:
     """Choose a policy (see the module docstring). ``source`` is a Workload or a Trace;
-    ``inputs`` names the input files and their sha256 for the provenance."""
+    ``inputs`` names the input files and their sha256 for the provenance.
+    ``max_simulations`` (and ``max_iterations``, ``budget``) are the work budget that
+    decides the result; ``time_limit_s`` is the wall-clock safety stop."""
     wall_start = time.perf_counter()
+    if not (isinstance(max_simulations, int) and max_simulations >= 1):
+        raise ServetuneError(
+            f"argument `max_simulations` must be a whole number >= 1 (got {max_simulations})"
+        )
     say = progress or (lambda _msg: None)
     space = space or default_space()
     spec = METHOD_TABLE.get(method)
@@ -430,11 +448,13 @@ def optimize(
     evaluated: list[Evaluated] = []
     predicted = None
     converged = None
+    stopped_by = ""
     calibration = None
+    deadline = wall_start + time_limit_s
     run = SearchInputs(
         fluid, points, make_policy, sim, space, seed=seed, rel_tol=rel_tol,
-        budget=budget or RANDOM_BUDGET, deadline=wall_start + time_limit_s, k=k,
-        max_iterations=max_iterations, say=say,
+        budget=budget or RANDOM_BUDGET, max_simulations=max_simulations, deadline=deadline,
+        k=k, max_iterations=max_iterations, say=say,
     )
     if not spec.baseline:
         loop = spec.run(run)
@@ -443,6 +463,7 @@ def optimize(
         evaluated = list(loop.evaluated)
         best = loop.best
         converged = loop.converged
+        stopped_by = loop.stopped_by
         calibration = loop.calibration.as_dict()
         solver_meta["milp"] = {"statuses": loop.solver_statuses}
         if loop.first_status == "infeasible":
@@ -460,9 +481,12 @@ def optimize(
             )
         if best is not None:
             best, lanes_info, lanes_s = _try_lanes(
-                fluid, best, sim, space, rel_tol=rel_tol, seed=seed, say=say
+                fluid, best, sim, space, rel_tol=rel_tol, seed=seed, say=say,
+                time_limit_s=deadline - time.perf_counter(),
             )
             solver_s += lanes_s
+            if lanes_info and lanes_info.get("stopped_by") == STOP_TIME_LIMIT:
+                stopped_by = STOP_TIME_LIMIT
             if lanes_info:
                 solver_meta["lanes"] = {"status": lanes_info["status"]}
                 iterations.append({"iteration": len(iterations) + 1, "lanes": lanes_info})
@@ -482,12 +506,14 @@ def optimize(
         best = res.best
         evaluated = res.evaluated
         converged = not res.stopped_at_deadline
-        if res.stopped_at_deadline:
-            say(f"{method}: time limit reached after {len(evaluated)} of {len(points)} points")
+        stopped_by = res.stopped_by
         iterations = [
             {"iteration": i + 1, "candidates": [e.as_dict()]} for i, e in enumerate(evaluated)
         ]
     method_sims = sim.simulations
+    if stopped_by == STOP_TIME_LIMIT:
+        say(f"{method}: the safety time limit ({time_limit_s:g} s) stopped the search after "
+            f"{method_sims} simulations; the result depends on this machine's speed")
     if best is None:
         message, details = explain_sim_infeasible(evaluated, slo)
         _raise_infeasible(message, details, sim, solver_s, wall_start, method, iterations)
@@ -519,6 +545,10 @@ def optimize(
             "inputs": inputs or {},
             "sample_requests": len(sample),
             "solver": solver_meta,
+            # What ended the search: converged / max_iterations / simulation_budget /
+            # exhausted (work: the same on every machine) or time_limit (the safety stop:
+            # not reproducible; nightly keeps the current policy).
+            "stopped_by": stopped_by,
             "objective": {
                 "name": "goodput_rate_per_s",
                 "predicted": predicted,
@@ -539,6 +569,12 @@ def optimize(
         header=f"servetune {__version__} policy ({method}); provenance in metadata",
     )
     warnings: list[str] = []
+    if stopped_by == STOP_TIME_LIMIT:
+        warnings.append(
+            f"the safety time limit ({time_limit_s:g} s) stopped the search before its work "
+            f"budget ({max_simulations} simulations) or convergence did, so this policy "
+            "depends on the machine's speed; raise --time-limit"
+        )
     window_at_goodput = point.measured.get("sample_window_s")
     if window_at_goodput is not None and window_at_goodput < 0.95 * window:
         warnings.append(
@@ -563,6 +599,9 @@ def optimize(
         "simulation_s": sim.simulation_s,
         "wall_s": wall,
         "converged": converged,
+        "stopped_by": stopped_by,
+        "max_simulations": max_simulations,
+        "time_limit_s": time_limit_s,
         "calibration": calibration,
         "sample_window_s": window_at_goodput,
         "min_window_s": window,
@@ -598,10 +637,13 @@ def _raise_infeasible(message, details, sim, solver_s, wall_start, method, itera
 
 def _try_lanes(
     fluid: FluidModel, best: Evaluated, sim: TraceSimulator, space: SearchSpace, *,
-    rel_tol: float, seed: int, say: Callable[[str], Any],
+    rel_tol: float, seed: int, say: Callable[[str], Any], time_limit_s: float,
 ) -> tuple[Evaluated, dict[str, Any] | None, float]:
     """Size long-request lanes for the best candidate with CP-SAT at its simulated
-    goodput; simulate the lane variant and keep it only when it does better."""
+    goodput; simulate the lane variant and keep it only when it does better.
+
+    CP-SAT stops on its deterministic-time limit; ``time_limit_s`` (what is left of the
+    run's safety stop) only guards the wall clock, and the info says when it fired."""
     if any(p.startswith("long_requests.") for p in space.knobs):
         return best, None, 0.0  # the space fixes the lanes itself
     rate = best.goodput.rate_per_s
@@ -609,9 +651,11 @@ def _try_lanes(
     if not any(0 < t.long_share <= 0.2 and t.short_ttft_ok for t in inst.thresholds):
         return best, None, 0.0
     t0 = time.perf_counter()
-    outcome = solve_lanes(inst, time_limit_s=5.0, seed=seed)
+    outcome = solve_lanes(inst, time_limit_s=max(time_limit_s, 0.0), seed=seed)
     lanes_s = time.perf_counter() - t0
     info: dict[str, Any] = {"status": outcome.status.value, "message": outcome.message}
+    if outcome.stopped_by:  # only when a limit ended it, so finished solves keep their bytes
+        info["stopped_by"] = outcome.stopped_by
     if not outcome.status.has_solution:
         return best, info, lanes_s
     choice = outcome.solution

@@ -81,7 +81,14 @@ def register(app: typer.Typer) -> None:
             None, "--space", help="Search space YAML (default: the optimizer's)."
         ),
         time_limit: float | None = typer.Option(
-            None, "--time-limit", help="Solver time limit per solve, seconds."
+            None, "--time-limit",
+            help="Wall-clock safety stop for the optimizer, seconds (default 600); when it "
+            "fires the current policy is kept (exit 10).",
+        ),
+        max_simulations: int | None = typer.Option(
+            None, "--max-simulations",
+            help="The optimizer's work budget in simulations (default 20000); it, not time, "
+            "decides the result.",
         ),
         seed: int = typer.Option(0, "--seed", help="Seed for every random choice."),
         sim_engine: str = typer.Option(
@@ -96,7 +103,8 @@ def register(app: typer.Typer) -> None:
 
         outcome = run_nightly(
             trace, profile, slo, current, out_dir, engines=engines, min_gain=min_gain,
-            space_path=space, time_limit_s=time_limit, seed=seed, sim_engine=sim_engine,
+            space_path=space, time_limit_s=time_limit, max_simulations=max_simulations,
+            seed=seed, sim_engine=sim_engine,
             progress=_progress,
         )
         if as_json:

@@ -20,7 +20,13 @@ from servetune.errors import InfeasibleError, ServetuneError
 from servetune.io import require_file, write_text_atomic
 from servetune.knobs import summary_text
 from servetune.schemas.base import load_document
-from servetune.schemas.job import METHODS, METHODS_IN_WORDS, OptimizeJob
+from servetune.schemas.job import (
+    DEFAULT_MAX_SIMULATIONS,
+    DEFAULT_TIME_LIMIT_S,
+    METHODS,
+    METHODS_IN_WORDS,
+    OptimizeJob,
+)
 
 if TYPE_CHECKING:
     from servetune.apps.optimize import OptimizeResult
@@ -51,6 +57,7 @@ def run_optimize(
     engine: str = "vllm",
     trace_format: str | None = None,
     progress: Callable[[str], None] | None = None,
+    max_simulations: int = DEFAULT_MAX_SIMULATIONS,
 ) -> OptimizeResult:
     """Check the options, then :func:`~servetune.apps.optimize.optimize_files`."""
     if (trace is None) == (workload is None):
@@ -59,6 +66,8 @@ def run_optimize(
         raise ServetuneError(f"--method {method!r}: choose {METHODS_IN_WORDS}")
     if not time_limit_s > 0:
         raise ServetuneError(f"--time-limit must be > 0 seconds (got {time_limit_s})")
+    if max_simulations < 1:
+        raise ServetuneError(f"--max-simulations must be >= 1 (got {max_simulations})")
     if requests < 50:
         raise ServetuneError(f"--requests must be >= 50 (got {requests})")
     if trace is not None:
@@ -75,7 +84,7 @@ def run_optimize(
     return optimize_files(
         trace=trace, workload=workload, profile=profile, slo=slo, space=space,
         trace_format=trace_format, method=method, time_limit_s=time_limit_s, seed=seed,
-        n_requests=requests, engine=engine, progress=progress,
+        n_requests=requests, engine=engine, progress=progress, max_simulations=max_simulations,
     )
 
 
@@ -111,7 +120,16 @@ def register(app: typer.Typer) -> None:
         slo: Path | None = typer.Option(None, "--slo", help="SLOSet YAML"),
         space: Path | None = typer.Option(None, "--space", help="SearchSpace YAML"),
         method: str | None = typer.Option(None, "--method", help=" | ".join(METHODS)),
-        time_limit: float | None = typer.Option(None, "--time-limit", help="seconds"),
+        max_simulations: int | None = typer.Option(
+            None, "--max-simulations",
+            help=f"work budget: simulations the search may start (default "
+            f"{DEFAULT_MAX_SIMULATIONS}); it, not time, decides the result",
+        ),
+        time_limit: float | None = typer.Option(
+            None, "--time-limit",
+            help=f"wall-clock safety stop, seconds (default {DEFAULT_TIME_LIMIT_S:g}); when "
+            "it fires, the policy's metadata.stopped_by says time_limit",
+        ),
         seed: int | None = typer.Option(None, "--seed", help="seed of the workload sample"),
         requests: int | None = typer.Option(
             None, "--requests",
@@ -140,6 +158,8 @@ def register(app: typer.Typer) -> None:
             space = _resolve(base, doc.space)
             method = method or doc.method
             time_limit = time_limit if time_limit is not None else doc.time_limit_s
+            max_simulations = (max_simulations if max_simulations is not None
+                               else doc.max_simulations)
             seed = seed if seed is not None else doc.seed
             requests = requests if requests is not None else doc.requests
             output = output or _resolve(base, doc.output)
@@ -158,7 +178,10 @@ def register(app: typer.Typer) -> None:
         try:
             result = run_optimize(
                 trace=trace, workload=workload, profile=profile, slo=slo, space=space,
-                method=method or "milp", time_limit_s=60.0 if time_limit is None else time_limit,
+                method=method or "milp",
+                time_limit_s=DEFAULT_TIME_LIMIT_S if time_limit is None else time_limit,
+                max_simulations=(DEFAULT_MAX_SIMULATIONS if max_simulations is None
+                                 else max_simulations),
                 seed=0 if seed is None else seed, requests=requests or 3000, engine=engine,
                 trace_format=trace_format, progress=say,
             )
@@ -180,5 +203,5 @@ def register(app: typer.Typer) -> None:
             f"wrote {output}: {summary_text(s['policy'])}; goodput "
             f"{s['goodput_rate_per_s']:.2f} req/s{gain}; {s['simulations']} simulations, "
             f"solver {s['solver_s']:.1f} s, simulation {s['simulation_s']:.1f} s, "
-            f"wall {s['wall_s']:.1f} s"
+            f"wall {s['wall_s']:.1f} s; stopped by {s['stopped_by']}"
         )

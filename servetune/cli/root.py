@@ -28,6 +28,7 @@ ARGUMENT_FLAGS = {
     "fmt": "--trace-format",
     "gpu": "--gpu",
     "growth": "--growth",
+    "max_simulations": "--max-simulations",
     "method": "--method",
     "min_gain": "--min-gain",
     "model": "--model",

@@ -19,6 +19,18 @@ from servetune.schemas.base import Document
 METHODS: tuple[str, ...] = ("milp", "grid", "random", "optuna")
 METHODS_IN_WORDS = f"{', '.join(METHODS[:-1])} or {METHODS[-1]}"  # for error messages
 
+# The optimizer's work budget: no new candidate starts once this many simulations are
+# spent. Work, not seconds, so that the answer does not depend on the machine (or on a
+# cold numba cache). Generous: the milp loop converges in tens of simulations on the
+# shipped examples (at most about 300 by its own iteration limit), and the grid oracle
+# simulates the 630 points of the default space in under 10,000.
+DEFAULT_MAX_SIMULATIONS = 20_000
+# The wall-clock safety stop, seconds: only against a run that would never end. When it
+# fires, the policy's metadata.stopped_by says "time_limit" (and nightly keeps the
+# current policy), because the answer then depends on the machine's speed. The shipped
+# examples take seconds, so it never fires on them even on a slow machine.
+DEFAULT_TIME_LIMIT_S = 600.0
+
 
 class OptimizeJob(Document):
     KIND: ClassVar[str] = "OptimizeJob"
@@ -31,7 +43,14 @@ class OptimizeJob(Document):
     slo: str = Field(..., min_length=1, description="SLOSet YAML")
     space: str | None = Field(None, description="SearchSpace YAML; the default space if omitted")
     method: Literal[METHODS] = "milp"  # type: ignore[valid-type]
-    time_limit_s: float = Field(60.0, gt=0, le=86400, description="wall-clock budget, seconds")
+    max_simulations: int = Field(
+        DEFAULT_MAX_SIMULATIONS, ge=1, le=10_000_000,
+        description="work budget: simulations the search may start (decides the result)",
+    )
+    time_limit_s: float = Field(
+        DEFAULT_TIME_LIMIT_S, gt=0, le=86400,
+        description="wall-clock safety stop, seconds; when it fires metadata.stopped_by says so",
+    )
     seed: int = Field(0, ge=0, description="seed of the workload sample and of random methods")
     requests: int = Field(
         3000, ge=50, le=1_000_000, description="requests per simulation (a sample, not the hour)"
