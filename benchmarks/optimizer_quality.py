@@ -10,7 +10,7 @@ Two runs per workload x SLO set:
    0/512/2048: 105 valid points) and a 2000-request sample, where the exhaustive grid
    (every point, goodput by bracketing and bisection) is affordable: milp, grid, random
    and Optuna (when installed) with milp's simulation budget, the vLLM defaults, and
-   SGLang's defaults (``baselines.sglang_default_knobs``) in the simulator's SGLang
+   SGLang's defaults (``baselines.engine_default_knobs``) in the simulator's SGLang
    admission model. Every simulator, like ``optimize``'s, samples longer at rates where
    the base sample would span less than ``min_window_s`` (TTFT target / 3%).
    The fluid model's goodput prediction is compared with the grid's simulated goodput
@@ -63,7 +63,7 @@ def main() -> None:
         print(render_table(json.loads(Path(args.table).read_text())))
         return
 
-    from servetune.apps.optimize import TraceSimulator, min_window_s, optimize
+    from servetune.apps.optimize import TraceSimulator, gpu_facts, min_window_s, optimize
     from servetune.errors import InfeasibleError
     from servetune.models.fluid import FluidModel, LoadModel, Platform, knobs_grid, targets_for
     from servetune.profiles.shipped import load_profile
@@ -162,13 +162,15 @@ def main() -> None:
                            "wall_s": time.perf_counter() - t0}
             if res.get("defaults", {}).get("goodput_rate_per_s") is None:
                 dsim = simulator()
-                d = find_goodput(dsim, make_policy(baselines.VLLM_DEFAULTS), start_scale=1.0,
+                vllm_defaults, _ = baselines.engine_default_knobs("vllm", gpu_facts(profile))
+                d = find_goodput(dsim, make_policy(vllm_defaults), start_scale=1.0,
                                  factor=2.0, rel_tol=0.03)
                 res["defaults"] = {"goodput_rate_per_s": d.rate_per_s,
                                    "simulations": dsim.simulations}
             # SGLang's defaults, in the simulator's SGLang admission model.
             ssim = simulator("sglang")
-            sg = find_goodput(ssim, make_policy(baselines.sglang_default_knobs(ssim.kv_tokens)),
+            sg = find_goodput(ssim, make_policy(
+                baselines.engine_default_knobs("sglang", gpu_facts(profile))[0]),
                               start_scale=1.0, factor=2.0, rel_tol=0.03)
             res["sglang-defaults"] = {"goodput_rate_per_s": sg.rate_per_s,
                                       "simulations": ssim.simulations}

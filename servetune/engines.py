@@ -11,9 +11,10 @@ Every engine name list in the code (the job schema's ``engine``, the simulator's
   runs (the export modules import :mod:`servetune.export`, which reads this table, so a
   direct reference would be an import cycle);
 - ``config_file``: the file name ``export`` and ``nightly`` write;
-- ``default_batching``: the engine's own ``(max_num_seqs, max_num_batched_tokens)`` from
-  the KV pool in tokens, on the GPUs ``defaults_for`` names (the defaults baselines are
-  simulated with); ``None`` where servetune does not model them.
+- ``default_batching``: the engine's own ``max_num_seqs`` / ``max_num_batched_tokens`` on
+  a GPU (:class:`GpuFacts`), with the rule that gave them (the defaults baseline is
+  simulated with them and reports name the rule); ``None`` where servetune does not
+  model them.
 
 This module imports nothing heavy: the CLI reads it at start-up.
 """
@@ -25,21 +26,58 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-# SGLang's defaults (server_args.py): chunked prefill 8192 on a GPU under 160 GB; the
-# running-request cap is min(KV tokens / 2, the request pool, sized up to 4096 slots).
-SGLANG_CHUNKED_PREFILL = 8192
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class GpuFacts:
+    """What an engine's defaults depend on: the GPU's name and memory as the driver
+    reports them, and the KV pool in tokens."""
+
+    name: str
+    memory_bytes: int
+    kv_tokens: int
+
+
+@dataclass(frozen=True)
+class DefaultBatching:
+    """An engine's own ``max_num_seqs`` / ``max_num_batched_tokens`` on a GPU, and the rule
+    that gave them, in words (reports name it)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    rule: str
+
+
+def _vllm_default_batching(gpu: GpuFacts) -> DefaultBatching:
+    """``vllm serve`` (usage context OPENAI_API_SERVER, how users serve): 1024 sequences and
+    8192 batched tokens on a GPU with >= 70 GiB whose name does not contain "a100", else
+    256 and 2048 (vLLM ``EngineArgs.get_batch_defaults``, vllm/engine/arg_utils.py)."""
+    if gpu.memory_bytes >= 70 * GIB and "a100" not in gpu.name.lower():
+        return DefaultBatching(1024, 8192, "vllm serve on a GPU with >= 70 GiB that is not an "
+                                           "A100: 1024 sequences, 8192 batched tokens")
+    return DefaultBatching(256, 2048, "vllm serve on a GPU with < 70 GiB or an A100: "
+                                      "256 sequences, 2048 batched tokens")
+
+
+# SGLang's chunked-prefill size by GPU memory (server_args.py, _handle_gpu_memory_settings;
+# thresholds in GiB, as it compares MiB), and its request-pool bound on running requests.
+SGLANG_CHUNK_BY_MEMORY_GIB = ((20, 2048), (35, 2048), (60, 4096), (90, 8192), (160, 8192))
+SGLANG_CHUNK_LARGEST = 16384
 SGLANG_REQ_POOL_MAX = 4096
 
 
-def _vllm_default_batching(kv_tokens: int) -> tuple[int, int]:
-    """``vllm serve`` on a GPU with >= 70 GiB that is not an A100 (usage context
-    OPENAI_API_SERVER): 1024 sequences, 8192 batched tokens, whatever the pool."""
-    return 1024, 8192
-
-
-def _sglang_default_batching(kv_tokens: int) -> tuple[int, int]:
-    seats = max(1, min(kv_tokens // 2, SGLANG_REQ_POOL_MAX))
-    return seats, max(SGLANG_CHUNKED_PREFILL, seats)
+def _sglang_default_batching(gpu: GpuFacts) -> DefaultBatching:
+    """SGLang: chunked prefill by GPU memory; running requests min(KV tokens / 2, the
+    request pool) (server_args.py)."""
+    memory_gib = gpu.memory_bytes / GIB
+    chunk = next((c for limit, c in SGLANG_CHUNK_BY_MEMORY_GIB if memory_gib < limit),
+                 SGLANG_CHUNK_LARGEST)
+    seats = max(1, min(gpu.kv_tokens // 2, SGLANG_REQ_POOL_MAX))
+    return DefaultBatching(
+        seats, max(chunk, seats),
+        f"SGLang on a {memory_gib:.0f} GiB GPU: chunked prefill {chunk}, running requests "
+        f"min(KV tokens / 2, {SGLANG_REQ_POOL_MAX}) = {seats}")
 
 
 @dataclass(frozen=True)
@@ -51,8 +89,7 @@ class Engine:
     kernel_id: int
     exporter: str
     config_file: str
-    default_batching: Callable[[int], tuple[int, int]] | None = None
-    defaults_for: str = ""
+    default_batching: Callable[[GpuFacts], DefaultBatching] | None = None
 
     def export_function(self) -> Callable[..., Any]:
         """The exporter, ``export(policy, facts) -> ExportResult``."""
@@ -62,9 +99,9 @@ class Engine:
 
 ENGINES: tuple[Engine, ...] = (
     Engine("vllm", "vLLM", 0, "servetune.export.vllm:export", "vllm.yaml",
-           _vllm_default_batching, "a GPU with >= 70 GiB that is not an A100"),
+           _vllm_default_batching),
     Engine("sglang", "SGLang", 1, "servetune.export.sglang:export", "sglang.yaml",
-           _sglang_default_batching, "a GPU with < 160 GB"),
+           _sglang_default_batching),
     Engine("trtllm", "TensorRT-LLM", 2, "servetune.export.trtllm:export", "trtllm.yaml"),
     Engine("tgi", "TGI", 3, "servetune.export.tgi:export", "tgi.sh"),
 )
@@ -89,7 +126,9 @@ __all__ = [
     "CONFIG_FILES",
     "ENGINES",
     "ENGINE_NAMES",
+    "DefaultBatching",
     "Engine",
+    "GpuFacts",
     "engine",
     "kernel_id",
 ]

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from servetune.engines import engine
+from servetune.engines import GpuFacts, engine
 from servetune.models.fluid import Knobs
 from servetune.solvers.loop import (
     STOP_EXHAUSTED,
@@ -42,21 +42,15 @@ from servetune.solvers.loop import (
 )
 
 
-def engine_default_knobs(name: str, kv_tokens: int) -> Knobs:
-    """Engine ``name``'s own batching defaults (the engine table's) for a KV pool of
-    ``kv_tokens`` tokens; the other knobs at the Policy defaults."""
+def engine_default_knobs(name: str, gpu: GpuFacts) -> tuple[Knobs, str]:
+    """Engine ``name``'s own batching defaults on ``gpu`` (the engine table's), the other
+    knobs at the Policy defaults, and the rule that gave them."""
     default_batching = engine(name).default_batching
     if default_batching is None:
         raise ValueError(f"servetune does not model {name}'s default batching")
-    seqs, tokens = default_batching(kv_tokens)
-    return Knobs(max_num_seqs=seqs, max_num_batched_tokens=tokens)
-
-
-VLLM_DEFAULTS = engine_default_knobs("vllm", 0)  # vLLM's do not depend on the pool
-
-
-def sglang_default_knobs(kv_tokens: int) -> Knobs:
-    return engine_default_knobs("sglang", kv_tokens)
+    d = default_batching(gpu)
+    knobs = Knobs(max_num_seqs=d.max_num_seqs, max_num_batched_tokens=d.max_num_batched_tokens)
+    return knobs, d.rule
 
 
 @dataclass

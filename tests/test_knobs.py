@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from servetune import knobs
-from servetune.engines import CONFIG_FILES, ENGINE_NAMES, ENGINES, engine, kernel_id
+from servetune.engines import CONFIG_FILES, ENGINE_NAMES, ENGINES, GpuFacts, engine, kernel_id
 from servetune.errors import ServetuneError
 from servetune.export import export_policy
 from servetune.knobs import KNOBS, Converted, NotExpressible, Plain
@@ -284,15 +284,55 @@ def test_nightly_engines_are_checked_against_the_registry():
         parse_engines("vllm,nope")
 
 
-def test_engine_defaults():
-    from servetune.solvers import baselines
+GIB = 1 << 30
 
-    assert engine("vllm").default_batching(10**6) == (1024, 8192)
-    assert engine("sglang").default_batching(909_072) == (4096, 8192)
-    assert engine("sglang").default_batching(100) == (50, 8192)
+
+@pytest.mark.parametrize("gpu_name,memory_gib,expected", [
+    # vllm serve (OPENAI_API_SERVER) in vLLM's get_batch_defaults: >= 70 GiB and not an A100
+    ("NVIDIA H200", 139.8, (1024, 8192)),
+    ("NVIDIA H100 80GB HBM3", 79.2, (1024, 8192)),
+    ("NVIDIA A100-SXM4-80GB", 79.2, (256, 2048)),  # the A100 exception
+    ("NVIDIA L40S", 44.4, (256, 2048)),
+    ("NVIDIA H100 80GB HBM3", 69.9, (256, 2048)),  # just under the memory line
+])
+def test_vllm_defaults_follow_the_gpu(gpu_name, memory_gib, expected):
+    d = engine("vllm").default_batching(GpuFacts(gpu_name, int(memory_gib * GIB), 10**6))
+    assert (d.max_num_seqs, d.max_num_batched_tokens) == expected
+    assert d.rule.startswith("vllm serve on a GPU with")
+
+
+@pytest.mark.parametrize("memory_gib,kv_tokens,expected", [
+    (139.8, 909_072, (4096, 8192)),  # H200: chunk 8192 below 160 GiB; pool bound 4096
+    (139.8, 100, (50, 8192)),  # running requests bounded by KV tokens / 2
+    (44.4, 10**6, (4096, 4096)),  # L40S: chunk 4096 below 60 GiB
+    (30.0, 10**6, (4096, 4096)),  # max(chunk 2048, seats 4096)
+    (180.0, 10**6, (4096, 16384)),  # B200-sized: 16384
+])
+def test_sglang_defaults_follow_the_gpu(memory_gib, kv_tokens, expected):
+    d = engine("sglang").default_batching(GpuFacts("gpu", int(memory_gib * GIB), kv_tokens))
+    assert (d.max_num_seqs, d.max_num_batched_tokens) == expected
+
+
+def test_unmodelled_engine_defaults():
     assert engine("trtllm").default_batching is None
-    assert (baselines.VLLM_DEFAULTS.max_num_seqs,
-            baselines.VLLM_DEFAULTS.max_num_batched_tokens) == (1024, 8192)
+    assert engine("tgi").default_batching is None
+
+
+@pytest.mark.parametrize("profile_file,policy_file", [
+    ("h200-llama-3.1-8b.yaml", "vllm-serve-defaults.yaml"),
+    ("h100-80gb-llama-3.1-8b.yaml", "vllm-serve-defaults.yaml"),
+    ("a100-80gb-llama-3.1-8b.yaml", "vllm-serve-defaults-small-gpu.yaml"),
+    ("l40s-llama-3.1-8b.yaml", "vllm-serve-defaults-small-gpu.yaml"),
+])
+def test_shipped_default_policies_are_the_rule_for_their_gpus(profile_file, policy_file):
+    from servetune.apps.optimize import gpu_facts
+    from servetune.profiles.shipped import load_profile
+
+    d = engine("vllm").default_batching(gpu_facts(load_profile(ROOT / "gpu_profiles" /
+                                                               profile_file)))
+    policy = load_document(ROOT / "configs" / "policies" / policy_file, Policy)
+    assert (policy.batching.max_num_seqs, policy.batching.max_num_batched_tokens) == (
+        d.max_num_seqs, d.max_num_batched_tokens)
 
 
 # --- the methods table ------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from optimizer_fixtures import SMALL_SPACE, ThresholdSim, fluid
 
+from servetune.engines import GpuFacts
 from servetune.models.fluid import Knobs, knobs_grid
 from servetune.schemas.policy import Policy
 from servetune.schemas.space import apply_knobs
@@ -105,9 +106,13 @@ def test_optuna_baseline_is_optional():
 
 
 def test_engine_default_knobs():
-    assert baselines.VLLM_DEFAULTS == Knobs(1024, 8192)
-    sg = baselines.sglang_default_knobs(909_072)
+    h200 = GpuFacts("NVIDIA H200", 150_109_880_320, 909_072)
+    knobs, rule = baselines.engine_default_knobs("vllm", h200)
+    assert knobs == Knobs(1024, 8192) and "not an A100" in rule
+    sg, _ = baselines.engine_default_knobs("sglang", h200)
     assert sg.max_num_seqs == 4096 and sg.max_num_batched_tokens == 8192
+    with pytest.raises(ValueError, match="trtllm"):
+        baselines.engine_default_knobs("trtllm", h200)
 
 
 def test_find_goodput_prunes_a_policy_that_cannot_beat_the_leader():

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from servetune import __version__
 from servetune import knobs as knob_table
 from servetune.conditions import Condition, Family
+from servetune.engines import GpuFacts
 from servetune.errors import InfeasibleError, ServetuneError
 from servetune.io import round_floats, sha256_doc, sha256_file
 from servetune.models.fluid import (
@@ -269,6 +270,15 @@ def explain_sim_infeasible(evaluated: list[Evaluated], slo: SLOSet) -> tuple[str
     msg = cond.simulated_floor_sentence(value, limit, rate)
     return msg, {"binding": cond.key, "best_value": value, "target": limit, "source": "simulation",
                  "rate_per_s": rate}
+
+
+def gpu_facts(profile: Profile) -> GpuFacts:
+    """The GPU facts an engine's defaults depend on. A profile without hardware (a KV pool
+    given outright) counts as a small GPU, whose defaults are the engines' smaller ones."""
+    hardware = profile.hardware
+    return GpuFacts(name=hardware.name if hardware else "",
+                    memory_bytes=hardware.memory_bytes if hardware else 0,
+                    kv_tokens=int(profile.kv_blocks()) * int(profile.block_size))
 
 
 def _profile_meta(profile: Profile) -> dict[str, Any]:
@@ -521,15 +531,17 @@ def optimize(
     # Engine defaults, for comparison.
     defaults_rate = None
     defaults_sims = 0
+    defaults_rule = None
     if compare_defaults:
-        d_policy = apply_knobs(base, baselines.VLLM_DEFAULTS.as_dotted())
-        start = fluid.with_calibration(_cal(calibration)).goodput(baselines.VLLM_DEFAULTS)[0]
+        d_knobs, defaults_rule = baselines.engine_default_knobs("vllm", gpu_facts(profile))
+        d_policy = apply_knobs(base, d_knobs.as_dotted())
+        start = fluid.with_calibration(_cal(calibration)).goodput(d_knobs)[0]
         start_scale = start / sim.base_rate_per_s if start > 0 else 1.0
         before = sim.simulations
         d_est = find_goodput(sim, d_policy, start_scale=start_scale, rel_tol=rel_tol)
         defaults_sims = sim.simulations - before
         defaults_rate = d_est.rate_per_s
-        say(f"vLLM serve defaults: {defaults_rate:.2f} req/s in simulation")
+        say(f"vLLM serve defaults ({defaults_rule}): {defaults_rate:.2f} req/s in simulation")
 
     assert best is not None
     point = best.goodput.best_point
@@ -560,6 +572,7 @@ def optimize(
                 "attainment": point.attainment,
                 "at_goodput": {k: v for k, v in point.measured.items()},
                 "defaults_goodput_rate_per_s": defaults_rate,
+                "defaults_rule": defaults_rule,
             },
             "profile": _profile_meta(profile),
         }
@@ -591,6 +604,7 @@ def optimize(
         "policy": policy.knobs(),
         "goodput_rate_per_s": best.goodput.rate_per_s,
         "defaults_goodput_rate_per_s": defaults_rate,
+        "defaults_rule": defaults_rule,
         "predicted_goodput_rate_per_s": predicted,
         "attainment": point.attainment,
         "simulations": method_sims,
@@ -624,6 +638,7 @@ def _raise_infeasible(message, details, sim, solver_s, wall_start, method, itera
         "policy": None,
         "goodput_rate_per_s": 0.0,
         "defaults_goodput_rate_per_s": None,
+        "defaults_rule": None,
         "attainment": None,
         "simulations": sim.simulations,
         "solver_s": solver_s,
