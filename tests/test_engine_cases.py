@@ -247,13 +247,40 @@ def test_watermark_binds_at_admission_not_on_the_whole_output():
         assert out.status.tolist() == [2]
 
 
-def test_preempted_request_that_outgrew_the_watermark_is_rejected_not_stuck():
+def test_preempted_request_resumes_into_the_watermark_of_an_idle_engine():
     # 20 blocks of 4, watermark 12 blocks. A and B (4-token prompts) decode until the
     # pool is full; B (last admitted) is preempted at step 37 holding 37 generated
-    # tokens. Its re-prefill (41 tokens = 11 blocks) + 12 never fits 20 blocks, so when
-    # A is done and the engine is empty B is turned away, and C is served.
+    # tokens. Its re-prefill (41 tokens = 11 blocks) + 12 does not fit 20 blocks while A
+    # runs, but vLLM keeps the watermark only while the running list is non-empty
+    # (vllm/v1/core/sched/scheduler.py, Scheduler.schedule: allocate_slots(...,
+    # has_scheduled_reqs=bool(self.running)); vllm/v1/core/kv_cache_manager.py,
+    # KVCacheManager.allocate_slots: watermark_blocks only when has_scheduled_reqs). So
+    # when A finishes (end of step 59) B re-prefills in step 60 on the idle engine,
+    # samples its 38th token, decodes its last 22 in steps 61-82 and C (arriving at
+    # 100 s) is served after it. (This test used to expect B rejected: the old rule kept
+    # the watermark on an idle engine too.)
     tr = trace_of([(0, 4, 60), (0, 4, 60), (100, 4, 2)])
     pol = policy(batching=BATCH64, admission={"kv_watermark": 0.6})
+    out, log = both_modes(tr, pol, kv_blocks=20, block_size=4)
+    assert out.status.tolist() == [0, 0, 0]
+    assert out.preemptions.tolist() == [0, 1, 0] and out.generated.tolist() == [60, 60, 2]
+    events = [(r["step"], r["preempted"], r["shed"], r["admitted"]) for r in log
+              if r["preempted"] or r["shed"] or r["admitted"]]
+    assert events == [(0, [], [], [0, 1]), (37, [1], [], []), (60, [], [], [1]),
+                      (83, [], [], [2])]
+    # step 60: B's 41 tokens in 11 blocks, 9 free < the 12-block watermark
+    assert compact(log)[60] == (60.0, [(1, 41)], [], [1], [], 11, 0, 1)
+    assert out.finish_s.tolist() == [60.0, 83.0, 102.0]
+
+
+def test_preempted_request_that_outgrew_the_lane_reserve_is_rejected_not_stuck():
+    # The same run with the 12 blocks held back as the long lane's reserve instead (both
+    # requests are short): that reserve binds on an idle engine too, so B's re-prefill
+    # (11 blocks + 12) never fits 20 blocks; when A is done and the engine is empty B is
+    # turned away, and C is served.
+    tr = trace_of([(0, 4, 60), (0, 4, 60), (100, 4, 2)])
+    pol = policy(batching=BATCH64,
+                 long_requests={"threshold_tokens": 1000, "reserved_kv_fraction": 0.6})
     out, log = both_modes(tr, pol, kv_blocks=20, block_size=4)
     assert out.status.tolist() == [0, 2, 0]
     assert "re-prefill" in REASONS[out.reason[1]]
