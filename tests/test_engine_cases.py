@@ -69,17 +69,26 @@ def test_trtllm_reservation_uses_max_tokens_not_the_actual_output():
     assert out.admitted_s.tolist() == [0.0, 2.0]
 
 
-def test_tgi_budgets_prefill_tokens_only():
-    # budget 4: A's decode token rides along with B's 4-token chunk under TGI; under
-    # TensorRT-LLM the decode token takes one of the 4.
+def test_tgi_budgets_prefill_tokens_only_without_chunking():
+    # budget 4. With prefill chunking TGI takes the running batch's decode tokens out of
+    # the prefill budget (backends/v3/src/backend.rs, batching_task), so A's decode token
+    # takes one of the 4, as under TensorRT-LLM. (This test used to expect A's token to
+    # ride along with B's 4-token chunk: the old rule ignored that subtraction.)
     tr = trace_of([(0, 4, 5), (0.5, 8, 1)])
     pol = policy(batching={"max_num_seqs": 2, "max_num_batched_tokens": 4})
+    for engine in ("tgi", "trtllm"):
+        _, log = both_modes(tr, pol, kv_blocks=100, block_size=4, engine=engine)
+        assert [rec["scheduled"] for rec in log[:4]] == [
+            [[0, 4]], [[0, 1], [1, 3]], [[0, 1], [1, 3]], [[0, 1], [1, 2]]]
+    # Without chunking the decode token rides along with B's whole 4-token prompt; under
+    # TensorRT-LLM it takes one of the 4, so B waits until A finishes (step 4).
+    tr = trace_of([(0, 4, 5), (0.5, 4, 1)])
+    pol = policy(batching={"max_num_seqs": 2, "max_num_batched_tokens": 4,
+                           "enable_chunked_prefill": False})
     _, log = both_modes(tr, pol, kv_blocks=100, block_size=4, engine="tgi")
-    assert [rec["scheduled"] for rec in log[:3]] == [[[0, 4]], [[0, 1], [1, 4]],
-                                                    [[0, 1], [1, 4]]]
+    assert [rec["scheduled"] for rec in log[:2]] == [[[0, 4]], [[0, 1], [1, 4]]]
     _, log = both_modes(tr, pol, kv_blocks=100, block_size=4, engine="trtllm")
-    assert [rec["scheduled"] for rec in log[:4]] == [[[0, 4]], [[0, 1], [1, 3]],
-                                                    [[0, 1], [1, 3]], [[0, 1], [1, 2]]]
+    assert [rec["scheduled"] for rec in log] == [[[0, 4]]] + [[[0, 1]]] * 4 + [[[1, 4]]]
 
 
 # ---- rejection instead of deadlock, shedding, inputs ---------------------------------

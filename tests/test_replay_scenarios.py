@@ -368,3 +368,31 @@ def test_queue_ties_are_broken_by_request_id_in_both_policies():
                      batching={"max_num_seqs": 1, "max_num_batched_tokens": 64})
         _, log = both_modes(tr, pol, kv_blocks=100, block_size=4)
         assert [rec["admitted"] for rec in log] == [[0], [1], [2]]
+
+
+def test_tgi_decode_rows_take_prefill_budget_with_chunking():
+    # TGI, budget (max_batch_prefill_tokens) 8. A (4-token prompt, 4 tokens out) decodes
+    # when B (8-token prompt) arrives. With prefill chunking TGI's batching_task
+    # (backends/v3/src/backend.rs) gives the next prefill
+    # max_batch_prefill_tokens.saturating_sub(batch.current_tokens): A's decode row takes
+    # 1, so B gets a 7-token chunk in step 1 and its last token in step 2.
+    tr = trace_of([(0, 4, 4), (0.5, 8, 1)])
+    batching = {"max_num_seqs": 8, "max_num_batched_tokens": 8}
+    _, log = both_modes(tr, policy(batching=batching), kv_blocks=100, block_size=4,
+                        engine="tgi")
+    assert compact(log) == [
+        (0.0, [(0, 4)], [], [0], [], 1, 0, 1),
+        (1.0, [(0, 1), (1, 7)], [], [1], [], 4, 0, 2),
+        (2.0, [(0, 1), (1, 1)], [], [], [1], 4, 0, 2),
+        (3.0, [(0, 1)], [], [], [0], 2, 0, 1),
+    ]
+    # Without chunking TGI runs a prefill batch of its own within the whole budget while
+    # the decode rows wait for it: servetune lets them ride in the same step, free.
+    _, log = both_modes(tr, policy(batching={**batching, "enable_chunked_prefill": False}),
+                        kv_blocks=100, block_size=4, engine="tgi")
+    assert compact(log) == [
+        (0.0, [(0, 4)], [], [0], [], 1, 0, 1),
+        (1.0, [(0, 1), (1, 8)], [], [1], [1], 4, 0, 2),
+        (2.0, [(0, 1)], [], [], [], 2, 0, 1),
+        (3.0, [(0, 1)], [], [], [0], 2, 0, 1),
+    ]

@@ -798,13 +798,24 @@ def _arrivals(p, rq, st, lg, t):
 @jit
 def _grant_running(p, rq, st, lg):
     """vLLM, TensorRT-LLM, TGI: grant each running request, in admission order, its
-    remaining tokens capped by the threshold and the budget (TGI: decode tokens are not
-    budgeted), allocating their blocks; when blocks run out, preempt the last admitted
-    (FCFS) or the max (priority, arrival) request until this one fits (if it is itself the
-    victim, nothing after it runs). Returns (budget left, preempted)."""
+    remaining tokens capped by the threshold and the budget (TGI: decode tokens are never
+    capped; with prefill chunking they take budget first, without it they ride free),
+    allocating their blocks; when blocks run out, preempt the last admitted (FCFS) or the
+    max (priority, arrival) request until this one fits (if it is itself the victim,
+    nothing after it runs). Returns (budget left, preempted)."""
     sc = st.scalars[0]
     budget = p.budget
     tgi = p.engine == E_TGI
+    if tgi and p.chunked_prefill:
+        # TGI's batching_task (backends/v3/src/backend.rs): with chunking, the prefill
+        # budget for the next batch is max_batch_prefill_tokens.saturating_sub(the
+        # running batch's current tokens): each decode row takes one token of it.
+        for q in range(sc.n_running):
+            r = st.running[q]
+            if st.generated[r] >= 1 and rq.prompt[r] + st.generated[r] - st.computed[r] == 1:
+                budget -= 1
+        if budget < 0:
+            budget = 0
     bs = p.block_size
     preempted = False
     i = 0

@@ -36,7 +36,8 @@ Semantics (``docs/engines.md``; the step loop is in :mod:`servetune.sim._kernel`
 - **trtllm** (4, GUARANTEED_NO_EVICT) and **tgi** (3): a request is admitted only when
   blocks for ``prompt + max_tokens - 1`` tokens can be reserved beside the running
   requests' reservations, so nothing is ever evicted. TensorRT-LLM budgets all tokens
-  of a step; TGI budgets only prefill tokens (decode rows ride along).
+  of a step; TGI budgets prefill tokens, and with prefill chunking each decode row
+  takes one token of that budget first (without chunking decode rows ride along).
 
 For every engine: ``max_num_seqs`` caps the running batch, ``kv_watermark`` blocks are
 kept free at admission (vLLM: only while something runs; the others have no watermark
