@@ -69,17 +69,26 @@ def test_trtllm_reservation_uses_max_tokens_not_the_actual_output():
     assert out.admitted_s.tolist() == [0.0, 2.0]
 
 
-def test_tgi_budgets_prefill_tokens_only():
-    # budget 4: A's decode token rides along with B's 4-token chunk under TGI; under
-    # TensorRT-LLM the decode token takes one of the 4.
+def test_tgi_budgets_prefill_tokens_only_without_chunking():
+    # budget 4. With prefill chunking TGI takes the running batch's decode tokens out of
+    # the prefill budget (backends/v3/src/backend.rs, batching_task), so A's decode token
+    # takes one of the 4, as under TensorRT-LLM. (This test used to expect A's token to
+    # ride along with B's 4-token chunk: the old rule ignored that subtraction.)
     tr = trace_of([(0, 4, 5), (0.5, 8, 1)])
     pol = policy(batching={"max_num_seqs": 2, "max_num_batched_tokens": 4})
+    for engine in ("tgi", "trtllm"):
+        _, log = both_modes(tr, pol, kv_blocks=100, block_size=4, engine=engine)
+        assert [rec["scheduled"] for rec in log[:4]] == [
+            [[0, 4]], [[0, 1], [1, 3]], [[0, 1], [1, 3]], [[0, 1], [1, 2]]]
+    # Without chunking the decode token rides along with B's whole 4-token prompt; under
+    # TensorRT-LLM it takes one of the 4, so B waits until A finishes (step 4).
+    tr = trace_of([(0, 4, 5), (0.5, 4, 1)])
+    pol = policy(batching={"max_num_seqs": 2, "max_num_batched_tokens": 4,
+                           "enable_chunked_prefill": False})
     _, log = both_modes(tr, pol, kv_blocks=100, block_size=4, engine="tgi")
-    assert [rec["scheduled"] for rec in log[:3]] == [[[0, 4]], [[0, 1], [1, 4]],
-                                                    [[0, 1], [1, 4]]]
+    assert [rec["scheduled"] for rec in log[:2]] == [[[0, 4]], [[0, 1], [1, 4]]]
     _, log = both_modes(tr, pol, kv_blocks=100, block_size=4, engine="trtllm")
-    assert [rec["scheduled"] for rec in log[:4]] == [[[0, 4]], [[0, 1], [1, 3]],
-                                                    [[0, 1], [1, 3]], [[0, 1], [1, 2]]]
+    assert [rec["scheduled"] for rec in log] == [[[0, 4]]] + [[[0, 1]]] * 4 + [[[1, 4]]]
 
 
 # ---- rejection instead of deadlock, shedding, inputs ---------------------------------
@@ -247,13 +256,40 @@ def test_watermark_binds_at_admission_not_on_the_whole_output():
         assert out.status.tolist() == [2]
 
 
-def test_preempted_request_that_outgrew_the_watermark_is_rejected_not_stuck():
+def test_preempted_request_resumes_into_the_watermark_of_an_idle_engine():
     # 20 blocks of 4, watermark 12 blocks. A and B (4-token prompts) decode until the
     # pool is full; B (last admitted) is preempted at step 37 holding 37 generated
-    # tokens. Its re-prefill (41 tokens = 11 blocks) + 12 never fits 20 blocks, so when
-    # A is done and the engine is empty B is turned away, and C is served.
+    # tokens. Its re-prefill (41 tokens = 11 blocks) + 12 does not fit 20 blocks while A
+    # runs, but vLLM keeps the watermark only while the running list is non-empty
+    # (vllm/v1/core/sched/scheduler.py, Scheduler.schedule: allocate_slots(...,
+    # has_scheduled_reqs=bool(self.running)); vllm/v1/core/kv_cache_manager.py,
+    # KVCacheManager.allocate_slots: watermark_blocks only when has_scheduled_reqs). So
+    # when A finishes (end of step 59) B re-prefills in step 60 on the idle engine,
+    # samples its 38th token, decodes its last 22 in steps 61-82 and C (arriving at
+    # 100 s) is served after it. (This test used to expect B rejected: the old rule kept
+    # the watermark on an idle engine too.)
     tr = trace_of([(0, 4, 60), (0, 4, 60), (100, 4, 2)])
     pol = policy(batching=BATCH64, admission={"kv_watermark": 0.6})
+    out, log = both_modes(tr, pol, kv_blocks=20, block_size=4)
+    assert out.status.tolist() == [0, 0, 0]
+    assert out.preemptions.tolist() == [0, 1, 0] and out.generated.tolist() == [60, 60, 2]
+    events = [(r["step"], r["preempted"], r["shed"], r["admitted"]) for r in log
+              if r["preempted"] or r["shed"] or r["admitted"]]
+    assert events == [(0, [], [], [0, 1]), (37, [1], [], []), (60, [], [], [1]),
+                      (83, [], [], [2])]
+    # step 60: B's 41 tokens in 11 blocks, 9 free < the 12-block watermark
+    assert compact(log)[60] == (60.0, [(1, 41)], [], [1], [], 11, 0, 1)
+    assert out.finish_s.tolist() == [60.0, 83.0, 102.0]
+
+
+def test_preempted_request_that_outgrew_the_lane_reserve_is_rejected_not_stuck():
+    # The same run with the 12 blocks held back as the long lane's reserve instead (both
+    # requests are short): that reserve binds on an idle engine too, so B's re-prefill
+    # (11 blocks + 12) never fits 20 blocks; when A is done and the engine is empty B is
+    # turned away, and C is served.
+    tr = trace_of([(0, 4, 60), (0, 4, 60), (100, 4, 2)])
+    pol = policy(batching=BATCH64,
+                 long_requests={"threshold_tokens": 1000, "reserved_kv_fraction": 0.6})
     out, log = both_modes(tr, pol, kv_blocks=20, block_size=4)
     assert out.status.tolist() == [0, 2, 0]
     assert "re-prefill" in REASONS[out.reason[1]]

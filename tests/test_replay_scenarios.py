@@ -268,3 +268,131 @@ def test_reserved_seat_for_long_requests_is_left_free_by_short_ones():
         (2.0, [(0, 1), (2, 1)], [], [], [0, 2], 10, 1, 2),
         (3.0, [(1, 4)], [], [1], [1], 1, 0, 1),
     ]
+
+
+# ---- vLLM admission as its source does it (issue 13) ---------------------------------
+
+
+def test_full_prompt_check_ignores_the_blocks_other_prefills_still_need():
+    # 3 blocks of 16, budget 2, threshold 1, max_num_seqs 2. A (33-token prompt = 3
+    # blocks) and B (1 token) arrive together. A is admitted with its first token (its
+    # whole prompt fits the 3 free blocks); B's prompt needs 1 block and 2 are free, so
+    # B is admitted too and finishes in step 0. vLLM keeps back the blocks in-flight
+    # prefills still need only for a request whose KV a connector loads asynchronously
+    # (vllm/v1/core/sched/scheduler.py, Scheduler.schedule: reserved_blocks =
+    # _inflight_prefill_reserved_blocks() only `if load_kv_async`; allocate_slots with
+    # full_sequence_must_fit checks the full prompt's blocks against the free blocks).
+    # servetune used to add A's 2 missing blocks to B's need and keep B waiting 33 steps.
+    tr = trace_of([(0, 33, 1), (0, 1, 1)])
+    pol = policy(batching={"max_num_seqs": 2, "max_num_batched_tokens": 2,
+                           "long_prefill_token_threshold": 1})
+    out, log = both_modes(tr, pol, kv_blocks=3, block_size=16)
+    # A then prefills one token a step; it holds ceil(computed / 16) blocks and samples
+    # its only token when its 33rd is computed, in step 32.
+    assert compact(log) == [
+        (0.0, [(0, 1), (1, 1)], [], [0, 1], [1], 2, 0, 2),
+    ] + [
+        (float(k), [(0, 1)], [], [], [0] if k == 32 else [], -(-(k + 1) // 16), 0, 1)
+        for k in range(1, 33)
+    ]
+    assert out.finish_s.tolist() == [33.0, 1.0]
+
+
+def test_watermark_is_waived_on_an_idle_engine():
+    # 10 blocks of 4, watermark 0.5 -> 5 blocks kept free while something runs. A's
+    # 28-token prompt (7 blocks) would leave 3 free, yet the idle engine admits it: vLLM
+    # applies the watermark only when the running list is non-empty
+    # (vllm/v1/core/sched/scheduler.py, Scheduler.schedule: allocate_slots(...,
+    # has_scheduled_reqs=bool(self.running)); vllm/v1/core/kv_cache_manager.py,
+    # KVCacheManager.allocate_slots: watermark_blocks only if has_scheduled_reqs).
+    # The running list includes A once admitted, so B (1 block) is refused in step 0
+    # (7 + 1 + 5 > 10) and in step 1 (8 + 1 + 5), and admitted in step 2 once A is gone.
+    # servetune used to reject A at arrival (7 + 5 > 10).
+    tr = trace_of([(0, 28, 2), (0, 4, 1)])
+    pol = policy(batching={"max_num_seqs": 8, "max_num_batched_tokens": 64},
+                 admission={"kv_watermark": 0.5})
+    out, log = both_modes(tr, pol, kv_blocks=10, block_size=4)
+    assert compact(log) == [
+        (0.0, [(0, 28)], [], [0], [], 7, 1, 1),
+        (1.0, [(0, 1)], [], [], [0], 8, 1, 1),
+        (2.0, [(1, 4)], [], [1], [1], 1, 0, 1),
+    ]
+    assert out.status.tolist() == [0, 0]
+    # The arrival-time rejection is the same check on the empty engine: only a prompt
+    # beyond the whole pool (44 tokens = 11 blocks) is turned away.
+    out, log = both_modes(trace_of([(0, 40, 1), (0, 44, 1)]), pol, kv_blocks=10,
+                          block_size=4)
+    assert out.status.tolist() == [0, 2]
+    assert out.reason[1] == 3  # REASON_KV_POOL
+    assert [rec["shed"] for rec in log] == [[1]]
+
+
+def test_priority_victim_among_exact_ties_is_the_first_in_the_running_list():
+    # A and B: same priority, same arrival time; the queue admits A first (ties broken
+    # by request id, vllm/v1/request.py Request.__lt__: priority, arrival_time,
+    # request_id), so the running list is [A, B]. 3 blocks of 4: in step 1 A takes the
+    # last free block, then B needs one. The victim is max(self.running, key=lambda r:
+    # (r.priority, r.arrival_time)) (vllm/v1/core/sched/scheduler.py,
+    # Scheduler.schedule), and Python's max keeps the first of equal keys: A, though it
+    # was already granted this step (its grant and blocks are given back). servetune
+    # used to break the tie by the larger request id (B).
+    tr = trace_of([(0, 4, 6), (0, 4, 6)], priority=np.array([0, 0], dtype=np.int32))
+    pol = policy(scheduling="priority",
+                 batching={"max_num_seqs": 4, "max_num_batched_tokens": 64})
+    out, log = both_modes(tr, pol, kv_blocks=3, block_size=4)
+    assert compact(log) == [
+        (0.0, [(0, 4), (1, 4)], [], [0, 1], [], 2, 0, 2),
+        (1.0, [(1, 1)], [0], [], [], 2, 1, 1),
+        (2.0, [(1, 1)], [], [], [], 2, 1, 1),  # A's re-prefill needs 2 blocks, 1 free
+        (3.0, [(1, 1)], [], [], [], 2, 1, 1),
+        (4.0, [(1, 1)], [], [], [], 2, 1, 1),
+        (5.0, [(1, 1)], [], [], [1], 3, 1, 1),
+        (6.0, [(0, 5)], [], [0], [], 2, 0, 1),  # 4 prompt + 1 generated
+        (7.0, [(0, 1)], [], [], [], 2, 0, 1),
+        (8.0, [(0, 1)], [], [], [], 2, 0, 1),
+        (9.0, [(0, 1)], [], [], [], 2, 0, 1),
+        (10.0, [(0, 1)], [], [], [0], 3, 0, 1),
+    ]
+    assert out.preemptions.tolist() == [1, 0]
+    assert out.finish_s.tolist() == [11.0, 6.0]
+
+
+def test_queue_ties_are_broken_by_request_id_in_both_policies():
+    # Equal arrival times (and equal priorities): the queue order is the request id,
+    # as vLLM's FCFS deque (arrival order) and its priority heap (Request.__lt__ falls
+    # back to request_id) give. One seat: the requests run one after another in id order.
+    rows = [(0, 4, 1)] * 3
+    for scheduling in ("fcfs", "priority"):
+        tr = trace_of(rows, priority=np.array([1, 1, 1], dtype=np.int32))
+        pol = policy(scheduling=scheduling,
+                     batching={"max_num_seqs": 1, "max_num_batched_tokens": 64})
+        _, log = both_modes(tr, pol, kv_blocks=100, block_size=4)
+        assert [rec["admitted"] for rec in log] == [[0], [1], [2]]
+
+
+def test_tgi_decode_rows_take_prefill_budget_with_chunking():
+    # TGI, budget (max_batch_prefill_tokens) 8. A (4-token prompt, 4 tokens out) decodes
+    # when B (8-token prompt) arrives. With prefill chunking TGI's batching_task
+    # (backends/v3/src/backend.rs) gives the next prefill
+    # max_batch_prefill_tokens.saturating_sub(batch.current_tokens): A's decode row takes
+    # 1, so B gets a 7-token chunk in step 1 and its last token in step 2.
+    tr = trace_of([(0, 4, 4), (0.5, 8, 1)])
+    batching = {"max_num_seqs": 8, "max_num_batched_tokens": 8}
+    _, log = both_modes(tr, policy(batching=batching), kv_blocks=100, block_size=4,
+                        engine="tgi")
+    assert compact(log) == [
+        (0.0, [(0, 4)], [], [0], [], 1, 0, 1),
+        (1.0, [(0, 1), (1, 7)], [], [1], [], 4, 0, 2),
+        (2.0, [(0, 1), (1, 1)], [], [], [1], 4, 0, 2),
+        (3.0, [(0, 1)], [], [], [0], 2, 0, 1),
+    ]
+    # Without chunking TGI runs a prefill batch of its own within the whole budget while
+    # the decode rows wait for it: servetune lets them ride in the same step, free.
+    _, log = both_modes(tr, policy(batching={**batching, "enable_chunked_prefill": False}),
+                        kv_blocks=100, block_size=4, engine="tgi")
+    assert compact(log) == [
+        (0.0, [(0, 4)], [], [0], [], 1, 0, 1),
+        (1.0, [(0, 1), (1, 8)], [], [1], [1], 4, 0, 2),
+        (2.0, [(0, 1)], [], [], [], 2, 0, 1),
+        (3.0, [(0, 1)], [], [], [0], 2, 0, 1),
+    ]

@@ -99,8 +99,9 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
     b, a = policy.batching, policy.admission
     flags: dict[str, object] = plain_settings(policy, "tgi")
     notes: list[str] = [
-        "--max-batch-prefill-tokens budgets prefill tokens only; TGI's decode rows are not "
-        "counted against it as they are in vLLM's budget",
+        "--max-batch-prefill-tokens budgets prefill tokens; with prefill chunking (the "
+        "default where supported) the running batch's decode tokens are taken out of it "
+        "first, as in vLLM's budget, without chunking they are not counted",
     ]
     if a.max_queued_requests is None:
         notes.append(

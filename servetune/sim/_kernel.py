@@ -97,7 +97,7 @@ REASONS = (
     "",
     "shed: max_queued_requests reached (HTTP 503)",
     "shed: max_queued_prompt_tokens reached (HTTP 503)",
-    "rejected: needs more KV blocks than the pool (less watermark/lane reserve at admission)",
+    "rejected: needs more KV blocks than the pool (less lane reserve and watermark at admission)",
     "rejected: the request's footprint exceeds the long-request lane (max_kv_fraction)",
     "rejected: prompt longer than max_num_batched_tokens with chunked prefill off",
     "rejected: prompt + max output reservation exceeds the KV pool",
@@ -208,7 +208,6 @@ class State(NamedTuple):
     computed: np.ndarray  # int64, tokens in KV
     generated: np.ndarray  # int64, output tokens sampled
     held: np.ndarray  # int64, KV blocks held
-    in_prefill: np.ndarray  # int8, admitted and not yet past its (re-)prefill
     admitted_s: np.ndarray  # float64, first admission (nan: never)
     first_token_s: np.ndarray  # float64
     finish_s: np.ndarray  # float64
@@ -490,7 +489,6 @@ def _preempt(p, rq, st, lg, v, vp):
     sc = st.scalars[0]
     _release(p, rq, st, v)
     st.computed[v] = 0
-    st.in_prefill[v] = 0
     st.preemptions[v] += 1
     _enqueue(p, rq, st, v, True)
     nrun = sc.n_running
@@ -503,7 +501,9 @@ def _preempt(p, rq, st, lg, v, vp):
 @jit
 def _preemption_victim(p, rq, st):
     """vLLM: the running position of the last admitted request (FCFS) or of the max
-    (priority, arrival) one."""
+    (priority, arrival time) one, the first in running-list order among exact ties
+    (``Scheduler.schedule``: ``max(self.running, key=lambda r: (r.priority,
+    r.arrival_time))``, and ``max`` keeps the first of equal keys)."""
     sc = st.scalars[0]
     nrun = sc.n_running
     vp = nrun - 1
@@ -512,7 +512,8 @@ def _preemption_victim(p, rq, st):
         for q in range(1, nrun):
             a = st.running[q]
             b = st.running[vp]
-            if rq.priority[a] > rq.priority[b] or (rq.priority[a] == rq.priority[b] and a > b):
+            if rq.priority[a] > rq.priority[b] or (rq.priority[a] == rq.priority[b]
+                                                   and rq.arrival[a] > rq.arrival[b]):
                 vp = q
     return vp
 
@@ -556,9 +557,16 @@ def _lane_has_room(p, rq, st, r):
 @jit
 def _headroom(p, rq, st, r):
     """Blocks request ``r`` must leave free when admitted: the watermark, plus (for a short
-    request) what the long lane's reserve still lacks."""
+    request) what the long lane's reserve still lacks. vLLM keeps the watermark only while
+    the running list is non-empty (it includes requests admitted earlier in this step):
+    ``Scheduler.schedule`` passes ``has_scheduled_reqs=bool(self.running)`` to
+    ``KVCacheManager.allocate_slots``, so an idle engine admits a request into the
+    watermark. The other engines have no watermark; servetune's keeps it at every
+    admission."""
     sc = st.scalars[0]
     headroom = p.watermark_blocks
+    if p.engine == E_VLLM and sc.n_running == 0:
+        headroom = 0
     if p.lanes and rq.is_long[r] == 0:
         spare = p.lane_reserved_blocks - sc.long_held
         if spare > 0:
@@ -567,18 +575,21 @@ def _headroom(p, rq, st, r):
 
 
 @jit
-def _kv_refused(p, rq, st, r, target, chunk, owed):
+def _kv_refused(p, rq, st, r, target, chunk):
     """The engine's KV check refuses request ``r`` (a (re-)prefill of ``target`` tokens whose
     first chunk is ``chunk``): what the admission needs does not fit beside what is committed,
-    less the headroom. vLLM: the whole (re-)prefill plus the blocks in-flight prefills are
-    ``owed`` (``reserve_full_prompt``), else this chunk, beside the blocks in use; SGLang:
-    the whole (re-)prefill beside the blocks in use; TensorRT-LLM and TGI: the prompt +
-    max output reservation beside the running requests' reservations."""
+    less the headroom. vLLM: the whole (re-)prefill (``reserve_full_prompt``), else this
+    chunk, beside the blocks in use (``KVCacheManager.allocate_slots`` with
+    ``full_sequence_must_fit``; the blocks other in-flight prefills still need are kept
+    back only for a request whose KV a connector loads asynchronously, which servetune
+    does not model); SGLang: the whole (re-)prefill beside the blocks in use; TensorRT-LLM
+    and TGI: the prompt + max output reservation beside the running requests'
+    reservations."""
     sc = st.scalars[0]
     if p.engine == E_VLLM:
         committed = sc.used
         if p.reserve_full_prompt:
-            need = _blocks(target, p.block_size) + owed
+            need = _blocks(target, p.block_size)
         else:
             need = _blocks(chunk, p.block_size)
     elif p.engine == E_SGLANG:
@@ -598,20 +609,6 @@ def _sglang_estimate(p, rq, r, generated, ratio):
     if f > p.sglang_clip:
         f = p.sglang_clip
     return f * ratio
-
-
-@jit
-def _owed_blocks(p, rq, st):
-    """Blocks the running requests' in-flight (re-)prefills still need."""
-    sc = st.scalars[0]
-    owed = 0
-    for q in range(sc.n_running):
-        r = st.running[q]
-        if st.in_prefill[r] == 1:
-            d = _blocks(rq.prompt[r] + st.generated[r], p.block_size) - st.held[r]
-            if d > 0:
-                owed += d
-    return owed
 
 
 @jit
@@ -643,7 +640,6 @@ def _admit(p, rq, st, lg, lane, nblocks, t):
         sc.long_running += 1
         sc.long_footprint += rq.lane_blocks[r]
     sc.reserved_sum += rq.reserved_blocks[r]
-    st.in_prefill[r] = 1
     if st.admitted_s[r] != st.admitted_s[r]:  # nan: first admission
         st.admitted_s[r] = t
     _log_event(p, lg, EV_ADMIT, r, 0)
@@ -666,9 +662,6 @@ def _admit_waiting(p, rq, st, lg, t, budget, ratio):
     engine = p.engine
     bs = p.block_size
     sglang = engine == E_SGLANG
-    owed = 0  # blocks in-flight prefills still need (vLLM reserve_full_prompt)
-    if engine == E_VLLM and p.reserve_full_prompt and _waiting(st) > 0:
-        owed = _owed_blocks(p, rq, st)
     rem = 0.0  # SGLang: free KV tokens less the running requests' output estimate
     if sglang:
         future = 0.0
@@ -696,7 +689,7 @@ def _admit_waiting(p, rq, st, lg, t, budget, ratio):
         if sglang:
             fr = _sglang_estimate(p, rq, r, st.generated[r], ratio)
         fits = (not waits and _lane_has_room(p, rq, st, r)
-                and not _kv_refused(p, rq, st, r, target, chunk, owed)
+                and not _kv_refused(p, rq, st, r, target, chunk)
                 and (not sglang or target + fr <= rem))
         if not fits:
             if sc.n_running == 0:
@@ -711,8 +704,6 @@ def _admit_waiting(p, rq, st, lg, t, budget, ratio):
             break  # strict head-of-line blocking
         nblocks = _blocks(target, bs) if sglang else _blocks(chunk, bs)
         _admit(p, rq, st, lg, lane, nblocks, t)
-        if engine == E_VLLM and p.reserve_full_prompt:
-            owed += _blocks(target, bs) - nblocks
         if sglang:
             rem -= nblocks * bs + fr
         _grant(st, r, chunk)
@@ -750,7 +741,7 @@ def reject_at_arrival(p, rq, st):
         over_budget = not p.chunked_prefill and chunk > p.budget
         if chunk > p.budget:
             chunk = p.budget
-        refused = _kv_refused(p, rq, st, r, prompt, chunk, 0)
+        refused = _kv_refused(p, rq, st, r, prompt, chunk)
         if p.engine == E_TRTLLM or p.engine == E_TGI:
             never_fits = _blocks(last, bs) + _headroom(p, rq, st, r) > total
             reservation = refused
@@ -807,13 +798,24 @@ def _arrivals(p, rq, st, lg, t):
 @jit
 def _grant_running(p, rq, st, lg):
     """vLLM, TensorRT-LLM, TGI: grant each running request, in admission order, its
-    remaining tokens capped by the threshold and the budget (TGI: decode tokens are not
-    budgeted), allocating their blocks; when blocks run out, preempt the last admitted
-    (FCFS) or the max (priority, arrival) request until this one fits (if it is itself the
-    victim, nothing after it runs). Returns (budget left, preempted)."""
+    remaining tokens capped by the threshold and the budget (TGI: decode tokens are never
+    capped; with prefill chunking they take budget first, without it they ride free),
+    allocating their blocks; when blocks run out, preempt the last admitted (FCFS) or the
+    max (priority, arrival) request until this one fits (if it is itself the victim,
+    nothing after it runs). Returns (budget left, preempted)."""
     sc = st.scalars[0]
     budget = p.budget
     tgi = p.engine == E_TGI
+    if tgi and p.chunked_prefill:
+        # TGI's batching_task (backends/v3/src/backend.rs): with chunking, the prefill
+        # budget for the next batch is max_batch_prefill_tokens.saturating_sub(the
+        # running batch's current tokens): each decode row takes one token of it.
+        for q in range(sc.n_running):
+            r = st.running[q]
+            if st.generated[r] >= 1 and rq.prompt[r] + st.generated[r] - st.computed[r] == 1:
+                budget -= 1
+        if budget < 0:
+            budget = 0
     bs = p.block_size
     preempted = False
     i = 0
@@ -971,7 +973,6 @@ def _execute_step(p, rq, st, lg, t, nadm, preempted, prefill_step):
         _log_event(p, lg, EV_SCHED, r, st.batch_tokens[q])
         if st.computed[r] == rq.prompt[r] + st.generated[r]:
             st.generated[r] += 1
-            st.in_prefill[r] = 0
             if r == sc.chunked_req:
                 sc.chunked_req = -1
             if st.generated[r] == 1:

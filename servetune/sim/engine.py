@@ -15,11 +15,14 @@ Semantics (``docs/engines.md``; the step loop is in :mod:`servetune.sim._kernel`
   tokens lost (generated tokens kept and re-prefilled) and it goes to the front of the
   waiting queue; a step that preempted admits nothing. Then waiting requests are
   admitted in FCFS or (priority, arrival) order with strict head-of-line blocking, up to
-  ``max_num_seqs``: the whole (re-)prefill's blocks plus those that in-flight prefills
-  still need must fit with ``kv_watermark`` headroom when ``reserve_full_prompt``
-  (else only this chunk's). With ``enable_chunked_prefill`` off, a prompt that does not
-  fit the remaining budget waits and blocks the queue (a resumed request whose re-prefill
-  exceeds the whole budget is chunked: vLLM's own config check rules that case out).
+  ``max_num_seqs``: the whole (re-)prefill's blocks must fit the free blocks when
+  ``reserve_full_prompt`` (else only this chunk's), with ``kv_watermark`` headroom
+  while the running list is non-empty (an idle engine admits into the watermark). With
+  ``enable_chunked_prefill`` off, a prompt that does not fit the remaining budget waits
+  and blocks the queue (a resumed request whose re-prefill exceeds the whole budget is
+  chunked: vLLM's own config check rules that case out). Among exact ties (same priority
+  and arrival time) the queue takes the lower request id first and the priority victim
+  is the first such request in the running list.
 - **sglang** (2.2, 2.3): a step is a prefill batch when one can be formed (the chunked
   request first, then admissions in queue order whose re-prefill plus
   ``min(max_tokens - generated, 4096) * new_token_ratio`` fits the free KV tokens less
@@ -33,12 +36,15 @@ Semantics (``docs/engines.md``; the step loop is in :mod:`servetune.sim._kernel`
 - **trtllm** (4, GUARANTEED_NO_EVICT) and **tgi** (3): a request is admitted only when
   blocks for ``prompt + max_tokens - 1`` tokens can be reserved beside the running
   requests' reservations, so nothing is ever evicted. TensorRT-LLM budgets all tokens
-  of a step; TGI budgets only prefill tokens (decode rows ride along).
+  of a step; TGI budgets prefill tokens, and with prefill chunking each decode row
+  takes one token of that budget first (without chunking decode rows ride along).
 
 For every engine: ``max_num_seqs`` caps the running batch, ``kv_watermark`` blocks are
-kept free at admission, and ``long_prefill_token_threshold`` applies only to vLLM (the
-others have no such knob). Where the trace has no ``max_tokens`` column, a request's declared
-maximum output is its output length (the engine "knows" it); with ``max_tokens``, a
+kept free at admission (vLLM: only while something runs; the others have no watermark
+of their own, and servetune's applies at every admission), and
+``long_prefill_token_threshold`` applies only to vLLM (the others have no such knob).
+Where the trace has no ``max_tokens`` column, a request's declared maximum output is its
+output length (the engine "knows" it); with ``max_tokens``, a
 request generates ``min(output_tokens, max_tokens)`` tokens. Priorities come from the
 trace's ``priority`` column, else from the policy's class priorities (lower first).
 The policy's extensions act at admission for every engine:
@@ -57,7 +63,8 @@ The policy's extensions act at admission for every engine:
   not yet past their first token would exceed ``max_queued_prompt_tokens``.
 - a request that could never run (prompt + output exceed the pool; its admission, i.e. its
   prompt (vLLM without ``reserve_full_prompt``: its first chunk) or TensorRT-LLM/TGI's
-  reservation, exceeds the pool less the watermark and lane reserve; its lane; or the
+  reservation, exceeds the pool less the lane reserve and (except vLLM, which waives it
+  on an idle engine) the watermark; its lane; or the
   step budget with chunking off) is rejected at arrival (status 2) with a reason instead
   of blocking the queue forever; the kernel decides this before the run with its own
   admission checks on the empty engine. A preempted request whose re-prefill has outgrown
@@ -336,7 +343,6 @@ def _initial_state(params: K.Params, requests: K.Requests, reference: bool) -> K
         computed=np.zeros(n, dtype=np.int64),
         generated=np.zeros(n, dtype=np.int64),
         held=np.zeros(n, dtype=np.int64),
-        in_prefill=np.zeros(n, dtype=np.int8),
         admitted_s=np.full(n, np.nan),
         first_token_s=np.full(n, np.nan),
         finish_s=np.full(n, np.nan),
