@@ -142,6 +142,12 @@ def test_capacity_cache_hit_and_damaged_entry(tmp_path: Path, monkeypatch) -> No
     third = C.replica_capacity(profile, slices, b, slo, method="candidates", n_requests=200,
                                cache_dir=tmp_path)
     assert not third.cached and third.rate_per_s == first.rate_per_s
+    # a new engine-model version measures again rather than trust an old simulator's answer
+    monkeypatch.setattr(C, "ENGINE_MODEL_VERSION", C.ENGINE_MODEL_VERSION + 1)
+    fourth = C.replica_capacity(profile, slices, b, slo, method="candidates", n_requests=200,
+                                cache_dir=tmp_path)
+    assert not fourth.cached and fourth.rate_per_s == first.rate_per_s
+    assert len(list(tmp_path.glob("*.json"))) == 2
 
 
 def test_auto_keeps_the_better_of_optimizer_and_candidates(tmp_path: Path, monkeypatch) -> None:

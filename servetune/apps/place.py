@@ -61,6 +61,7 @@ from servetune.schemas.policy import Policy
 from servetune.schemas.slo import ClassSLO, SLOSet
 from servetune.search import search_scale
 from servetune.sim import simulate
+from servetune.sim.engine import ENGINE_MODEL_VERSION
 from servetune.solvers.placement import solve_placement
 from servetune.steady_state import steady_window_s
 from servetune.workloads.fitting import load_workload
@@ -277,6 +278,7 @@ def measure_spare(
     ]
     key = sha256_json({
         "v": CACHE_VERSION, "kind": "spare", "method": SPARE_METHOD_VERSION,
+        "engine_model": ENGINE_MODEL_VERSION,
         "profile": profile.model_dump(mode="json"),
         "pools": {b: slices.pool_hash(b) for b in sorted(weights)}, "weights": weights,
         "levels": level_rates, "mix": [mix.prompt.tolist(), mix.output.tolist()],

@@ -58,6 +58,7 @@ from servetune.schemas.fleet import CapacityPlan, Fleet, Forecast, PlanBucket, P
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
 from servetune.sim import goodput, simulate
+from servetune.sim.engine import ENGINE_MODEL_VERSION
 from servetune.solvers.capacity import solve_capacity
 from servetune.steady_state import MAX_WINDOW_REQUESTS, arrivals_in, steady_window_s
 from servetune.workloads.fitting import load_workload, sample_trace
@@ -340,6 +341,7 @@ def replica_capacity(
         is not None else "candidates"
     key = sha256_json({
         "v": CACHE_VERSION,
+        "engine_model": ENGINE_MODEL_VERSION,
         "profile": profile.model_dump(mode="json"),
         "pool": slices.pool_hash(bucket),
         "slo": slo.model_dump(mode="json"),
