@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_nightly import POOR, SPACE  # the nightly tests' tiny space and poor policy
 from typer.testing import CliRunner
 
 from servetune.apps.optimize import TraceSimulator
@@ -29,20 +30,6 @@ pytestmark = pytest.mark.skipif(
     not all(p.exists() for p in (WORKLOAD, TRACE, PROFILE, SLO)),
     reason="shipped workload/trace/profile/SLO files not present",
 )
-
-SPACE = """apiVersion: servetune/v1
-kind: SearchSpace
-name: tiny
-knobs:
-  batching.max_num_seqs: [64, 256]
-  batching.max_num_batched_tokens: [1024, 8192]
-"""
-# A deliberately poor production policy that the optimizer beats (tests/test_nightly.py).
-POOR = """apiVersion: servetune/v1
-kind: Policy
-name: poor
-batching: {max_num_seqs: 4, max_num_batched_tokens: 512}
-"""
 
 runner = CliRunner()
 

@@ -69,7 +69,8 @@ def test_cpsat_statuses():
     assert solve_cpsat(bad, time_limit_s=5)[0].status == SolveStatus.INFEASIBLE
 
 
-def test_cpsat_time_limit_stops_before_optimality():
+def _hard_knapsack_cpsat():
+    """A 120-item, 10-dimension knapsack that CP-SAT cannot prove optimal at once."""
     from ortools.sat.python import cp_model
 
     rng = np.random.default_rng(5)
@@ -82,6 +83,11 @@ def test_cpsat_time_limit_stops_before_optimality():
     for i in range(m_dim):
         model.Add(sum(int(w[i, j]) * x[j] for j in range(n)) <= int(cap[i]))
     model.Maximize(sum(int(v[j]) * x[j] for j in range(n)))
+    return model
+
+
+def test_cpsat_time_limit_stops_before_optimality():
+    model = _hard_knapsack_cpsat()
     out, _ = solve_cpsat(model, time_limit_s=0.05)
     assert out.status in (SolveStatus.FEASIBLE_AT_TIME_LIMIT, SolveStatus.ERROR)
 
@@ -101,18 +107,7 @@ def test_highs_time_limit_is_reported_as_the_safety_stop():
 
 
 def test_cpsat_deterministic_time_is_a_work_limit():
-    from ortools.sat.python import cp_model
-
-    rng = np.random.default_rng(5)
-    n, m_dim = 120, 10
-    w = rng.integers(200, 1000, (m_dim, n))
-    v = w.sum(axis=0) // m_dim + rng.integers(0, 20, n)
-    cap = w.sum(axis=1) // 2
-    model = cp_model.CpModel()
-    x = [model.NewBoolVar(f"x{j}") for j in range(n)]
-    for i in range(m_dim):
-        model.Add(sum(int(w[i, j]) * x[j] for j in range(n)) <= int(cap[i]))
-    model.Maximize(sum(int(v[j]) * x[j] for j in range(n)))
+    model = _hard_knapsack_cpsat()
     runs = [solve_cpsat(model, time_limit_s=600, max_deterministic_time=0.05)[0]
             for _ in range(2)]
     for out in runs:
