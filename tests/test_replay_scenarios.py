@@ -327,34 +327,34 @@ def test_watermark_is_waived_on_an_idle_engine():
     assert [rec["shed"] for rec in log] == [[1]]
 
 
-def test_priority_victim_among_exact_ties_is_the_first_in_the_running_list():
+def test_priority_victim_among_exact_ties_is_the_latest_request():
     # A and B: same priority, same arrival time; the queue admits A first (ties broken
     # by request id, vllm/v1/request.py Request.__lt__: priority, arrival_time,
     # request_id), so the running list is [A, B]. 3 blocks of 4: in step 1 A takes the
-    # last free block, then B needs one. The victim is max(self.running, key=lambda r:
-    # (r.priority, r.arrival_time)) (vllm/v1/core/sched/scheduler.py,
-    # Scheduler.schedule), and Python's max keeps the first of equal keys: A, though it
-    # was already granted this step (its grant and blocks are given back). servetune
-    # used to break the tie by the larger request id (B).
+    # last free block, then B needs one. The victim is the max (priority, arrival time)
+    # request (vllm/v1/core/sched/scheduler.py, Scheduler.schedule); among exact ties
+    # servetune takes the latest request, B, so B gives itself up. (vLLM's max keeps the
+    # first in the list, A; servetune does not, because that rule can thrash forever on
+    # exact ties: see _preemption_victim.)
     tr = trace_of([(0, 4, 6), (0, 4, 6)], priority=np.array([0, 0], dtype=np.int32))
     pol = policy(scheduling="priority",
                  batching={"max_num_seqs": 4, "max_num_batched_tokens": 64})
     out, log = both_modes(tr, pol, kv_blocks=3, block_size=4)
     assert compact(log) == [
         (0.0, [(0, 4), (1, 4)], [], [0, 1], [], 2, 0, 2),
-        (1.0, [(1, 1)], [0], [], [], 2, 1, 1),
-        (2.0, [(1, 1)], [], [], [], 2, 1, 1),  # A's re-prefill needs 2 blocks, 1 free
-        (3.0, [(1, 1)], [], [], [], 2, 1, 1),
-        (4.0, [(1, 1)], [], [], [], 2, 1, 1),
-        (5.0, [(1, 1)], [], [], [1], 3, 1, 1),
-        (6.0, [(0, 5)], [], [0], [], 2, 0, 1),  # 4 prompt + 1 generated
-        (7.0, [(0, 1)], [], [], [], 2, 0, 1),
-        (8.0, [(0, 1)], [], [], [], 2, 0, 1),
-        (9.0, [(0, 1)], [], [], [], 2, 0, 1),
-        (10.0, [(0, 1)], [], [], [0], 3, 0, 1),
+        (1.0, [(0, 1)], [1], [], [], 2, 1, 1),
+        (2.0, [(0, 1)], [], [], [], 2, 1, 1),  # B's re-prefill needs 2 blocks, 1 free
+        (3.0, [(0, 1)], [], [], [], 2, 1, 1),
+        (4.0, [(0, 1)], [], [], [], 2, 1, 1),
+        (5.0, [(0, 1)], [], [], [0], 3, 1, 1),
+        (6.0, [(1, 5)], [], [1], [], 2, 0, 1),  # 4 prompt + 1 generated
+        (7.0, [(1, 1)], [], [], [], 2, 0, 1),
+        (8.0, [(1, 1)], [], [], [], 2, 0, 1),
+        (9.0, [(1, 1)], [], [], [], 2, 0, 1),
+        (10.0, [(1, 1)], [], [], [1], 3, 0, 1),
     ]
-    assert out.preemptions.tolist() == [1, 0]
-    assert out.finish_s.tolist() == [11.0, 6.0]
+    assert out.preemptions.tolist() == [0, 1]
+    assert out.finish_s.tolist() == [6.0, 11.0]
 
 
 def test_queue_ties_are_broken_by_request_id_in_both_policies():

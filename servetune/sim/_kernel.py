@@ -501,9 +501,12 @@ def _preempt(p, rq, st, lg, v, vp):
 @jit
 def _preemption_victim(p, rq, st):
     """vLLM: the running position of the last admitted request (FCFS) or of the max
-    (priority, arrival time) one, the first in running-list order among exact ties
-    (``Scheduler.schedule``: ``max(self.running, key=lambda r: (r.priority,
-    r.arrival_time))``, and ``max`` keeps the first of equal keys)."""
+    (priority, arrival time) one (``Scheduler.schedule``: ``max(self.running,
+    key=lambda r: (r.priority, r.arrival_time))``). Among exact ties vLLM's ``max`` keeps
+    the first in running-list order; servetune takes the latest request instead, because
+    the first-in-list rule can thrash forever on exact ties (the oldest, most advanced
+    request is preempted again each time it is re-admitted; hypothesis found a case with
+    a 1-token per-request prefill cap), and a simulation must end."""
     sc = st.scalars[0]
     nrun = sc.n_running
     vp = nrun - 1
@@ -512,8 +515,9 @@ def _preemption_victim(p, rq, st):
         for q in range(1, nrun):
             a = st.running[q]
             b = st.running[vp]
-            if rq.priority[a] > rq.priority[b] or (rq.priority[a] == rq.priority[b]
-                                                   and rq.arrival[a] > rq.arrival[b]):
+            if rq.priority[a] > rq.priority[b] or (rq.priority[a] == rq.priority[b] and (
+                    rq.arrival[a] > rq.arrival[b] or (rq.arrival[a] == rq.arrival[b]
+                                                      and a > b))):
                 vp = q
     return vp
 
