@@ -164,16 +164,22 @@ def test_sim_values():
             values["lane_max_seqs"]) == (False, 0, 1000, 1024)
 
 
-@pytest.mark.parametrize("sections", [{}, OFF_DEFAULT, {"long_requests": {"reserved_seqs": 3}}])
-def test_sim_values_are_what_the_simulator_packs(sections):
+def test_only_the_knob_table_feeds_the_simulator_from_a_policy():
+    # kernel_params packs the table's sim_values; a Params field that a policy changes but
+    # the table does not name would be a knob that bypasses the table.
     from servetune.profiles.steptime import StepTimeModel
     from servetune.sim.engine import kernel_params
 
-    policy = policy_with(**sections)
-    params = kernel_params(policy, engine="vllm", kv_blocks=1000, block_size=16,
-                           step_time=StepTimeModel())
-    for name, value in knobs.sim_values(policy, 1000).items():
-        assert getattr(params, name) == value, name
+    def packed(policy: Policy) -> dict:
+        params = kernel_params(policy, engine="vllm", kv_blocks=1000, block_size=16,
+                               step_time=StepTimeModel())
+        return {f: v for f, v in params._asdict().items() if f not in ("step_coef",
+                                                                       "step_pieces")}
+
+    default, changed = packed(Policy()), packed(policy_with(**OFF_DEFAULT))
+    moved = {f for f in default if default[f] != changed[f]}
+    assert moved == {k.sim_param for k in KNOBS}
+    assert {f: changed[f] for f in moved} == knobs.sim_values(policy_with(**OFF_DEFAULT), 1000)
 
 
 # --- the exporters follow the table -----------------------------------------------------
