@@ -28,6 +28,7 @@ class Family(Enum):
     TTFT = "ttft"  # per class
     TPOT = "tpot"  # per class
     E2E = "e2e"  # per class (an SLO limit the simulator judges; the fluid model has none)
+    REJECTED = "rejected"  # per class: the share turned away within max_rejected_share
 
     @property
     def per_class(self) -> bool:
@@ -39,7 +40,7 @@ class Family(Enum):
         return cls(metric.removesuffix("_s"))
 
 
-PER_CLASS = frozenset({Family.TTFT, Family.TPOT, Family.E2E})
+PER_CLASS = frozenset({Family.TTFT, Family.TPOT, Family.E2E, Family.REJECTED})
 # The families that decide whether a load is sustainable at all (the rest are targets).
 STABILITY_FAMILIES = frozenset({Family.BUDGET, Family.SEATS, Family.KV_MEMORY})
 QUEUE_CAPS = frozenset({Family.QUEUE_REQUESTS, Family.QUEUE_PROMPT_TOKENS})
@@ -116,6 +117,8 @@ class Condition:
         """The condition in words, as an explanation names what limits a policy."""
         if self.family in _WORDED_PER_CLASS:
             return f"the {self.metric} target of class '{self.request_class}'"
+        if self.family is Family.REJECTED:
+            return f"the share of class '{self.request_class}' turned away (max_rejected_share)"
         return _WORDS.get(self.family, self.key)
 
     def seconds(self, value: float) -> str:
@@ -164,8 +167,17 @@ class Condition:
         return ["widen the search space"]
 
     def simulated_floor_sentence(self, value: float, target: float, rate_per_s: float) -> str:
-        """A sentence for a latency that stayed at ``value`` or more (above ``target``) in
-        every simulation, down to ``rate_per_s``, with what would help."""
+        """A sentence for a latency (or the share turned away) that stayed at ``value`` or
+        more (above ``target``) in every simulation, down to ``rate_per_s``, with what
+        would help."""
+        if self.family is Family.REJECTED:
+            return (
+                f"class '{self.request_class}' turned away {value:.3%} or more of its "
+                f"requests in every simulation, even at {rate_per_s:.3g} req/s (allowed "
+                f"{target:.3%}): no policy tried serves them all (the simulation's "
+                "records say which and why); raise max_rejected_share in the SLO set if "
+                "turning them away is acceptable, or use a GPU with more memory"
+            )
         return (
             f"{self.metric} stays at {self.seconds(value)} or more in simulation, even at "
             f"{rate_per_s:.3g} req/s (target {self.seconds(target)}); relax the "

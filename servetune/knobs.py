@@ -18,7 +18,10 @@ A knob is a tunable Policy setting, named by its dotted path (``batching.max_num
   not searched by default);
 - ``summary``: shown in ``servetune optimize``'s one-line summary;
 - ``switch``: the knob that turns this one on (the long-request lanes act only while
-  ``long_requests.threshold_tokens`` is set); it is reported and simulated with it.
+  ``long_requests.threshold_tokens`` is set); it is reported and simulated with it;
+- ``widen``: the range of values the engines accept that ``optimize`` may widen a search
+  space into when its answer sits on the space's edge (:func:`beyond_edge`); values
+  outside it (a chunk cap of 0: off) are not on the knob's scale. ``None``: never widened.
 
 The fluid model's ``Knobs``, the default search space, the equivalence key, the
 exporters' name tables and "not expressible" lists and the CLI summary line are derived
@@ -123,6 +126,7 @@ class Knob:
     summary: bool = False
     off_at_or_above: str | None = None
     switch: str | None = None
+    widen: tuple[float, float] | None = None
 
     @property
     def name(self) -> str:
@@ -163,24 +167,26 @@ KNOBS: tuple[Knob, ...] = (
     Knob("batching.max_num_seqs", "max_seqs", _count,
          _engines(vllm=Plain("max-num-seqs"), sglang=converted("max-running-requests"),
                   trtllm=Plain("max_batch_size"), tgi=NotExpressible(always=True)),
-         modeled=True, space=(32, 64, 128, 256, 512, 1024), summary=True),
+         modeled=True, space=(4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), summary=True,
+         widen=(1, 16384)),
     Knob("batching.max_num_batched_tokens", "budget", _count,
          _engines(vllm=Plain("max-num-batched-tokens"),
                   sglang=converted("chunked-prefill-size", "max-prefill-tokens"),
                   trtllm=Plain("max_num_tokens"), tgi=Plain("--max-batch-prefill-tokens")),
-         modeled=True, space=(512, 1024, 2048, 4096, 8192, 16384), summary=True),
+         modeled=True, space=(256, 512, 1024, 2048, 4096, 8192, 16384, 32768), summary=True,
+         widen=(16, 262144)),
     Knob("batching.long_prefill_token_threshold", "long_prefill_threshold", _count,
          _engines(vllm=Plain("long-prefill-token-threshold"), sglang=_NONE, trtllm=_NONE,
                   tgi=_NONE),
          modeled=True, space=(0, 512, 2048), summary=True,
-         off_at_or_above="batching.max_num_batched_tokens"),
+         off_at_or_above="batching.max_num_batched_tokens", widen=(16, 262144)),
     Knob("batching.enable_chunked_prefill", "chunked_prefill", _flag,
          _engines(vllm=Plain("enable-chunked-prefill"),
                   sglang=converted("chunked-prefill-size"),
                   trtllm=Plain("enable_chunked_prefill"), tgi=converted("PREFILL_CHUNKING"))),
     Knob("admission.kv_watermark", "watermark_blocks", _share_of_pool,
          _engines(vllm=Plain("watermark"), sglang=_NONE, trtllm=_NONE, tgi=_NONE),
-         modeled=True, space=(0.0, 0.01, 0.05), summary=True),
+         modeled=True, space=(0.0, 0.01, 0.05), summary=True, widen=(0.0, 0.5)),
     Knob("admission.reserve_full_prompt", "reserve_full_prompt", _flag,
          _engines(vllm=Plain("scheduler-reserve-full-isl"), sglang=_NONE, trtllm=_NONE,
                   tgi=_NONE)),
@@ -252,6 +258,30 @@ def equivalence_key(dotted: Mapping[str, Any]) -> tuple:
 def default_space_knobs() -> dict[str, list[Any]]:
     """The default search space of ``servetune optimize``: knob path -> values."""
     return {k.path: list(k.space) for k in KNOBS if k.space is not None}
+
+
+def beyond_edge(path: str, offered: Iterable[Any], chosen: Any) -> tuple[str, Any] | None:
+    """Where to widen the space of knob ``path`` when the value ``chosen`` sits on the
+    edge of the values ``offered``: ``("low" | "high", the next value out)``, half or
+    twice ``chosen``, clipped to the knob's ``widen`` range. None when ``chosen`` is
+    inside the offered values or off the knob's scale, when the knob offers one value
+    (the user pinned it), or when ``chosen`` is already at the end of the range."""
+    row = BY_PATH[path]
+    if row.widen is None or chosen is None:
+        return None
+    lo, hi = row.widen
+    scale = sorted({v for v in offered if v is not None and lo <= v <= hi})
+    if len(scale) < 2 or chosen not in scale:
+        return None
+    if chosen == scale[0]:
+        side, value = "low", max(chosen / 2, lo)
+    elif chosen == scale[-1]:
+        side, value = "high", min(chosen * 2, hi) if chosen > 0 else hi
+    else:
+        return None
+    if isinstance(chosen, int) and not isinstance(chosen, bool):
+        value = int(round(value))
+    return None if value == chosen else (side, value)
 
 
 def summary_text(dotted: Mapping[str, Any]) -> str:

@@ -74,6 +74,8 @@ class SimPoint:
     # by Condition key (ttft[c], tpot[c]), and kv_peak_tokens, sample_window_s
     measured: dict[str, float] = field(default_factory=dict)
     judged: dict[str, Any] = field(default_factory=dict)  # the simulator's per-class verdicts
+    # the requests turned away (SimResult.turned_away: count, share, which by reason)
+    turned_away: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {

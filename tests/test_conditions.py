@@ -68,6 +68,7 @@ WORDS = {
     "ttft[chat]": "the TTFT target of class 'chat'",
     "tpot[chat]": "the TPOT target of class 'chat'",
     "e2e[chat]": "e2e[chat]",
+    "rejected[chat]": "the share of class 'chat' turned away (max_rejected_share)",
 }
 
 

@@ -357,3 +357,29 @@ def test_unknown_method_names_the_choices():
 
     with pytest.raises(ServetuneError, match="choose milp, grid, random or optuna"):
         optimize(None, None, None, method="nope")
+
+
+@pytest.mark.parametrize(("path", "offered", "chosen", "expected"), [
+    ("batching.max_num_seqs", [4, 8, 16], 4, ("low", 2)),
+    ("batching.max_num_seqs", [4, 8, 16], 16, ("high", 32)),
+    ("batching.max_num_seqs", [4, 8, 16], 8, None),  # inside
+    ("batching.max_num_seqs", [1, 2], 1, None),  # the engine takes no fewer than 1
+    ("batching.max_num_seqs", [8192, 16384], 16384, None),  # nor more than the range
+    ("batching.max_num_seqs", [64], 64, None),  # one value: the user pinned it
+    ("batching.max_num_batched_tokens", [256, 32768], 32768, ("high", 65536)),
+    ("batching.long_prefill_token_threshold", [0, 512, 2048], 0, None),  # 0 is off
+    ("batching.long_prefill_token_threshold", [0, 512, 2048], 512, ("low", 256)),
+    ("admission.kv_watermark", [0.0, 0.01, 0.05], 0.0, None),
+    ("admission.kv_watermark", [0.0, 0.01, 0.05], 0.05, ("high", 0.1)),
+    ("admission.kv_watermark", [0.01, 0.4], 0.4, ("high", 0.5)),  # clipped to the range
+    ("admission.max_queued_requests", [None, 2048], 2048, None),  # never widened
+])
+def test_the_value_beyond_an_edge_of_the_space(path, offered, chosen, expected):
+    assert knobs.beyond_edge(path, offered, chosen) == expected
+
+
+def test_the_default_space_spans_what_the_issue_asks():
+    space = knobs.default_space_knobs()
+    assert (min(space["batching.max_num_seqs"]), max(space["batching.max_num_seqs"])) == (4, 2048)
+    tokens = space["batching.max_num_batched_tokens"]
+    assert (min(tokens), max(tokens)) == (256, 32768)

@@ -155,3 +155,51 @@ def test_attainment_properties(rows, limit):
     tpot = m.tpot_s[np.isfinite(m.tpot_s)]
     assert (tpot >= 0).all()
     assert all(math.isfinite(v) for v in M.distribution(m.e2e_s).values() if v is not None)
+
+
+def test_a_class_turns_away_at_most_its_max_rejected_share():
+    # Class b: r2 shed, r3 met (TTFT 2 <= 10), r4 rejected: attainment 1/3, 2 of 3 away.
+    m = metrics()
+
+    def verdict_b(cap: float) -> tuple[bool, dict]:
+        target = slo(ttft_s=10.0, attainment=0.3, max_rejected_share=cap)
+        return M.slo_verdicts(m, target, NAMES)["b"]
+
+    assert verdict_b(0.0) == (False, {"attainment": pytest.approx(1 / 3),
+                                      "rejected_share": pytest.approx(2 / 3)})
+    assert verdict_b(0.66)[0] is False  # allows 1 of 3
+    assert verdict_b(2 / 3)[0] is True  # allows 2 of 3
+    # Class a turned nobody away: it passes at the default cap of 0.
+    assert M.slo_verdicts(m, slo(ttft_s=10.0, attainment=0.3), NAMES)["a"][0] is True
+
+
+def test_a_p99_met_by_rejecting_fails_unless_the_cap_allows_it():
+    # 200 requests served in 0.1 s, one rejected: the p99 TTFT (index 197.01 of 200) is
+    # 0.1 s, within 1 s, so only the cap decides.
+    n = 200
+    arrival = np.arange(n, dtype=float)
+    first = arrival + 0.1
+    status = np.zeros(n, dtype=np.int8)
+    status[7] = M.STATUS_REJECTED
+    first[7] = NAN
+    m = M.request_metrics(arrival, first, first + 1.0, np.full(n, 11), status)
+
+    def verdict(cap: float) -> tuple[bool, dict]:
+        target = SLOSet(classes={"x": {"ttft_s": 1.0, "percentile": 99,
+                                       "max_rejected_share": cap}}).for_class("x")
+        return M.class_verdict(m, target)
+
+    ok, judged = verdict(0.0)
+    assert not ok
+    assert judged["p99_ttft_s"] == pytest.approx(0.1)
+    assert judged["rejected_share"] == pytest.approx(0.005)
+    assert verdict(0.005)[0] is True
+    assert verdict(0.004)[0] is False
+
+
+@pytest.mark.parametrize("cap", [-0.1, 1.5, float("inf"), float("nan")])
+def test_max_rejected_share_is_a_share(cap):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        SLOSet(classes={"x": {"ttft_s": 1.0, "percentile": 99, "max_rejected_share": cap}})

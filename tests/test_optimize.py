@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from hypothesis import given, settings
@@ -17,6 +18,7 @@ from servetune.cli import app
 from servetune.schemas.base import load_document
 from servetune.schemas.job import DEFAULT_MAX_SIMULATIONS, OptimizeJob
 from servetune.schemas.policy import Policy
+from servetune.schemas.slo import SLOSet
 from servetune.schemas.space import SearchSpace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -284,3 +286,72 @@ def test_a_short_trace_at_a_high_rate_is_flagged(tmp_path):
                    SearchSpace), n_requests=200, compare_defaults=False)
     assert res.summary["sample_window_s"] < res.summary["min_window_s"]
     assert "optimistic" in res.summary["warnings"][0]
+
+
+def test_requests_turned_away_need_the_slo_sets_permission():
+    """Two prompts larger than the whole KV pool are rejected by every policy: at the
+    default max_rejected_share of 0 nothing is feasible and the explanation says so; with
+    1% allowed the policy says how many were turned away and which."""
+    from servetune.apps.optimize import optimize
+    from servetune.errors import InfeasibleError
+    from servetune.profiles.shipped import load_profile
+    from servetune.schemas.slo import SLOSet
+    from servetune.workloads.trace import from_arrays
+
+    profile = load_profile(PROFILE)
+    profile = profile.model_copy(update={"memory": profile.memory.model_copy(
+        update={"kv_blocks_override": 1001})})  # 1000 usable blocks: 16,000 tokens
+    n = 300
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(200, 800, n)
+    prompts[[50, 200]] = 20_000
+    trace = from_arrays(np.arange(n) * 0.5, prompts, rng.integers(20, 100, n))
+    space = SearchSpace(name="tiny", knobs={"batching.max_num_seqs": [64],
+                                            "batching.max_num_batched_tokens": [2048]})
+
+    def slo(cap: float) -> SLOSet:
+        return SLOSet(classes={"default": {"ttft_s": 5.0, "percentile": 99,
+                                           "max_rejected_share": cap}})
+
+    with pytest.raises(InfeasibleError) as err:
+        optimize(trace, profile, slo(0.0), space, method="grid", n_requests=n,
+                 compare_defaults=False)
+    assert err.value.details["binding"] == "rejected[default]"
+    assert "turned away 0.667% or more" in str(err.value)
+    result = optimize(trace, profile, slo(0.01), space, method="grid", n_requests=n,
+                      compare_defaults=False)
+    away = result.summary["turned_away"]
+    assert away["requests"] == 2 and away["share"] == pytest.approx(2 / n)
+    [(reason, which)] = away["by_reason"].items()
+    assert reason.startswith("rejected: needs more KV blocks than the pool")
+    assert (which["prompt_tokens_min"], which["prompt_tokens_max"]) == (20_000, 20_000)
+    assert result.policy.metadata["simulated"]["turned_away"]["requests"] == 2
+
+
+def test_an_answer_on_the_edge_of_the_space_widens_it():
+    """max_num_seqs offered only 4 or 8 holds the conversation workload far below what the
+    GPU can do: the answer sits on the high edge, 16 does better, so the space grows there
+    (up to MAX_WIDENINGS times, each a search again) and the policy says so. Without
+    widening the answer stays on the edge."""
+    from servetune.apps.optimize import MAX_WIDENINGS, optimize
+    from servetune.profiles.shipped import load_profile
+    from servetune.workloads.fitting import load_workload
+
+    workload = load_workload(WORKLOAD)
+    profile = load_profile(PROFILE)
+    slo = load_document(SLO, SLOSet)
+    space = SearchSpace(name="narrow", knobs={"batching.max_num_seqs": [4, 8],
+                                              "batching.max_num_batched_tokens": [2048]})
+    kept = optimize(workload, profile, slo, space, n_requests=300, compare_defaults=False,
+                    widen_edges=False)
+    assert kept.policy.batching.max_num_seqs == 8
+    assert kept.summary["space_edges"] == []
+    wide = optimize(workload, profile, slo, space, n_requests=300, compare_defaults=False)
+    edges = wide.summary["space_edges"]
+    grown = [e for e in edges if e["widened"]]
+    assert [e["beyond"] for e in grown] == [16, 32, 64][:MAX_WIDENINGS]
+    assert all(e["knob"] == "batching.max_num_seqs" and e["side"] == "high" for e in grown)
+    assert wide.policy.batching.max_num_seqs == grown[-1]["beyond"]
+    assert wide.summary["goodput_rate_per_s"] > 1.5 * kept.summary["goodput_rate_per_s"]
+    assert [e["beyond"] for e in wide.policy.metadata["space_edges"]] == [
+        e["beyond"] for e in edges]

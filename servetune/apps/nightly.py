@@ -4,7 +4,9 @@
 
 1. loads the trace, the GPU profile, the SLO set and the policy in production
    (``--current``), and fits a workload to the trace;
-2. optimizes a new policy (:func:`servetune.apps.optimize.optimize`);
+2. optimizes a new policy (:func:`servetune.apps.optimize.optimize`), judging candidates
+   by replaying the trace itself, time-scaled: the fitted workload feeds only the model
+   and the report's reasons;
 3. simulates the current and the new policy on the trace at its own rate and at +20 % and
    +50 % rate stress, and searches both policies' goodput (:mod:`servetune.apps.report`);
 4. decides: the new policy replaces the current one only when its goodput is higher by at
@@ -274,17 +276,18 @@ def optimize_policy(
     engine: str = "vllm",
     progress: Progress | None = None,
 ) -> Optimized:
-    """Run the optimizer on the fitted workload (knobs outside the search space keep the
-    current policy's values); raises InfeasibleError (exit 3) when nothing meets the SLOs.
-    The reasons come from the fluid model the MILP is built on, calibrated as the loop
-    left it."""
+    """Run the optimizer on the trace (knobs outside the search space keep the current
+    policy's values): candidates are judged by replaying the trace itself, time-scaled,
+    so its bursts are the ones the policy is tuned for; the fluid model reads the trace's
+    moments. Raises InfeasibleError (exit 3) when nothing meets the SLOs. The reasons come
+    from the fitted workload's fluid model, calibrated as the loop left it."""
     kwargs: dict[str, Any] = {}
     if time_limit_s is not None:
         kwargs["time_limit_s"] = time_limit_s
     if max_simulations is not None:
         kwargs["max_simulations"] = max_simulations
     result = optimize(
-        workload, profile, slo, space, seed=seed, base_policy=current, inputs=inputs or {},
+        trace, profile, slo, space, seed=seed, base_policy=current, inputs=inputs or {},
         n_requests=min(DEFAULT_REQUESTS, max(len(trace), 2)), compare_defaults=False,
         engine=engine, progress=progress, **kwargs,
     )

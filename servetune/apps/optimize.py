@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,10 +63,12 @@ from servetune.sim.api import base_rate_per_s, prepare_trace
 from servetune.solvers import baselines
 from servetune.solvers.formulations import solve_lanes
 from servetune.solvers.loop import (
+    STOP_SIMULATIONS,
     STOP_TIME_LIMIT,
     Evaluated,
     LoopResult,
     SimPoint,
+    equivalence_key,
     find_goodput,
     search,
 )
@@ -83,6 +85,10 @@ DEFAULT_REQUESTS = 3000
 # Cap on the minimum simulated window (seconds): see min_window_s().
 MAX_MIN_WINDOW_S = 600.0
 RANDOM_BUDGET = 60  # simulations for random / optuna when run on their own
+# Widening the space where the answer sits on its edge: at most this many rounds (each
+# searches again), and a value beyond the edge must beat the answer's goodput by 1%.
+MAX_WIDENINGS = 3
+EDGE_BAR = 0.01
 
 
 def min_window_s(slo: SLOSet, rel_tol: float) -> float:
@@ -127,6 +133,9 @@ class TraceSimulator:
         self.simulation_s = 0.0
         self.kv_tokens = int(profile.kv_blocks()) * int(profile.block_size)
         self._longer: dict[int, tuple[Any, float]] = {}
+        # A policy simulated again at the same rate (a search over a widened space meets
+        # its earlier candidates again) gives the same point: kept, not re-simulated.
+        self._seen: dict[tuple[str, float], SimPoint] = {}
 
     def sample_for(self, rate_scale: float) -> tuple[Any, float]:
         """The trace a run at ``rate_scale`` (times the base rate) replays, and the rate
@@ -150,6 +159,12 @@ class TraceSimulator:
         return longer, rate / base
 
     def run(self, policy: Policy, rate_scale: float) -> SimPoint:
+        key = (policy.model_dump_json(exclude={"name", "metadata"}), float(rate_scale))
+        if key not in self._seen:
+            self._seen[key] = self._simulate(policy, rate_scale)
+        return self._seen[key]
+
+    def _simulate(self, policy: Policy, rate_scale: float) -> SimPoint:
         trace, own_scale = self.sample_for(rate_scale)
         started = time.perf_counter()
         res = simulate(trace, policy, self.profile, engine=self.engine,
@@ -182,6 +197,7 @@ class TraceSimulator:
             attainment=float(res.attainment(self.slo)),
             measured=measured,
             judged={k: v[1] for k, v in verdicts.items()},
+            turned_away=res.turned_away(),
         )
 
 
@@ -249,6 +265,10 @@ def explain_sim_infeasible(evaluated: list[Evaluated], slo: SLOSet) -> tuple[str
         for pt in ev.goodput.points:
             for cls, judged in pt.judged.items():
                 target = slo.for_class(cls)
+                share = judged.get("rejected_share")
+                cond = Condition(Family.REJECTED, cls)
+                if share is not None and (cond not in best_of or share < best_of[cond][0]):
+                    best_of[cond] = (share, target.max_rejected_share, pt.rate_per_s)
                 if target.percentile is None:
                     continue
                 for metric, limit in target.limits().items():
@@ -265,7 +285,9 @@ def explain_sim_infeasible(evaluated: list[Evaluated], slo: SLOSet) -> tuple[str
             "space, relax the SLOs or use a larger GPU",
             {"binding": "simulation", "source": "simulation"},
         )
-    cond = max(failing, key=lambda c: (failing[c][0] / failing[c][1], c.key))
+    # A share turned away above a cap of 0 binds before any latency (ratio infinite).
+    cond = max(failing, key=lambda c: (
+        failing[c][0] / failing[c][1] if failing[c][1] > 0 else math.inf, c.key))
     value, limit, rate = failing[cond]
     msg = cond.simulated_floor_sentence(value, limit, rate)
     return msg, {"binding": cond.key, "best_value": value, "target": limit, "source": "simulation",
@@ -330,6 +352,87 @@ def _run_milp(run: SearchInputs) -> LoopResult:
         run.fluid, run.points, run.make_policy, run.sim, k=run.k,
         max_iterations=run.max_iterations, max_simulations=run.max_simulations,
         time_limit_s=run.deadline - time.perf_counter(), rel_tol=run.rel_tol, log=run.say,
+    )
+
+
+def _edges(space: SearchSpace, knobs: Knobs) -> list[tuple[str, str, Any, Any]]:
+    """The modeled knobs whose value in ``knobs`` sits on an edge of the space that can
+    be widened: (path, side, value, the value beyond) (:func:`knobs.beyond_edge`)."""
+    out = []
+    for path, offered in space.knobs.items():
+        if path not in Knobs.FIELDS:
+            continue
+        chosen = getattr(knobs, Knobs.FIELDS[path])
+        edge = knob_table.beyond_edge(path, offered, chosen)
+        if edge is not None:
+            out.append((path, edge[0], chosen, edge[1]))
+    return out
+
+
+def _search_beyond_edges(run: SearchInputs, loop: LoopResult) -> tuple[LoopResult, list[dict]]:
+    """When the loop's answer sits on an edge of the space, try the value beyond it (one
+    simulation at the answer's goodput plus 1%, as the loop bounds candidates); where that
+    does better, widen the space there and run the loop again on the widened space, up to
+    ``MAX_WIDENINGS`` times. Returns the loop result over everything simulated, and one
+    record per edge tried (``widened``: whether the space grew there)."""
+    records: list[dict] = []
+    for _ in range(MAX_WIDENINGS):
+        best = loop.best
+        if best is None or loop.stopped_by in (STOP_TIME_LIMIT, STOP_SIMULATIONS):
+            break
+        grow: dict[str, Any] = {}
+        tried: list[Evaluated] = []
+        for path, side, chosen, beyond in _edges(run.space, best.knobs):
+            neighbour = replace(best.knobs, **{Knobs.FIELDS[path]: beyond})
+            if (neighbour.max_num_batched_tokens < neighbour.max_num_seqs
+                    or equivalence_key(neighbour) == equivalence_key(best.knobs)):
+                continue  # not a valid point, or one the simulator cannot tell apart
+            if run.sim.simulations >= run.max_simulations:
+                break
+            bar = best.goodput.rate_scale * (1.0 + EDGE_BAR)
+            est = find_goodput(run.sim, run.make_policy(neighbour), start_scale=bar,
+                               rel_tol=run.rel_tol, prune_at=bar)
+            tried.append(Evaluated(best.index, neighbour, 0.0, None, est,
+                                   run.make_policy(neighbour), label="edge"))
+            records.append({"knob": path, "side": side, "value": chosen, "beyond": beyond,
+                            "simulated_rate_per_s": est.rate_per_s if est.passed else None,
+                            "widened": bool(est.passed)})
+            run.say(f"edge: {path} = {chosen} is the {'smallest' if side == 'low' else 'largest'}"
+                    f" value offered; {beyond} simulated "
+                    + (f"{est.rate_per_s:.2f} req/s" if est.passed else "no better"))
+            if est.passed:
+                grow[path] = beyond
+        if not grow:
+            loop.evaluated.extend(tried)
+            break
+        knobs = {p: list(v) + ([grow[p]] if p in grow else []) for p, v in run.space.knobs.items()}
+        space = SearchSpace(name=run.space.name, knobs=knobs)
+        run = replace(run, space=space, points=knobs_grid(space.knobs, run.points[0]))
+        run.say("widened the space at its edges (" + ", ".join(
+            f"{p} += {v}" for p, v in grow.items()) + "); searching again")
+        # What is left of the work budget (the loop counts its own simulations).
+        left = run.max_simulations - run.sim.simulations
+        again = _run_milp(replace(run, max_simulations=max(left, 1)))
+        loop = _merged(loop, tried, again)
+    return loop, records
+
+
+def _merged(first: LoopResult, between: list[Evaluated], again: LoopResult) -> LoopResult:
+    """One loop result for a search, the candidates tried at its edges, and the search
+    again over the widened space: everything simulated; the best simulated of all."""
+    evaluated = [*first.evaluated, *between, *again.evaluated]
+    passing = [e for e in evaluated if e.goodput.passed]
+    best = max(passing, key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
+    offset = len(first.iterations)
+    iterations = [*first.iterations, *({**it, "iteration": it["iteration"] + offset,
+                                        "widened_space": True} for it in again.iterations)]
+    return LoopResult(
+        best=best, evaluated=evaluated, iterations=iterations,
+        calibration=again.calibration,
+        solver_statuses=[*first.solver_statuses, *again.solver_statuses],
+        solver_s=first.solver_s + again.solver_s, converged=again.converged,
+        first_instance=first.first_instance, first_status=first.first_status,
+        stopped_by=again.stopped_by,
     )
 
 
@@ -403,11 +506,15 @@ def optimize(
     max_iterations: int = 4,
     budget: int | None = None,
     rel_tol: float = 0.03,
+    widen_edges: bool = True,
 ) -> OptimizeResult:
     """Choose a policy (see the module docstring). ``source`` is a Workload or a Trace;
     ``inputs`` names the input files and their sha256 for the provenance.
     ``max_simulations`` (and ``max_iterations``, ``budget``) are the work budget that
-    decides the result; ``time_limit_s`` is the wall-clock safety stop."""
+    decides the result; ``time_limit_s`` is the wall-clock safety stop. With
+    ``widen_edges`` (method milp), an answer on the edge of the space is checked against
+    the value beyond it, and the space widened there when that does better
+    (:func:`_search_beyond_edges`); the baselines search the space as given."""
     wall_start = time.perf_counter()
     if not (isinstance(max_simulations, int) and max_simulations >= 1):
         raise ServetuneError(
@@ -457,6 +564,7 @@ def optimize(
     best: Evaluated | None = None
     evaluated: list[Evaluated] = []
     predicted = None
+    edges: list[dict] = []
     converged = None
     stopped_by = ""
     calibration = None
@@ -468,6 +576,8 @@ def optimize(
     )
     if not spec.baseline:
         loop = spec.run(run)
+        if widen_edges:
+            loop, edges = _search_beyond_edges(run, loop)
         iterations = loop.iterations
         solver_s = loop.solver_s
         evaluated = list(loop.evaluated)
@@ -561,6 +671,9 @@ def optimize(
             # exhausted (work: the same on every machine) or time_limit (the safety stop:
             # not reproducible; nightly keeps the current policy).
             "stopped_by": stopped_by,
+            # Where the answer sat on an edge of the search space, the value beyond it
+            # was simulated; where it did better the space grew there (widened: true).
+            "space_edges": edges,
             "objective": {
                 "name": "goodput_rate_per_s",
                 "predicted": predicted,
@@ -571,6 +684,9 @@ def optimize(
                 "rate_scale": best.goodput.rate_scale,
                 "attainment": point.attainment,
                 "at_goodput": {k: v for k, v in point.measured.items()},
+                # requests the policy shed or rejected at its goodput, and which (the SLO
+                # set's max_rejected_share caps their share; 0 by default)
+                "turned_away": point.turned_away,
                 "defaults_goodput_rate_per_s": defaults_rate,
                 "defaults_rule": defaults_rule,
             },
@@ -607,6 +723,7 @@ def optimize(
         "defaults_rule": defaults_rule,
         "predicted_goodput_rate_per_s": predicted,
         "attainment": point.attainment,
+        "turned_away": point.turned_away,
         "simulations": method_sims,
         "defaults_simulations": defaults_sims,
         "solver_s": solver_s,
@@ -614,6 +731,7 @@ def optimize(
         "wall_s": wall,
         "converged": converged,
         "stopped_by": stopped_by,
+        "space_edges": edges,
         "max_simulations": max_simulations,
         "time_limit_s": time_limit_s,
         "calibration": calibration,

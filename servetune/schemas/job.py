@@ -23,7 +23,7 @@ METHODS_IN_WORDS = f"{', '.join(METHODS[:-1])} or {METHODS[-1]}"  # for error me
 # spent. Work, not seconds, so that the answer does not depend on the machine (or on a
 # cold numba cache). Generous: the milp loop converges in tens of simulations on the
 # shipped examples (at most about 300 by its own iteration limit), and the grid oracle
-# simulates the 630 points of the default space in under 10,000.
+# simulates the 1,332 points of the default space in about 13,000.
 DEFAULT_MAX_SIMULATIONS = 20_000
 # The wall-clock safety stop, seconds: only against a run that would never end. When it
 # fires, the policy's metadata.stopped_by says "time_limit" (and nightly keeps the

@@ -5,7 +5,11 @@ target: either ``percentile`` (e.g. 99: the p99 of every limited metric must be 
 its limit, as in MLPerf's server scenario) or ``attainment`` (e.g. 0.9: at least that
 share of requests meet every limit of their class, as DistServe and
 ``vllm bench serve --goodput`` define goodput). The class named ``default`` applies to
-every class not listed. Shed and rejected requests count as misses.
+every class not listed. Shed and rejected requests count as misses, and a class may turn
+away at most ``max_rejected_share`` of its requests (shed by a queue cap or rejected at
+admission, e.g. by a watermark that turns the largest prompts away): 0 by default, so a
+policy never meets a p99 target by refusing the requests that would break it unless the
+user allows it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ class ClassSLO(Strict):
     )
     attainment: float | None = Field(
         None, gt=0, le=1, description="judge by the share of requests meeting every limit"
+    )
+    max_rejected_share: float = Field(
+        0.0, ge=0, le=1, allow_inf_nan=False,
+        description="largest share of the class's requests that may be turned away (shed "
+        "or rejected); 0: none",
     )
 
     @model_validator(mode="after")

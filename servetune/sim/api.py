@@ -169,6 +169,31 @@ class SimResult:
             "preemptions": int(preemptions.sum()),
         }
 
+    def turned_away(self) -> dict[str, Any]:
+        """The requests turned away (shed or rejected): how many, their share, and which:
+        per reason, the count and the range of their prompt lengths. Empty reasons when
+        every request was served."""
+        status = np.asarray(self.output.status)
+        away = status != M.STATUS_COMPLETED
+        texts = self.reasons()
+        codes = np.asarray(self.output.reason)[away]
+        prompts = np.asarray(self.trace.prompt_tokens)[away]
+        by_reason: dict[str, Any] = {}
+        for code in np.unique(codes):
+            sel = codes == code
+            text = texts[int(code)] if 0 < int(code) < len(texts) else f"reason {int(code)}"
+            by_reason[text] = {
+                "requests": int(sel.sum()),
+                "prompt_tokens_min": int(prompts[sel].min()),
+                "prompt_tokens_max": int(prompts[sel].max()),
+            }
+        n = len(status)
+        return {
+            "requests": int(away.sum()),
+            "share": float(away.sum() / n) if n else 0.0,
+            "by_reason": by_reason,
+        }
+
     def reasons(self) -> tuple[str, ...]:
         try:
             return tuple(_engine_module().REASONS)

@@ -23,6 +23,7 @@ Everything here is a pure function of numpy arrays: ``arrival_s``, ``first_token
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -179,14 +180,21 @@ def percentile_value(m: RequestMetrics, metric: str, q: float) -> float:
 
 
 def class_verdict(m: RequestMetrics, target: ClassSLO) -> tuple[bool, dict]:
-    """Does one class (all its requests in ``m``) meet ``target``; with the judged values."""
+    """Does one class (all its requests in ``m``) meet ``target``; with the judged values.
+    Beyond its latency target, a class fails when it turned away more than
+    ``target.max_rejected_share`` of its requests."""
     met = meets_limits(m, target)
     attainment = float(met.mean()) if len(m) else 1.0
+    turned_away = int((m.status != STATUS_COMPLETED).sum())
+    share = turned_away / len(m) if len(m) else 0.0
+    # Counted in requests, so that a cap of 0 allows none and 0.01 of 300 allows 3.
+    within_cap = turned_away <= math.floor(target.max_rejected_share * len(m) + 1e-9)
     if target.attainment is not None:
-        return attainment >= target.attainment, {"attainment": attainment}
+        return (attainment >= target.attainment and within_cap,
+                {"attainment": attainment, "rejected_share": share})
     assert target.percentile is not None
-    judged: dict[str, float] = {}
-    ok = True
+    judged: dict[str, float] = {"rejected_share": share}
+    ok = within_cap
     for metric, limit in target.limits().items():
         value = percentile_value(m, metric, target.percentile)
         judged[f"p{target.percentile:g}_{metric}"] = value
