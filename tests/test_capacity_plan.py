@@ -39,7 +39,9 @@ def inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     d.mkdir()
     files = {
         "big.yaml": _profile("big", 2000),
-        "small.yaml": _profile("small", 120),
+        # 139 usable blocks of 16: 2,224 tokens hold any request of the short bucket
+        # (prompt <= 2048, output <= 128) and few of the long one
+        "small.yaml": _profile("small", 140),
         "workload.yaml": {
             "apiVersion": "servetune/v1", "kind": "Workload", "name": "synthetic",
             "classes": {"default": {

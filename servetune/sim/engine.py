@@ -114,7 +114,7 @@ from servetune.workloads.trace import Trace
 # What a simulation returns, as a version: bump it with every change to the engine models
 # that changes a result, so that measurements cached on disk (capacity, spare room) keyed
 # on it are measured again. 2: vLLM's full-prompt check and idle-engine watermark as the
-# engine does them, preemption ties by running-list order, TGI decode rows take budget.
+# engine does them, TGI decode rows take budget.
 ENGINE_MODEL_VERSION = 2
 ENGINES = ENGINE_NAMES  # in kernel-id order: ENGINES.index(name) is the kernel's E_* id
 
