@@ -68,7 +68,8 @@ def code_trace():
 def test_code_trace_fit_reproduces_gap_distribution(code_trace):
     want_gaps = np.diff(code_trace.arrival_s)
     want = trace_stats(code_trace)
-    workload = fit_workload(code_trace)
+    # the renewal fit (auto adds a Markov modulation on this trace: test_arrival_bursts.py)
+    workload = fit_workload(code_trace, arrival_process="renewal")
     arrival = workload.classes["default"].arrival
     assert want["interarrival_cv"] > EMPIRICAL_CV_THRESHOLD
     assert arrival.process == "empirical"
@@ -116,7 +117,7 @@ def test_moment_matched_gamma_is_what_went_wrong(code_trace):
 
 
 def test_rate_windows_fit_gaps_after_removing_the_window_rate(code_trace):
-    plain = fit_workload(code_trace).classes["default"].arrival
+    plain = fit_workload(code_trace, arrival_process="renewal").classes["default"].arrival
     windowed = fit_workload(code_trace, rate_windows_s=60).classes["default"].arrival
     m = np.array(windowed.windows.rate_multipliers)
     assert len(m) == 58 and m.mean() == pytest.approx(1, abs=1e-3)
@@ -139,7 +140,8 @@ def test_rate_windows_fit_gaps_after_removing_the_window_rate(code_trace):
 
 def test_shipped_code_workload_is_empirical_and_matches_a_fresh_fit(code_trace):
     shipped = load_workload(REPO / "configs/workloads/azure-code-2023.yaml")
-    fresh = fit_workload(code_trace, name="azure-code-2023")
+    # shipped before Markov modulation: the renewal fit (the old automatic choice)
+    fresh = fit_workload(code_trace, name="azure-code-2023", arrival_process="renewal")
     assert shipped.classes == fresh.classes  # the header's command reproduces the numbers
     assert shipped.classes["default"].arrival.process == "empirical"
     text = (REPO / "configs/workloads/azure-code-2023.yaml").read_text()
@@ -148,7 +150,7 @@ def test_shipped_code_workload_is_empirical_and_matches_a_fresh_fit(code_trace):
 
 def test_conv_trace_stays_gamma():
     trace = load_trace(shared_file("traces", "AzureLLMInferenceTrace_conv.csv"))
-    arrival = fit_workload(trace).classes["default"].arrival
+    arrival = fit_workload(trace, arrival_process="renewal").classes["default"].arrival
     assert arrival.process == "gamma" and arrival.interarrival_cv == pytest.approx(1.094, 1e-3)
     shipped = load_workload(REPO / "configs/workloads/azure-conv-2023.yaml")
     assert shipped.classes["default"].arrival == arrival
@@ -253,7 +255,7 @@ def test_cli_fit_arrival_option(tmp_path):
 
 
 def test_empirical_round_trip(tmp_path, code_trace):
-    w = fit_workload(code_trace.head(2000), name="rt")
+    w = fit_workload(code_trace.head(2000), name="rt", arrival_process="renewal")
     assert w.classes["default"].arrival.process == "empirical"
     path = tmp_path / "w.yaml"
     save_workload(w, path)

@@ -70,7 +70,12 @@ def test_fit_then_sample_matches_trace(name):
     tol = max(3 * want["interarrival_cv"] / np.sqrt(n), 0.02 if want["interarrival_cv"] < 2
               else 0.0)
     assert _rel(got["rate_per_s"], want["rate_per_s"]) < tol
-    assert _rel(got["interarrival_cv"], want["interarrival_cv"]) < 0.1
+    # A renewal fit draws the trace's own gaps (10%). The code trace's fit is Markov-
+    # modulated: its gaps' CV follows from the levels and the within-window gaps, and runs
+    # of idle windows end geometrically, which trims the longest idle gaps (sample CV
+    # 11.4-11.8 for the trace's 13.2); class_stats reports the trace's own CV.
+    modulated = workload.classes["default"].arrival.modulation is not None
+    assert _rel(got["interarrival_cv"], want["interarrival_cv"]) < (0.15 if modulated else 0.1)
 
 
 def test_conv_acceptance_rate_per_hour_and_class_stats():
@@ -245,9 +250,15 @@ def test_fit_rate_windows_recovers_step_rate():
     # within windows the process is Poisson; without windows it looks bursty
     assert arr.interarrival_cv == pytest.approx(1, abs=0.1)
     assert arr.process in ("poisson", "gamma")
-    plain = fit_workload(t).classes["default"].arrival
+    plain = fit_workload(t, arrival_process="renewal").classes["default"].arrival
     # a 10x rate step seen as one renewal process has gap CV > 2: empirical gaps
     assert plain.process == "empirical" and plain.interarrival_cv > 2
+    # auto sees the step as sustained rate variation: a Markov modulation, whose levels
+    # hold the step and whose gap_cv (what class_stats reads) is the gaps' overall CV
+    auto = fit_workload(t).classes["default"].arrival
+    assert auto.modulation is not None
+    assert auto.gaps_cv == pytest.approx(plain.interarrival_cv, rel=1e-3)
+    assert max(auto.modulation.levels) > 2 * np.mean(auto.modulation.levels)
 
 
 def test_fit_rejections():

@@ -60,6 +60,9 @@ def _arrival_text(arrival: Arrival) -> str:
     )
     if arrival.windows is not None:
         text += f", {len(arrival.windows.rate_multipliers)} x {arrival.windows.window_s:g} s"
+    if arrival.modulation is not None:
+        text += (f", modulated: {len(arrival.modulation.levels)} levels x "
+                 f"{arrival.modulation.window_s:g} s, gap CV {arrival.gaps_cv:.2f}")
     return text
 
 
@@ -87,8 +90,10 @@ def register(app: typer.Typer) -> None:
         ),
         name: str | None = typer.Option(None, "--name", help="Workload name (default: file stem)."),
         arrival: str = typer.Option(
-            "auto", "--arrival", help="Arrival process: auto (empirical gaps when the gap CV "
-            "is over 2, else gamma or poisson), poisson, gamma or empirical."
+            "auto", "--arrival", help="Arrival process: auto (a Markov-modulated rate when "
+            "windowed counts show sustained bursts, else renewal), renewal (empirical gaps "
+            "when the gap CV is over 2, else gamma or poisson), modulated, poisson, gamma or "
+            "empirical."
         ),
         trace_format: TraceFormatOption = None,
         columns: ColumnsOption = None,

@@ -18,7 +18,15 @@ the class index a sampled trace uses) has
   last one) runs at ``rate_per_s * rate_multipliers[i] / mean(rate_multipliers)``, so
   ``rate_per_s`` stays the mean rate. The gaps are drawn in "operational time" (unit
   rate) and mapped through the inverse cumulative rate, so the CV describes burstiness
-  that the windows do not already explain;
+  that the windows do not already explain. Optional ``modulation`` (instead of
+  ``windows``) makes the rate a Markov chain over windows: each window of ``window_s``
+  seconds runs at ``rate_per_s * levels[k] / sum(pi * levels)`` where ``k`` is the
+  chain's state and ``pi`` the stationary distribution of the row-stochastic
+  ``transitions`` matrix (``transitions[a][b]`` = probability that the window after one
+  at level ``a`` is at level ``b``). It keeps the sustained bursts (seconds to minutes)
+  that i.i.d. gaps cannot: the gaps above are then drawn in the modulated operational
+  time. Its ``gap_cv`` is the CV of the gaps in seconds (what queueing formulas read;
+  computed from the levels when omitted, see ``RateModulation``);
 - ``prompt_tokens`` / ``output_tokens``: empirical length distributions as quantile knots,
   ``values[i]`` = the ``quantiles[i]`` quantile. Sampling inverts this CDF with linear
   interpolation between knots and rounds to an integer >= 1. A fitted workload uses a grid
@@ -33,6 +41,7 @@ from __future__ import annotations
 import math
 from typing import ClassVar, Literal
 
+import numpy as np
 from pydantic import Field, field_validator, model_validator
 
 from servetune.schemas.base import Document, Strict
@@ -169,6 +178,98 @@ class RateWindows(Strict):
         return m
 
 
+MAX_LEVELS = 64  # modulation levels; a fit uses at most 7
+
+
+class RateModulation(Strict):
+    """Markov-modulated relative rate: a chain over ``levels``, one step per window.
+
+    ``gap_cv`` (the inter-arrival CV in seconds that ``class_stats`` reports) is the
+    fitted trace's own gap CV; when omitted it is the CV of a mixture, one component per
+    level with a positive rate, weighted by the share of arrivals at that level
+    (pi_k m_k): the gaps at level k are the operational-time gaps divided by m_k. That
+    holds when a window holds many gaps (levels with rate 0 add idle gaps it ignores)."""
+
+    window_s: float = Field(gt=0, description="length of one step of the chain, seconds")
+    levels: list[float] = Field(
+        min_length=1, max_length=MAX_LEVELS,
+        description="relative rate of each level (normalised to a stationary mean of 1), >= 0",
+    )
+    transitions: list[list[float]] = Field(
+        min_length=1, description="row-stochastic matrix: transitions[a][b] = P(next level b "
+        "| this level a); each row sums to 1",
+    )
+    gap_cv: float | None = Field(
+        None, gt=0, le=100, description="CV of the inter-arrival gaps in seconds"
+    )
+
+    @field_validator("window_s")
+    @classmethod
+    def _finite_step(cls, w: float) -> float:
+        if not math.isfinite(w):
+            raise ValueError("window_s must be a finite number of seconds")
+        return w
+
+    @field_validator("levels")
+    @classmethod
+    def _levels(cls, m: list[float]) -> list[float]:
+        if any(not math.isfinite(x) or x < 0 for x in m):
+            raise ValueError("levels must be finite and >= 0")
+        if not any(x > 0 for x in m):
+            raise ValueError("levels needs at least one level with a rate > 0")
+        return m
+
+    @model_validator(mode="after")
+    def _matrix(self) -> RateModulation:
+        k = len(self.levels)
+        if len(self.transitions) != k or any(len(row) != k for row in self.transitions):
+            raise ValueError(
+                f"transitions must be a {k} x {k} matrix (one row and one column per level; "
+                f"got {len(self.transitions)} rows of lengths "
+                f"{sorted({len(r) for r in self.transitions})})"
+            )
+        for a, row in enumerate(self.transitions):
+            if any(not math.isfinite(x) or x < 0 for x in row):
+                raise ValueError(f"transitions row {a}: probabilities must be finite and >= 0")
+            if abs(sum(row) - 1.0) > 1e-3:
+                raise ValueError(
+                    f"transitions row {a} sums to {sum(row):.6g}; each row holds the "
+                    "probabilities of the next window's level and must sum to 1"
+                )
+        pi = self.stationary()
+        if not sum(p * m for p, m in zip(pi, self.levels, strict=True)) > 0:
+            raise ValueError(
+                "the chain spends all its time at levels with rate 0; give a level with a "
+                "positive rate that the transitions reach"
+            )
+        return self
+
+    def stationary(self) -> list[float]:
+        """The stationary distribution pi of ``transitions`` (for a chain with several,
+        the least-squares one of minimum norm: deterministic)."""
+        p = np.asarray(self.transitions, dtype=np.float64)
+        p = p / p.sum(axis=1, keepdims=True)
+        k = len(p)
+        a = np.vstack([p.T - np.eye(k), np.ones((1, k))])
+        b = np.concatenate([np.zeros(k), [1.0]])
+        pi = np.clip(np.linalg.lstsq(a, b, rcond=None)[0], 0.0, None)
+        return (pi / pi.sum()).tolist()
+
+    def mixture_cv(self, within_cv: float) -> float:
+        """CV of the gaps in seconds when a window holds many gaps: a mixture over the
+        positive levels (weights pi_k m_k) of operational-time gaps (CV ``within_cv``)
+        divided by m_k."""
+        pi = np.asarray(self.stationary())
+        m = np.asarray(self.levels, dtype=np.float64)
+        m = m / float(pi @ m)
+        pos = m > 0
+        w = pi[pos] * m[pos]
+        w = w / w.sum()
+        first = float(w @ (1.0 / m[pos]))
+        second = (1.0 + within_cv * within_cv) * float(w @ (1.0 / m[pos] ** 2))
+        return math.sqrt(max(second / (first * first) - 1.0, 0.0))
+
+
 class Arrival(Strict):
     process: Literal["poisson", "gamma", "empirical"] = Field(
         "poisson",
@@ -185,11 +286,34 @@ class Arrival(Strict):
         None, description="empirical only: gap quantile knots in units of the mean gap"
     )
     windows: RateWindows | None = Field(None, description="optional piecewise-constant rate")
+    modulation: RateModulation | None = Field(
+        None, description="optional Markov-modulated rate (bursts); excludes windows"
+    )
+
+    @property
+    def gaps_cv(self) -> float:
+        """CV of the inter-arrival gaps in seconds: the modulation's ``gap_cv`` when there
+        is one, else ``interarrival_cv`` (windows are left out, as before)."""
+        if self.modulation is not None and self.modulation.gap_cv is not None:
+            return self.modulation.gap_cv
+        return self.interarrival_cv
 
     @model_validator(mode="after")
     def _consistent(self) -> Arrival:
         if not math.isfinite(self.rate_per_s):
             raise ValueError("rate_per_s must be a finite number")
+        if self.windows is not None and self.modulation is not None:
+            raise ValueError(
+                "give windows (a periodic rate) or modulation (a Markov-modulated rate), "
+                "not both"
+            )
+        self._check_process()
+        if self.modulation is not None and self.modulation.gap_cv is None:
+            cv = self.modulation.mixture_cv(self.interarrival_cv)
+            self.modulation.__dict__["gap_cv"] = min(max(round(cv, 4), 0.01), 100.0)
+        return self
+
+    def _check_process(self) -> None:
         if self.process == "empirical":
             if self.interarrival_gaps is None:
                 raise ValueError(
@@ -206,7 +330,7 @@ class Arrival(Strict):
                     f"interarrival_cv {self.interarrival_cv} disagrees with the CV of "
                     f"interarrival_gaps ({cv}); set it to {cv} or leave it out"
                 )
-            return self
+            return
         if self.interarrival_gaps is not None:
             raise ValueError(
                 f"interarrival_gaps applies to process: empirical only (got process: "
@@ -217,7 +341,6 @@ class Arrival(Strict):
                 f"a poisson process has interarrival_cv 1 (got {self.interarrival_cv}); "
                 "use process: gamma for another CV"
             )
-        return self
 
 
 class WorkloadClass(Strict):

@@ -1,0 +1,157 @@
+"""Trace fidelity: does the goodput measured on a sample of the workload fitted to a trace
+match the goodput of replaying that trace?
+
+For each real trace (Azure 2023 code and conversation, Mooncake synthetic as the
+long-context trace) and SLO set, a fixed stretch of the trace (its first ``--requests``
+rows) is fitted twice: with the renewal arrival model that ``arrival_process="auto"``
+chose before Markov modulation (``arrival_process="renewal"``: empirical, gamma or
+poisson gaps) and with today's ``auto``. Two policies are measured, on the H200
+Llama-3.1-8B profile: the vLLM engine defaults and the policy ``optimize`` chooses given
+the stretch itself (default space, seed 0). Goodput is the same search on every side
+(``TraceSimulator`` on exactly that many requests, no longer samples;
+``find_goodput`` from rate scale 1, factor 2, 2% tolerance): (a) replaying the stretch
+time-scaled, (b) on a sample of the same size from each fitted workload (seeds
+``--seeds``; the ratio reported first is seed 0's, then the median over the seeds).
+The long-context trace cannot meet either MLPerf TTFT limit, so it runs with a relaxed
+SLO (p99 TTFT 10 s, TPOT 100 ms) as ``optimizer_quality.py`` does.
+
+Usage: python benchmarks/trace_fidelity.py [--out benchmarks/trace_fidelity.json]
+       [--cases code,conv,long] [--requests 3000] [--seeds 0,1,2,3]
+       python benchmarks/trace_fidelity.py --table benchmarks/trace_fidelity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+CASES = {
+    "code": ("AzureLLMInferenceTrace_code.csv", ("server", "interactive")),
+    "conv": ("AzureLLMInferenceTrace_conv.csv", ("server", "interactive")),
+    "long": ("mooncake_synthetic_trace.jsonl.gz", ("relaxed",)),
+}
+RELAXED = {"apiVersion": "servetune/v1", "kind": "SLOSet", "name": "relaxed-long-context",
+           "classes": {"default": {"ttft_s": 10.0, "tpot_s": 0.1, "percentile": 99}}}
+FITS = ("renewal", "auto")  # before (the old automatic choice), after
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "trace_fidelity.json"))
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--seeds", default="0,1,2,3")
+    ap.add_argument("--table", help="print the markdown table of a results JSON and exit")
+    args = ap.parse_args()
+    if args.table:
+        print(render_table(json.loads(Path(args.table).read_text())))
+        return
+
+    from servetune.apps.optimize import TraceSimulator, gpu_facts, optimize
+    from servetune.errors import InfeasibleError
+    from servetune.profiles.shipped import load_profile
+    from servetune.schemas.base import document_from_data, load_document
+    from servetune.schemas.policy import Policy
+    from servetune.schemas.slo import SLOSet
+    from servetune.schemas.space import apply_knobs
+    from servetune.solvers import baselines
+    from servetune.solvers.loop import find_goodput
+    from servetune.workloads.fitting import fit_workload, sample_trace
+    from servetune.workloads.formats import load_trace
+
+    profile = load_profile(REPO / "gpu_profiles" / "h200-llama-3.1-8b.yaml")
+    defaults_knobs, _ = baselines.engine_default_knobs("vllm", gpu_facts(profile))
+    defaults = apply_knobs(Policy(), defaults_knobs.as_dotted())
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows = []
+
+    def goodput(trace, policy, slo) -> float:
+        sim = TraceSimulator(trace, profile, slo)
+        return find_goodput(sim, policy, start_scale=1.0, factor=2.0, rel_tol=0.02).rate_per_s
+
+    for key in args.cases.split(","):
+        fname, slo_names = CASES[key]
+        path = SHARED / "traces" / fname
+        if not path.exists():
+            print(f"skip {fname}: {path} not present")
+            continue
+        stretch = load_trace(path).head(args.requests)
+        fitted = {f: fit_workload(stretch, arrival_process=f) for f in FITS}
+        models = {f: _describe(w) for f, w in fitted.items()}
+        samples = {f: [sample_trace(w, n_requests=len(stretch), seed=s) for s in seeds]
+                   for f, w in fitted.items()}
+        for sname in slo_names:
+            if sname == "relaxed":
+                slo = document_from_data(RELAXED, SLOSet, "relaxed")
+            else:
+                slo = load_document(
+                    REPO / "configs" / "slos" / f"mlperf-llama-3.1-8b-{sname}.yaml", SLOSet)
+            print(f"== {key} x {sname}", flush=True)
+            t0 = time.perf_counter()
+            policies = {"defaults": defaults}
+            try:
+                policies["chosen"] = optimize(stretch, profile, slo, seed=0).policy
+            except InfeasibleError as err:
+                print("  optimize infeasible:", err)
+            opt_s = time.perf_counter() - t0
+            for pname, policy in policies.items():
+                case = {"trace": key, "file": fname, "requests": len(stretch),
+                        "span_s": stretch.duration_s, "slo": sname, "policy": pname,
+                        "optimize_wall_s": opt_s if pname == "chosen" else None,
+                        "trace_goodput": goodput(stretch, policy, slo)}
+                for f in FITS:
+                    g = [goodput(s, policy, slo) for s in samples[f]]
+                    tg = case["trace_goodput"]
+                    ratios = [x / tg if tg > 0 else None for x in g]
+                    case[f] = {"model": models[f], "goodput": g, "ratios": ratios,
+                               "ratio_seed0": ratios[0],
+                               "ratio_median": (statistics.median(ratios)
+                                                if None not in ratios else None)}
+                print(" ", json.dumps(case), flush=True)
+                rows.append(case)
+            Path(args.out).write_text(json.dumps(
+                {"machine": f"{platform.node()} {platform.machine()} "
+                            f"{platform.python_version()}",
+                 "date": time.strftime("%Y-%m-%d"), "seeds": seeds, "cases": rows}, indent=1))
+
+
+def _describe(workload) -> str:
+    a = workload.classes["default"].arrival
+    text = a.process if a.process == "poisson" else f"{a.process} CV {a.interarrival_cv:.2f}"
+    if a.modulation is not None:
+        text += f" + {len(a.modulation.levels)} levels x {a.modulation.window_s:g} s"
+    return text
+
+
+def _r(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def render_table(data: dict) -> str:
+    """One row per trace x SLO x policy (markdown)."""
+    out = [
+        "| trace (stretch) | SLO | policy | trace goodput req/s | before: model | "
+        "before: fitted/trace seed 0 (median) | after: model | "
+        "after: fitted/trace seed 0 (median) [range] |",
+        "|---|---|---|---:|---|---:|---|---:|",
+    ]
+    for c in data["cases"]:
+        b, a = c["renewal"], c["auto"]
+        rng = [r for r in a["ratios"] if r is not None]
+        out.append(
+            f"| {c['trace']} (first {c['requests']}, {c['span_s']:.0f} s) | {c['slo']} | "
+            f"{c['policy']} | {c['trace_goodput']:.3g} | {b['model']} | "
+            f"{_r(b['ratio_seed0'])} ({_r(b['ratio_median'])}) | {a['model']} | "
+            f"{_r(a['ratio_seed0'])} ({_r(a['ratio_median'])}) "
+            f"[{_r(min(rng) if rng else None)}-{_r(max(rng) if rng else None)}] |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
