@@ -585,3 +585,18 @@ def test_profile_with_fixed_pool_pins_vllm_blocks():
     assert sg["max-total-tokens"] == 100 * 16
     with pytest.raises(ServetuneError, match="hardware and model sections"):
         export_policy(make_policy(metadata={}), "trtllm", profile=profile)
+
+
+def test_trtllm_starts_from_chunked_prefill_off():
+    # trtllm-serve's --enable_chunked_prefill is off by default (engines.md 4): a policy
+    # that leaves it unset exports false and says why; one that asks for it gets it.
+    out = export_policy(make_policy(), "trtllm")
+    assert out.settings["enable_chunked_prefill"] is False
+    assert any("trtllm-serve's default" in n and "8192" in n for n in out.notes)
+    asked = export_policy(make_policy(batching={"enable_chunked_prefill": True}), "trtllm")
+    assert asked.settings["enable_chunked_prefill"] is True
+    assert not any("enable_chunked_prefill is false" in n for n in asked.notes)
+    # the other engines' defaults are on
+    assert export_policy(make_policy(), "vllm").settings["enable-chunked-prefill"] is True
+    assert export_policy(make_policy(), "sglang").settings["chunked-prefill-size"] == 8192
+    assert export_policy(make_policy(), "tgi").env["PREFILL_CHUNKING"] == "1"

@@ -357,3 +357,15 @@ def test_unknown_method_names_the_choices():
 
     with pytest.raises(ServetuneError, match="choose milp, grid, random or optuna"):
         optimize(None, None, None, method="nope")
+
+
+def test_chunked_prefill_unset_is_each_engines_default():
+    # None in the policy: on in vLLM, SGLang and TGI, off in trtllm-serve (engines.md 4).
+    unset = Policy()
+    assert {e: knobs.value_for("batching.enable_chunked_prefill", unset, e)
+            for e in ("vllm", "sglang", "trtllm", "tgi")} == {
+        "vllm": True, "sglang": True, "trtllm": False, "tgi": True}
+    assert knobs.sim_values(unset, 1000, "trtllm")["chunked_prefill"] is False
+    assert knobs.sim_values(unset, 1000, "vllm")["chunked_prefill"] is True
+    asked = policy_with(batching={"enable_chunked_prefill": True})
+    assert knobs.sim_values(asked, 1000, "trtllm")["chunked_prefill"] is True

@@ -273,10 +273,12 @@ def queued_tokens_instead(policy: Policy) -> str:
 def plain_settings(policy: Policy, engine: str, *sections: str) -> dict[str, Any]:
     """The knobs ``engine`` takes as they are, under its names (the knob table's
     :class:`~servetune.knobs.Plain` cells), by section in the order given (all, in table
-    order, by default); a knob set to None is left out."""
+    order, by default); a knob set to None is left out, except one that None leaves to the
+    engine (``batching.enable_chunked_prefill``), which is written as the engine's own
+    default, so the file says what the engine will do."""
     out: dict[str, Any] = {}
     for path, name in knobs.plain_names(engine, sections or None).items():
-        value = knobs.knob(path).value(policy)
+        value = knobs.value_for(path, policy, engine)
         if value is not None:
             out[name] = value
     return out

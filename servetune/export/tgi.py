@@ -36,7 +36,7 @@ from servetune.export import (
     queued_tokens_instead,
     unsupported_settings,
 )
-from servetune.knobs import export_names
+from servetune.knobs import export_names, value_for
 from servetune.schemas.policy import Policy
 
 TITLE = engine("tgi").title
@@ -96,7 +96,7 @@ def _value(value: object) -> str:
 
 
 def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
-    b, a = policy.batching, policy.admission
+    a = policy.admission
     flags: dict[str, object] = plain_settings(policy, "tgi")
     notes: list[str] = [
         "--max-batch-prefill-tokens budgets prefill tokens; with prefill chunking (the "
@@ -120,7 +120,8 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
     for flag, value in flags.items():
         args += [flag, _value(value)]
     env = {env_name(flag): _value(value) for flag, value in flags.items()}
-    env[CHUNKING_ENV] = "1" if b.enable_chunked_prefill else "0"
+    chunked = value_for("batching.enable_chunked_prefill", policy, "tgi")
+    env[CHUNKING_ENV] = "1" if chunked else "0"
 
     unsupported = unsupported_settings(policy, "tgi", INSTEAD)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from servetune import knobs
 from servetune.engines import engine
 from servetune.export import (
     ExportResult,
@@ -38,7 +39,6 @@ INSTEAD: dict[str, Instead] = {"long_requests.threshold_tokens": lanes_instead}
 
 
 def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
-    b = policy.batching
     # vLLM's config lists the batching options, then the scheduling policy, then admission.
     settings: dict[str, Any] = plain_settings(
         policy, "vllm", "batching", "scheduling", "admission")
@@ -60,7 +60,7 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
     unsupported = unsupported_settings(policy, "vllm", INSTEAD)
     if policy.scheduling == "priority" and policy.classes:
         unsupported.append(class_priority_instead(policy, TITLE))
-    if not b.enable_chunked_prefill:
+    if not knobs.value_for("batching.enable_chunked_prefill", policy, "vllm"):
         notes.append(
             "enable-chunked-prefill is false: vLLM then requires max-num-batched-tokens >= "
             "max-model-len; raise it or cap --max-model-len"
