@@ -171,7 +171,7 @@ def _memory_note(mem: TgiMemory, facts: MemoryFacts) -> str:
             "the tuned one (u itself would give w times it)"
         )
     tuned = facts.kv_blocks
-    blocks = (f" ({math.floor(tuned * mem.kv_share)} of {tuned} blocks)"
+    blocks = (f" (about {math.floor(tuned * mem.kv_share)} of {tuned} blocks)"
               if tuned is not None else "")
     return (
         f"KV POOL SMALLER THAN TUNED: the tuned pool needs --cuda-memory-fraction "
