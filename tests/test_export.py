@@ -648,3 +648,32 @@ def test_tgi_fraction_without_gpu_memory_says_the_pool_is_smaller():
                         "tgi")
     assert out.env["CUDA_MEMORY_FRACTION"] == "0.9"
     assert any("about 90% of the tuned one" in n for n in out.notes)
+
+
+def test_export_warns_when_tuned_for_another_engine_or_gpu(tmp_path):
+    import yaml as _yaml
+
+    meta = dict(FACTS, gpu="NVIDIA A100-SXM4-80GB")
+    policy = tmp_path / "p.yaml"
+    policy.write_text(_yaml.safe_dump({
+        "apiVersion": "servetune/v1", "kind": "Policy", "name": "tuned",
+        "metadata": {"engine": "vllm", "profile": meta}}))
+    out = tmp_path / "sglang.yaml"
+    res = CliRunner().invoke(app, ["export", "--policy", str(policy), "--engine", "sglang",
+                                   "--profile", "gpu_profiles/h200-llama-3.1-8b.yaml",
+                                   "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "warning: policy 'tuned' was tuned under servetune's 'vllm' engine model" in res.stderr
+    assert "tuned on GPU 'NVIDIA A100-SXM4-80GB'" in res.stderr
+    text = out.read_text()
+    assert text.startswith("# WARNING: policy 'tuned' was tuned under")
+    assert "weight bytes per GPU" in text  # 16e9 here, the profile's model differs
+    # the same engine and no profile: nothing to warn about
+    same = export_policy(make_policy(metadata={"engine": "vllm", "profile": dict(FACTS)}),
+                         "vllm")
+    assert same.warnings == [] and not same.text.startswith("# WARNING")
+    # the file states the minimum vLLM version its options need
+    assert "Requires: vLLM >= 0.6.0" in same.text
+    capped = export_policy(make_policy(**FULL), "vllm")
+    assert "vLLM >= 0.29.0 (`max-num-queued-reqs`" in " ".join(
+        ln.lstrip("# ") for ln in capped.text.splitlines())
