@@ -14,7 +14,11 @@ Every engine name list in the code (the job schema's ``engine``, the simulator's
 - ``default_batching``: the engine's own ``max_num_seqs`` / ``max_num_batched_tokens`` on
   a GPU (:class:`GpuFacts`), with the rule that gave them (the defaults baseline is
   simulated with them and reports name the rule); ``None`` where servetune does not
-  model them.
+  model them;
+- ``chunked_prefill``: whether the engine chunks prefills by default; a policy that leaves
+  ``batching.enable_chunked_prefill`` unset (None) runs and exports with it (vLLM, SGLang
+  and TGI on; ``trtllm-serve`` off: its ``--enable_chunked_prefill`` is off by default,
+  docs/engines.md 4).
 
 This module imports nothing heavy: the CLI reads it at start-up.
 """
@@ -90,6 +94,7 @@ class Engine:
     exporter: str
     config_file: str
     default_batching: Callable[[GpuFacts], DefaultBatching] | None = None
+    chunked_prefill: bool = True
 
     def export_function(self) -> Callable[..., Any]:
         """The exporter, ``export(policy, facts) -> ExportResult``."""
@@ -102,7 +107,8 @@ ENGINES: tuple[Engine, ...] = (
            _vllm_default_batching),
     Engine("sglang", "SGLang", 1, "servetune.export.sglang:export", "sglang.yaml",
            _sglang_default_batching),
-    Engine("trtllm", "TensorRT-LLM", 2, "servetune.export.trtllm:export", "trtllm.yaml"),
+    Engine("trtllm", "TensorRT-LLM", 2, "servetune.export.trtllm:export", "trtllm.yaml",
+           chunked_prefill=False),
     Engine("tgi", "TGI", 3, "servetune.export.tgi:export", "tgi.sh"),
 )
 

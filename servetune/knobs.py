@@ -22,6 +22,12 @@ A knob is a tunable Policy setting, named by its dotted path (``batching.max_num
 - ``widen``: the range of values the engines accept that ``optimize`` may widen a search
   space into when its answer sits on the space's edge (:func:`beyond_edge`); values
   outside it (a chunk cap of 0: off) are not on the knob's scale. ``None``: never widened.
+- ``engine_defaults``: for a knob whose policy value may be None meaning "the engine's own
+  default" (``batching.enable_chunked_prefill``: on in vLLM, SGLang and TGI, off in
+  ``trtllm-serve``), that default per engine (:func:`value_for` resolves it; the simulator
+  and the exporters use the resolved value, so a policy that does not ask for chunking
+  gets each engine's own behaviour, and one that sets ``true`` or ``false`` gets it
+  everywhere).
 
 The fluid model's ``Knobs``, the default search space, the equivalence key, the
 exporters' name tables and "not expressible" lists and the CLI summary line are derived
@@ -37,7 +43,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from servetune.engines import ENGINE_NAMES
+from servetune.engines import ENGINE_NAMES, ENGINES
 from servetune.schemas.policy import Policy
 
 
@@ -127,6 +133,7 @@ class Knob:
     off_at_or_above: str | None = None
     switch: str | None = None
     widen: tuple[float, float] | None = None
+    engine_defaults: Mapping[str, Any] | None = None
 
     @property
     def name(self) -> str:
@@ -143,10 +150,20 @@ class Knob:
         return _policy_defaults()[self.path]
 
     def value(self, policy: Policy) -> Any:
+        """The policy's value as written (None: unset, or the engine's default)."""
         target: Any = policy
         for part in self.path.split("."):
             target = getattr(target, part)
         return target
+
+    def value_for(self, policy: Policy, engine: str) -> Any:
+        """The value ``engine`` runs with: the policy's, or, where the policy leaves it
+        None and the row has ``engine_defaults``, the engine's own default."""
+        value = self.value(policy)
+        if value is None and self.engine_defaults is not None:
+            _check_engine(engine)
+            return self.engine_defaults[engine]
+        return value
 
 
 def _engines(**cells: Export) -> dict[str, Export]:
@@ -180,10 +197,12 @@ KNOBS: tuple[Knob, ...] = (
                   tgi=_NONE),
          modeled=True, space=(0, 512, 2048), summary=True,
          off_at_or_above="batching.max_num_batched_tokens", widen=(16, 262144)),
+    # None: each engine's own default (Engine.chunked_prefill: off only in trtllm-serve).
     Knob("batching.enable_chunked_prefill", "chunked_prefill", _flag,
          _engines(vllm=Plain("enable-chunked-prefill"),
                   sglang=converted("chunked-prefill-size"),
-                  trtllm=Plain("enable_chunked_prefill"), tgi=converted("PREFILL_CHUNKING"))),
+                  trtllm=Plain("enable_chunked_prefill"), tgi=converted("PREFILL_CHUNKING")),
+         engine_defaults={e.name: e.chunked_prefill for e in ENGINES}),
     Knob("admission.kv_watermark", "watermark_blocks", _share_of_pool,
          _engines(vllm=Plain("watermark"), sglang=_NONE, trtllm=_NONE, tgi=_NONE),
          modeled=True, space=(0.0, 0.01, 0.05), summary=True, widen=(0.0, 0.5)),
@@ -289,13 +308,21 @@ def summary_text(dotted: Mapping[str, Any]) -> str:
     return ", ".join(f"{k.name} {dotted[k.path]}" for k in KNOBS if k.summary)
 
 
-def sim_values(policy: Policy, kv_blocks: int) -> dict[str, int | bool]:
+def value_for(path: str, policy: Policy, engine: str) -> Any:
+    """Knob ``path``'s value in ``policy`` as ``engine`` runs it (:meth:`Knob.value_for`)."""
+    return BY_PATH[path].value_for(policy, engine)
+
+
+def sim_values(policy: Policy, kv_blocks: int, engine: str = "vllm") -> dict[str, int | bool]:
     """The simulator kernel's parameters that ``policy``'s knobs set (fields of
-    ``servetune.sim._kernel.Params``), for a pool of ``kv_blocks`` blocks: fractions of the
-    pool become blocks, an unset cap -1, and a knob whose switch is off its default."""
+    ``servetune.sim._kernel.Params``) on ``engine``, for a pool of ``kv_blocks`` blocks:
+    fractions of the pool become blocks, an unset cap -1, a knob whose switch is off its
+    default, and a knob left to the engine the engine's own default."""
     out: dict[str, int | bool] = {}
     for k in KNOBS:
-        value = k.value(policy) if switched_on(k, policy) else k.default
+        value = k.value_for(policy, engine) if switched_on(k, policy) else k.default
+        if value is None and k.engine_defaults is not None:
+            value = k.engine_defaults[engine]
         out[k.sim_param] = k.sim_encode(value, policy, kv_blocks)
     return out
 
@@ -358,5 +385,6 @@ __all__ = [
     "sim_values",
     "summary_text",
     "switched_on",
+    "value_for",
     "values",
 ]

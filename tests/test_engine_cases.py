@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_engine_helpers import both_modes, compact, policy, trace_of
+from test_engine_helpers import both_modes, compact, policy, same_records, trace_of
 
 from servetune.errors import ServetuneError
 from servetune.profiles.steptime import StepTimeModel
@@ -74,8 +74,10 @@ def test_tgi_budgets_prefill_tokens_only_without_chunking():
     # the prefill budget (backends/v3/src/backend.rs, batching_task), so A's decode token
     # takes one of the 4, as under TensorRT-LLM. (This test used to expect A's token to
     # ride along with B's 4-token chunk: the old rule ignored that subtraction.)
+    # (Chunking asked for explicitly: trtllm-serve does not chunk by default.)
     tr = trace_of([(0, 4, 5), (0.5, 8, 1)])
-    pol = policy(batching={"max_num_seqs": 2, "max_num_batched_tokens": 4})
+    pol = policy(batching={"max_num_seqs": 2, "max_num_batched_tokens": 4,
+                           "enable_chunked_prefill": True})
     for engine in ("tgi", "trtllm"):
         _, log = both_modes(tr, pol, kv_blocks=100, block_size=4, engine=engine)
         assert [rec["scheduled"] for rec in log[:4]] == [
@@ -89,6 +91,39 @@ def test_tgi_budgets_prefill_tokens_only_without_chunking():
     assert [rec["scheduled"] for rec in log[:2]] == [[[0, 4]], [[0, 1], [1, 4]]]
     _, log = both_modes(tr, pol, kv_blocks=100, block_size=4, engine="trtllm")
     assert [rec["scheduled"] for rec in log] == [[[0, 4]]] + [[[0, 1]]] * 4 + [[[1, 4]]]
+
+
+def test_trtllm_without_chunking_holds_a_long_prompt_whole():
+    # trtllm-serve has chunked prefill off by default (engines.md 4), and so has the
+    # trtllm model when the policy leaves enable_chunked_prefill unset. Budget 8 tokens
+    # per step (decode rows included), 1 s steps, 100 blocks of 4.
+    # A (t=0, prompt 4, output 5) prefills its 4 tokens in step 0 and samples its first
+    # token; it decodes one token in each of steps 1-4 and finishes at t=5.
+    # B (t=0.5, prompt 8) is first seen at step 1, where A's decode token leaves 7 of the
+    # 8: its 8-token prompt does not fit, and unchunked it waits (it fits a whole step,
+    # so it is not rejected) until A is done; step 5 prefills all 8 tokens at once, and
+    # B's single output token comes at the end of that step (t=6).
+    tr = trace_of([(0, 4, 5), (0.5, 8, 1)])
+    batching = {"max_num_seqs": 2, "max_num_batched_tokens": 8}
+    unset, log = both_modes(tr, policy(batching=batching), kv_blocks=100, block_size=4,
+                            engine="trtllm")
+    assert [rec["scheduled"] for rec in log] == [[[0, 4]]] + [[[0, 1]]] * 4 + [[[1, 8]]]
+    assert unset.first_token_s.tolist() == [1.0, 6.0]
+    assert unset.finish_s.tolist() == [5.0, 6.0]
+    off, _ = both_modes(tr, policy(batching={**batching, "enable_chunked_prefill": False}),
+                        kv_blocks=100, block_size=4, engine="trtllm")
+    same_records(off, unset)  # unset is the engine's default: off
+    # Asked for explicitly, chunking splits B: 7 tokens beside A's decode in step 1, the
+    # last one in step 2, so B's token comes at t=3 instead of t=6.
+    on, log = both_modes(tr, policy(batching={**batching, "enable_chunked_prefill": True}),
+                         kv_blocks=100, block_size=4, engine="trtllm")
+    assert [rec["scheduled"] for rec in log[:3]] == [
+        [[0, 4]], [[0, 1], [1, 7]], [[0, 1], [1, 1]]]
+    assert on.first_token_s.tolist() == [1.0, 3.0]
+    # vLLM's default is on: the unset policy chunks B there.
+    vllm, log = both_modes(tr, policy(batching=batching), kv_blocks=100, block_size=4)
+    assert [rec["scheduled"] for rec in log[:3]] == [
+        [[0, 4]], [[0, 1], [1, 7]], [[0, 1], [1, 1]]]
 
 
 # ---- rejection instead of deadlock, shedding, inputs ---------------------------------
@@ -307,7 +342,10 @@ def test_fast_mode_rechecks_a_short_request_as_the_long_lane_grows(engine):
     # request 0 decodes, but its growing blocks shrink that headroom: request 1 fits
     # after step 11. Fast mode used to jump over that step.
     tr = trace_of([(0, 7, 55), (0.5, 5, 36), (0.5, 23, 53), (1.0, 17, 26)])
-    pol = policy(batching={"max_num_seqs": 3, "max_num_batched_tokens": 14},
+    # (Chunking asked for, for both engines, as when this was found: prompts 23 and 17
+    # exceed the 14-token budget, so unchunked trtllm-serve would reject them.)
+    pol = policy(batching={"max_num_seqs": 3, "max_num_batched_tokens": 14,
+                           "enable_chunked_prefill": True},
                  admission={"reserve_full_prompt": False},
                  long_requests={"threshold_tokens": 49, "reserved_kv_fraction": 0.2})
     out, _ = both_modes(tr, pol, kv_blocks=51, block_size=2, engine=engine)

@@ -17,6 +17,7 @@ from servetune.cli import app
 from servetune.errors import ServetuneError
 from servetune.export import ENGINES, MemoryFacts, export_policy, memory_facts
 from servetune.export.sglang import mem_fraction_static
+from servetune.export.tgi import tgi_memory
 from servetune.export.trtllm import free_gpu_memory_fraction
 from servetune.schemas.base import dump_yaml
 from servetune.schemas.policy import Policy
@@ -76,7 +77,9 @@ TGI_FLAGS = {
     "--max-batch-size", "--waiting-served-ratio", "--max-waiting-tokens",
     "--cuda-memory-fraction",
 }
-TGI_ENV = {f.lstrip("-").replace("-", "_").upper() for f in TGI_FLAGS} | {"PREFILL_CHUNKING"}
+# TGI_WIGGLE_ROOM: the server's share of free memory for KV (models/globals.py), env only.
+TGI_ENV = {f.lstrip("-").replace("-", "_").upper() for f in TGI_FLAGS} | {
+    "PREFILL_CHUNKING", "TGI_WIGGLE_ROOM"}
 
 # Which policy knob each engine expresses, and by which key. A knob that is not here (or
 # whose key is absent for the given policy) must be named in `unsupported`.
@@ -349,10 +352,12 @@ def test_bad_metadata_profile_is_one_clear_error():
 def test_tgi_args_and_env_agree():
     result = export_policy(make_policy(**FULL), "tgi")
     args = result.args
+    # (the memory fraction accounts for TGI's wiggle room: test_tgi_fraction_by_hand)
     assert args == ["--max-batch-prefill-tokens", "2048", "--max-concurrent-requests", "256",
-                    "--cuda-memory-fraction", "0.9"]
+                    "--cuda-memory-fraction", "0.9838"]
     assert result.env == {"MAX_BATCH_PREFILL_TOKENS": "2048", "MAX_CONCURRENT_REQUESTS": "256",
-                          "CUDA_MEMORY_FRACTION": "0.9", "PREFILL_CHUNKING": "1"}
+                          "CUDA_MEMORY_FRACTION": "0.9838", "PREFILL_CHUNKING": "1",
+                          "TGI_WIGGLE_ROOM": "0.9"}
     # the shell file holds the same: parse its assignments like a shell would
     lines = [ln for ln in result.text.splitlines() if ln and not ln.startswith("#")]
     env = {}
@@ -585,3 +590,90 @@ def test_profile_with_fixed_pool_pins_vllm_blocks():
     assert sg["max-total-tokens"] == 100 * 16
     with pytest.raises(ServetuneError, match="hardware and model sections"):
         export_policy(make_policy(metadata={}), "trtllm", profile=profile)
+
+
+def test_trtllm_starts_from_chunked_prefill_off():
+    # trtllm-serve's --enable_chunked_prefill is off by default (engines.md 4): a policy
+    # that leaves it unset exports false and says why; one that asks for it gets it.
+    out = export_policy(make_policy(), "trtllm")
+    assert out.settings["enable_chunked_prefill"] is False
+    assert any("trtllm-serve's default" in n and "8192" in n for n in out.notes)
+    asked = export_policy(make_policy(batching={"enable_chunked_prefill": True}), "trtllm")
+    assert asked.settings["enable_chunked_prefill"] is True
+    assert not any("enable_chunked_prefill is false" in n for n in asked.notes)
+    # the other engines' defaults are on
+    assert export_policy(make_policy(), "vllm").settings["enable-chunked-prefill"] is True
+    assert export_policy(make_policy(), "sglang").settings["chunked-prefill-size"] == 8192
+    assert export_policy(make_policy(), "tgi").env["PREFILL_CHUNKING"] == "1"
+
+
+def test_tgi_fraction_by_hand():
+    # TGI gives KV w * (f*M - W - A) bytes (w = TGI_WIGGLE_ROOM 0.90). FACTS: u*M - W - A =
+    # 0.9*150e9 - 16e9 - 6e9 = 113e9 tuned. f = (22e9 + 113e9 / 0.9) / 150e9
+    # = 147.5556e9 / 150e9 = 0.983704, rounded up: 0.9838 (u itself, 0.9, gave
+    # 0.9 * 113e9 = 101.7e9: 10% less).
+    mem = tgi_memory(MemoryFacts(**{k: v for k, v in FACTS.items()}))
+    assert mem is not None and mem.fraction == 0.9838 and mem.kv_share == 1.0
+    assert mem.needed == pytest.approx(0.983704, abs=1e-6)
+    assert 0.9 * (0.9838 * 150e9 - 22e9) >= 113e9 > 0.9 * (0.9837 * 150e9 - 22e9)
+    out = export_policy(make_policy(), "tgi")
+    assert out.args[out.args.index("--cuda-memory-fraction") + 1] == "0.9838"
+    assert out.env["TGI_WIGGLE_ROOM"] == "0.9"
+    assert any("TGI's KV pool is the tuned one" in n for n in out.notes)
+
+
+def test_tgi_fraction_beyond_one_is_capped_and_said():
+    # M = 100e9, W = 20e9, A = 5e9, u = 0.95: tuned 95e9 - 25e9 = 70e9. f = (25e9 +
+    # 70e9 / 0.9) / 100e9 = 1.0278 > 1: TGI takes 1.0 and gets 0.9 * (100e9 - 25e9)
+    # = 67.5e9 = 96.43% of the tuned pool: 964 of 1000 blocks.
+    facts = {"gpu_memory_bytes": 100_000_000_000, "weight_bytes": 20_000_000_000,
+             "activation_bytes": 5_000_000_000, "gpu_memory_utilization": 0.95,
+             "block_size": 16, "kv_blocks": 1000}
+    mem = tgi_memory(MemoryFacts(**facts))
+    assert mem is not None and mem.fraction == 1.0 and not mem.reaches_tuned_pool
+    assert mem.needed == pytest.approx(1.027778, abs=1e-6)
+    assert mem.kv_share == pytest.approx(67.5 / 70)
+    out = export_policy(make_policy(metadata={"profile": facts}), "tgi")
+    assert out.env["CUDA_MEMORY_FRACTION"] == "1"
+    header_text = " ".join(line.lstrip("# ") for line in
+                           out.text.split("# Environment variables")[0].splitlines())
+    assert "KV POOL SMALLER THAN TUNED" in header_text
+    assert "1.0278" in header_text and "96.4%" in header_text
+    assert "about 964 of 1000 blocks" in header_text and "nightly's TGI gate" in header_text
+
+
+def test_tgi_fraction_without_gpu_memory_says_the_pool_is_smaller():
+    # Only u known: the fraction cannot be solved for; u gives w = 90% of the pool.
+    out = export_policy(make_policy(metadata={"profile": {"gpu_memory_utilization": 0.9}}),
+                        "tgi")
+    assert out.env["CUDA_MEMORY_FRACTION"] == "0.9"
+    assert any("about 90% of the tuned one" in n for n in out.notes)
+
+
+def test_export_warns_when_tuned_for_another_engine_or_gpu(tmp_path):
+    import yaml as _yaml
+
+    meta = dict(FACTS, gpu="NVIDIA A100-SXM4-80GB")
+    policy = tmp_path / "p.yaml"
+    policy.write_text(_yaml.safe_dump({
+        "apiVersion": "servetune/v1", "kind": "Policy", "name": "tuned",
+        "metadata": {"engine": "vllm", "profile": meta}}))
+    out = tmp_path / "sglang.yaml"
+    res = CliRunner().invoke(app, ["export", "--policy", str(policy), "--engine", "sglang",
+                                   "--profile", "gpu_profiles/h200-llama-3.1-8b.yaml",
+                                   "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "warning: policy 'tuned' was tuned under servetune's 'vllm' engine model" in res.stderr
+    assert "tuned on GPU 'NVIDIA A100-SXM4-80GB'" in res.stderr
+    text = out.read_text()
+    assert text.startswith("# WARNING: policy 'tuned' was tuned under")
+    assert "weight bytes per GPU" in text  # 16e9 here, the profile's model differs
+    # the same engine and no profile: nothing to warn about
+    same = export_policy(make_policy(metadata={"engine": "vllm", "profile": dict(FACTS)}),
+                         "vllm")
+    assert same.warnings == [] and not same.text.startswith("# WARNING")
+    # the file states the minimum vLLM version its options need
+    assert "Requires: vLLM >= 0.6.0" in same.text
+    capped = export_policy(make_policy(**FULL), "vllm")
+    assert "vLLM >= 0.29.0 (`max-num-queued-reqs`" in " ".join(
+        ln.lstrip("# ") for ln in capped.text.splitlines())

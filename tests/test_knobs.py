@@ -383,3 +383,15 @@ def test_the_default_space_spans_what_the_issue_asks():
     assert (min(space["batching.max_num_seqs"]), max(space["batching.max_num_seqs"])) == (4, 2048)
     tokens = space["batching.max_num_batched_tokens"]
     assert (min(tokens), max(tokens)) == (256, 32768)
+
+
+def test_chunked_prefill_unset_is_each_engines_default():
+    # None in the policy: on in vLLM, SGLang and TGI, off in trtllm-serve (engines.md 4).
+    unset = Policy()
+    assert {e: knobs.value_for("batching.enable_chunked_prefill", unset, e)
+            for e in ("vllm", "sglang", "trtllm", "tgi")} == {
+        "vllm": True, "sglang": True, "trtllm": False, "tgi": True}
+    assert knobs.sim_values(unset, 1000, "trtllm")["chunked_prefill"] is False
+    assert knobs.sim_values(unset, 1000, "vllm")["chunked_prefill"] is True
+    asked = policy_with(batching={"enable_chunked_prefill": True})
+    assert knobs.sim_values(asked, 1000, "trtllm")["chunked_prefill"] is True

@@ -32,10 +32,11 @@ def nightly_args(out: Path, *extra: str, trace: Path = TRACE, current: Path = DE
 def test_help_documents_exit_codes():
     res = runner.invoke(app, ["nightly", "--help"])
     assert res.exit_code == 0
-    for code in ("0", "10", "2", "3"):
+    for code in ("0", "11", "10", "2", "3"):
         assert f"  {code}  " in res.output
     assert "current policy kept" in res.output
-    assert set(EXIT_CODES) == {0, 10, 2, 3}
+    assert "some engines only" in res.output
+    assert set(EXIT_CODES) == {0, 11, 10, 2, 3}
 
 
 def test_parse_engines():
@@ -207,6 +208,81 @@ def test_nightly_writes_new_policy(first_run):
         assert f"]({png})" in report
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_nightly_gates_each_exported_engine(first_run):
+    out, res = first_run
+    assert res.exit_code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    gates = summary["gates"]
+    assert [g["engine"] for g in gates] == ["vllm", "sglang"]
+    assert all(g["passed"] and g["config_written"] for g in gates)
+    for g in gates:
+        assert g["goodput_rate_per_s"]["new"] >= 1.02 * g["goodput_rate_per_s"]["current"]
+        assert g["kv_blocks"] == 56821  # vLLM's and SGLang's exports reach the tuned pool
+    assert summary["new"]["goodput_rate_per_s"] == gates[0]["goodput_rate_per_s"]["new"]
+    report = (out / "report.md").read_text()
+    assert "## Gate per engine" in report
+    assert "| vllm | 56821 |" in report and "| sglang | 56821 |" in report
+    assert "`sglang.yaml` written" in report
+
+
+def test_tgi_gate_simulates_the_pool_tgi_really_gets():
+    # The shipped H200 / Llama 3.1 8B profile: M = 150109880320, u = 0.92,
+    # W = 16060522496, A = 2874146816 B. The tuned pool (u*M - W - A = 119166420582 B)
+    # needs --cuda-memory-fraction (W + A + 119166420582 / 0.9) / M = 1.0082 > 1.0, so TGI
+    # runs at 1.0 with 0.9 * (M - W - A) = 118057689907 B: 56294 blocks of 16 tokens x
+    # 131072 B (2097152 B each; 56294.29), 56293 usable (servetune keeps vLLM's null block
+    # back everywhere), against the tuned 56821 (119166420582 / 2097152 = 56822.98).
+    from servetune.apps.nightly import gate_profile
+    from servetune.profiles.shipped import load_profile
+
+    profile = load_profile(PROFILE)
+    assert profile.kv_blocks() == 56821
+    tgi, note = gate_profile(profile, "tgi")
+    assert tgi.kv_blocks() == 56293
+    assert note is not None and "1.0082" in note and "99.1%" in note
+    for engine in ("vllm", "sglang", "trtllm"):
+        same, none = gate_profile(profile, engine)
+        assert same is profile and none is None
+
+
+def test_an_engine_whose_gate_fails_gets_no_config(tiny, monkeypatch):
+    """vLLM's gate passes, SGLang's fails: policy.yaml and vllm.yaml are written,
+    sglang.yaml is not, the exit code is 11 and the report says why."""
+    import servetune.apps.nightly as nightly
+
+    real = nightly.decide
+
+    def sglang_fails(comp, min_gain):
+        decision = real(comp, min_gain)
+        if comp.engine == "sglang":
+            return nightly.Decision(False, decision.gain, [
+                "goodput 1.000 -> 1.001 req/s (+0.1%) is below the required gain of 2.0%"])
+        return decision
+
+    monkeypatch.setattr(nightly, "decide", sglang_fails)
+    out = tiny / "partial"
+    out.mkdir()
+    (out / "sglang.yaml").write_text("yesterday's sglang config\n")
+    res = runner.invoke(app, tiny_args(tiny, out, tiny / "poor.yaml"))
+    assert res.exit_code == 11, res.output
+    names = {p.name for p in out.iterdir()}
+    assert {"policy.yaml", "vllm.yaml", "report.md", "summary.json"} <= names
+    assert (out / "sglang.yaml").read_text() == "yesterday's sglang config\n"  # untouched
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "new_policy_written_some_engines"
+    assert summary["exit_code"] == 11
+    assert [(g["engine"], g["passed"]) for g in summary["gates"]] == [
+        ("vllm", True), ("sglang", False)]
+    assert "sglang.yaml" not in summary["files_written"]
+    assert "vllm.yaml" in summary["files_written"]
+    report = (out / "report.md").read_text()
+    assert "for vllm only" in report and "failed the gate of sglang" in report
+    assert "| sglang |" in report and "below the required gain" in report
+    assert "not written" in report
+    policy = (out / "policy.yaml").read_text()
+    assert "not_adopted_on:\n    - sglang" in policy or "not_adopted_on: [sglang]" in policy
 
 
 def test_nightly_rerun_gives_same_files(tiny, first_run):

@@ -67,6 +67,7 @@ def test_same_inputs_and_seed_give_identical_policy_bytes(tmp_path):
     assert set(meta["profile"]) == {
         "name", "gpu_memory_utilization", "block_size", "kv_blocks", "gpu_memory_bytes",
         "weight_bytes", "activation_bytes",
+        "gpu", "model",  # what `servetune export` compares with --profile
     }
     # The exporters read these facts back: TensorRT-LLM's memory fraction needs no
     # --profile, and equals the one computed from the profile itself.

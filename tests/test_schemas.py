@@ -51,7 +51,8 @@ def test_policy_defaults_are_vllm_serve_defaults_on_big_gpus():
     assert p.scheduling == "fcfs"
     assert (p.batching.max_num_seqs, p.batching.max_num_batched_tokens) == (1024, 8192)
     assert p.batching.long_prefill_token_threshold == 0
-    assert p.batching.enable_chunked_prefill is True
+    # unset: each engine's own default, which is on in vLLM (off in trtllm-serve)
+    assert p.batching.enable_chunked_prefill is None
     assert p.admission.kv_watermark == 0.0 and p.admission.reserve_full_prompt is True
     assert p.admission.max_queued_requests is None
     assert not p.long_requests.enabled

@@ -7,20 +7,27 @@
 2. optimizes a new policy (:func:`servetune.apps.optimize.optimize`), judging candidates
    by replaying the trace itself, time-scaled: the fitted workload feeds only the model
    and the report's reasons;
-3. simulates the current and the new policy on the trace at its own rate and at +20 % and
-   +50 % rate stress, and searches both policies' goodput (:mod:`servetune.apps.report`);
-4. decides: the new policy replaces the current one only when its goodput is higher by at
-   least ``min_gain`` (relative, 0.02 = 2 %) **and** its SLO attainment is not lower on any
-   stress run **and** it differs from the current one **and** the optimizer stopped on its
-   work budget or by converging, not on the wall-clock safety stop (whose answer depends
-   on the machine's speed: then the current policy stays, exit 10, and the report says
-   why);
-5. writes, in ``out_dir``: ``policy.yaml`` and one config per engine (``vllm.yaml``,
-   ``sglang.yaml`` ...) only when the new policy wins; ``report.md`` with its plots and
-   ``summary.json`` always.
+3. for **each engine it exports to** (``engines``), simulates the current and the new
+   policy with that engine's admission model (:func:`gate_profile`: on the KV pool the
+   engine's exported config really gives, which for TGI can be smaller than the tuned
+   one) on the trace at its own rate and at +20 % and +50 % rate stress, and searches both
+   policies' goodput (:mod:`servetune.apps.report`);
+4. decides per engine (the gate): the new policy replaces the current one on that engine
+   only when its goodput there is higher by at least ``min_gain`` (relative, 0.02 = 2 %)
+   **and** its SLO attainment there is not lower on any stress run **and** it differs from
+   the current one **and** the optimizer stopped on its work budget or by converging, not
+   on the wall-clock safety stop (whose answer depends on the machine's speed: then the
+   current policy stays everywhere, exit 10, and the report says why);
+5. writes, in ``out_dir``: ``policy.yaml`` when the new policy passes at least one
+   engine's gate, and the config of each engine whose gate it passes (``vllm.yaml``,
+   ``sglang.yaml`` ...); a failing engine's config is not written (a file from an
+   earlier run stays as it was); ``report.md`` (with one gate row per engine and why) with
+   its plots and ``summary.json`` (``gates``) always.
 
-Exit codes (:data:`EXIT_CODES`): 0 new policy written, 10 current policy kept, 2 user error,
-3 infeasible (no policy in the search space meets the SLOs; the report says what binds).
+Exit codes (:data:`EXIT_CODES`): 0 new policy written for every engine, 11 new policy
+written for some engines only (the passing ones; the report says why the others failed),
+10 current policy kept (every gate failed), 2 user error, 3 infeasible (no policy in the
+search space meets the SLOs; the report says what binds).
 
 ``run_report(...)`` is ``servetune report``: steps 3 and 5 for two given policies.
 
@@ -51,9 +58,16 @@ from servetune.apps.report import (
     report_file_list,
     write_report,
 )
-from servetune.engines import ENGINE_NAMES
+from servetune.engines import CONFIG_FILES, ENGINE_NAMES
 from servetune.errors import EXIT_INFEASIBLE, EXIT_KEPT_CURRENT, InfeasibleError, ServetuneError
-from servetune.export import ENGINES, ExportResult, export_policy, profile_memory_facts
+from servetune.export import (
+    ENGINES,
+    ExportResult,
+    export_policy,
+    memory_facts,
+    profile_memory_facts,
+)
+from servetune.export.tgi import tgi_memory
 from servetune.io import check_out_dir, commit_files, drop_timings, sha256_file
 from servetune.models.fluid import Calibration, FluidModel, Knobs, LoadModel, Platform, targets_for
 from servetune.profiles.shipped import load_profile
@@ -69,8 +83,10 @@ from servetune.workloads.formats import load_trace
 from servetune.workloads.trace import Trace
 
 EXIT_NEW_POLICY = 0
+EXIT_SOME_ENGINES = 11
 EXIT_CODES = {
-    EXIT_NEW_POLICY: "new policy written",
+    EXIT_NEW_POLICY: "new policy written (every engine's gate passed)",
+    EXIT_SOME_ENGINES: "new policy written for some engines only (the others' gates failed)",
     EXIT_KEPT_CURRENT: "current policy kept",
     2: "user error (bad input file or option)",
     EXIT_INFEASIBLE: "infeasible: no policy in the search space meets the SLOs",
@@ -89,6 +105,39 @@ class Decision:
     write_new: bool
     gain: float | None  # relative goodput gain; None when the current goodput is 0
     reasons: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EngineGate:
+    """One engine's gate: both policies compared under its admission model and KV pool."""
+
+    engine: str
+    comparison: Comparison
+    decision: Decision
+    kv_blocks: int  # the KV pool simulated
+    pool_note: str | None = None  # why the pool differs from the profile's, when it does
+
+    @property
+    def passed(self) -> bool:
+        return self.decision.write_new
+
+    def row(self) -> dict[str, Any]:
+        comp = self.comparison
+        assert comp.new is not None
+        return {
+            "engine": self.engine,
+            "passed": self.passed,
+            "config_written": self.passed,
+            "gain": self.decision.gain,
+            "goodput_rate_per_s": {"current": comp.current.goodput.rate_per_s,
+                                   "new": comp.new.goodput.rate_per_s},
+            "attainment": {f"{s:g}x": {"current": comp.current.attainment(s, comp.slo),
+                                       "new": comp.new.attainment(s, comp.slo)}
+                           for s in comp.scales[1:]},
+            "kv_blocks": self.kv_blocks,
+            "kv_pool_note": self.pool_note,
+            "reasons": list(self.decision.reasons),
+        }
 
 
 @dataclass
@@ -148,6 +197,36 @@ def decide(comp: Comparison, min_gain: float) -> Decision:
                 f"SLO attainment at +{round(100 * (scale - 1))}% rate {a_cur:.4f} -> {a_new:.4f}"
             )
     return Decision(write_new=ok, gain=gain, reasons=reasons)
+
+
+def gate_profile(profile: Profile, engine: str, policy: Policy | None = None
+                 ) -> tuple[Profile, str | None]:
+    """The profile with the KV pool ``engine``'s exported config really gives, and a note
+    when it differs from ``profile``'s: TGI's ``--cuda-memory-fraction`` cannot exceed 1.0,
+    so where the tuned pool needs more, TGI's pool is smaller
+    (:func:`servetune.export.tgi.tgi_memory`); the other engines' exporters reach the
+    tuned pool."""
+    if engine != "tgi":
+        return profile, None
+    mem = tgi_memory(memory_facts(policy or Policy(), profile))
+    if mem is None or mem.reaches_tuned_pool:
+        return profile, None
+    tuned = profile.kv_blocks()
+    if profile.memory.kv_blocks_override is not None or profile.hardware is None:
+        usable = max(1, math.floor(tuned * mem.kv_share))
+        memory = profile.memory.model_copy(update={"kv_blocks_override": usable + 1})
+    else:
+        # the vLLM share of total memory whose pool is TGI's: u' * M - W - A = share * KV
+        reserved = profile.weight_bytes() + profile.memory.activation_reserve_bytes
+        util = (reserved + mem.kv_share * profile.kv_pool_bytes()) / profile.hardware.memory_bytes
+        memory = profile.memory.model_copy(update={"gpu_memory_utilization": util})
+    smaller = profile.model_copy(update={"memory": memory})
+    needed = f"{mem.needed:.4f}" if mem.needed is not None else "more than 1.0"
+    note = (f"TGI's KV pool is {smaller.kv_blocks()} blocks, {100 * mem.kv_share:.1f}% of the "
+            f"profile's {tuned}: the tuned pool needs --cuda-memory-fraction {needed} (with "
+            f"TGI_WIGGLE_ROOM {mem.wiggle_room:g}), TGI takes at most 1.0; the gate simulated "
+            "the smaller pool")
+    return smaller, note
 
 
 # --------------------------------------------------------------------------- inputs
@@ -393,63 +472,132 @@ def run_nightly(
         comp = compare(trace, current, None, profile, slo, engine=sim_engine, stress=stress)
         return _write_infeasible(out, err, comp, base_summary, progress)
     new = with_profile_facts(opt.policy, profile)
-
-    _say(progress, "simulating current and new policies (trace, +20%, +50%, goodput)")
-    comp = compare(trace, current, new, profile, slo, engine=sim_engine, stress=stress)
-    decision = decide(comp, min_gain)
     timed_out = opt.info.get("stopped_by") == STOP_TIME_LIMIT
-    if timed_out:
-        # The safety stop cut the search short, so the new policy is whatever this
-        # machine reached in the time: another run could differ. Keep the current one.
-        decision = Decision(False, decision.gain, [
-            "the optimizer's wall-clock safety stop (--time-limit) ended its search before "
-            "its work budget or convergence did, so the proposed policy depends on this "
-            "machine's speed and is not adopted; raise --time-limit",
-            *decision.reasons,
-        ])
+
+    gates: list[EngineGate] = []
+    for e in engines:
+        _say(progress, f"{e}: simulating current and new policies (trace, +20%, +50%, "
+                       "goodput)")
+        gate_prof, pool_note = gate_profile(profile, e, new)
+        comp_e = compare(trace, current, new, gate_prof, slo, engine=e, stress=stress)
+        decision = decide(comp_e, min_gain)
+        if timed_out:
+            # The safety stop cut the search short, so the new policy is whatever this
+            # machine reached in the time: another run could differ. Keep the current one.
+            decision = Decision(False, decision.gain, [
+                "the optimizer's wall-clock safety stop (--time-limit) ended its search "
+                "before its work budget or convergence did, so the proposed policy depends "
+                "on this machine's speed and is not adopted; raise --time-limit",
+                *decision.reasons,
+            ])
+        gates.append(EngineGate(e, comp_e, decision, gate_prof.kv_blocks(), pool_note))
+    passed = [g for g in gates if g.passed]
+    # The report's plots and results: the optimizer's engine when it is gated, else the
+    # first engine; the gate table covers every engine.
+    main = next((g for g in gates if g.engine == sim_engine), gates[0])
+    comp = main.comparison
 
     exports: list[ExportResult] = []
     policy_text = ""
-    if decision.write_new:
+    failed = [g.engine for g in gates if not g.passed]
+    if passed:
+        first = next((g for g in passed if g.engine == sim_engine), passed[0])
+        assert first.comparison.new is not None
         new = new.model_copy(update={"metadata": {**new.metadata, "nightly": {
             "replaces": current.name,
-            "goodput_rate_per_s": {"current": round(comp.current.goodput.rate_per_s, 6),
-                                   "new": round(comp.new.goodput.rate_per_s, 6)},
-            "gain": None if decision.gain is None else round(decision.gain, 6),
+            "engines": [g.engine for g in passed],
+            "not_adopted_on": failed,
+            "goodput_engine": first.engine,
+            "goodput_rate_per_s": {
+                "current": round(first.comparison.current.goodput.rate_per_s, 6),
+                "new": round(first.comparison.new.goodput.rate_per_s, 6)},
+            "gain": None if first.decision.gain is None else round(first.decision.gain, 6),
+            "gains": {g.engine: None if g.decision.gain is None else round(g.decision.gain, 6)
+                      for g in gates},
             "min_gain": min_gain,
         }}})
-        exports = [export_policy(new, e) for e in engines]
+        # each was judged under its own engine's model: no provenance warning applies
+        exports = [export_policy(new, g.engine, check_provenance=False) for g in passed]
         policy_text = document_to_yaml(
             new, header="servetune nightly: the new scheduling policy (kind: Policy)")
+    if passed and not failed:
         status, code = "new_policy_written", EXIT_NEW_POLICY
-        headline = (f"New policy written: `{new.name}` replaces `{current.name}` "
-                    "(exit 0).")
+        headline = (f"New policy written: `{new.name}` replaces `{current.name}` on "
+                    f"{', '.join(engines)} (exit 0).")
+    elif passed:
+        status, code = "new_policy_written_some_engines", EXIT_SOME_ENGINES
+        headline = (f"New policy written for {', '.join(g.engine for g in passed)} only: "
+                    f"`{new.name}` replaces `{current.name}` there; it failed the gate of "
+                    f"{', '.join(failed)}, whose config{'s were' if len(failed) > 1 else ' was'} "
+                    "not written (exit 11).")
     else:
         status, code = "current_kept", EXIT_KEPT_CURRENT
         headline = f"Current policy kept: `{current.name}` stays in production (exit 10)."
         if timed_out:
             headline = (f"Current policy kept: `{current.name}` stays in production (exit 10): "
                         "the optimizer's safety time limit fired.")
+    reasons = list(main.decision.reasons)
+    if len(gates) > 1:
+        reasons = [f"{main.engine}: {r}" for r in reasons] + [
+            f"{g.engine}: gate {'passed' if g.passed else 'failed'}"
+            + ("" if g.passed else f": {'; '.join(_failures(g.decision))}")
+            for g in gates if g is not main]
 
     files_written = (["policy.yaml"] + [e.filename for e in exports]) if exports else []
     summary_extra = {
         **base_summary,
         "status": status,
         "exit_code": code,
-        "gain": decision.gain,
+        "gain": main.decision.gain,
         "kept_because": "time_limit" if timed_out else None,
+        "gates": [g.row() for g in gates],
         "files_written": [*files_written, "report.md", *FIGURE_NAMES, "summary.json"],
         "optimizer": drop_timings(opt.info),
         "new_policy": new.knobs(),
     }
     _say(progress, "rendering the report and its plots")
     report = build_report(
-        comp, Verdict(headline, decision.reasons), reasons=opt.reasons, exports=exports,
+        comp, Verdict(headline, reasons), reasons=opt.reasons, exports=exports,
         inputs=inputs, title="servetune nightly tuning report", summary_extra=summary_extra,
+        extra_sections=[("Gate per engine", gate_table(gates))],
     )
     _say(progress, f"writing outputs to {out}")
     written = _write_outputs(out, policy_text, exports, report)
     return NightlyOutcome(exit_code=code, status=status, files=written, summary=report.summary)
+
+
+def _failures(decision: Decision) -> list[str]:
+    """The reasons that failed a gate (the others only report numbers)."""
+    bad = [r for r in decision.reasons
+           if "below the required" in r or "would drop" in r or "already in production" in r
+           or "safety stop" in r]
+    return bad or list(decision.reasons)
+
+
+def gate_table(gates: Sequence[EngineGate]) -> str:
+    """The report's gate section: one row per engine exported to, and why it passed or
+    failed."""
+    lines = [
+        "The new policy is judged under each engine's own admission model, on the KV pool "
+        "its exported config gives; an engine's config is written only when the new policy "
+        "passes that engine's gate.",
+        "",
+        "| engine | KV blocks | goodput current -> new (req/s) | gain | gate | config |",
+        "|---|---|---|---|---|---|",
+    ]
+    for g in gates:
+        comp = g.comparison
+        assert comp.new is not None
+        gain = "-" if g.decision.gain is None else f"{100 * g.decision.gain:+.1f}%"
+        why = "passed" if g.passed else "failed: " + "; ".join(_failures(g.decision))
+        config = f"`{CONFIG_FILES[g.engine]}` written" if g.passed else "not written"
+        lines.append(
+            f"| {g.engine} | {g.kv_blocks} | {comp.current.goodput.rate_per_s:.3f} -> "
+            f"{comp.new.goodput.rate_per_s:.3f} | {gain} | {why} | {config} |")
+    notes = [f"- {g.engine}: {g.pool_note}" for g in gates if g.pool_note]
+    if notes:
+        lines += ["", *notes]
+    return "\n".join(lines)
 
 
 def _write_outputs(out: Path, policy_text: str, exports: Sequence[ExportResult],

@@ -306,6 +306,9 @@ def gpu_facts(profile: Profile) -> GpuFacts:
 def _profile_meta(profile: Profile) -> dict[str, Any]:
     out: dict[str, Any] = {
         "name": profile.name,
+        # what `servetune export` compares with the profile it is given
+        "gpu": profile.hardware.name if profile.hardware is not None else None,
+        "model": profile.model.name if profile.model is not None else None,
         "gpu_memory_utilization": float(profile.gpu_memory_utilization),
         "block_size": int(profile.block_size),
         "kv_blocks": int(profile.kv_blocks()),

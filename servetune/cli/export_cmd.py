@@ -62,6 +62,8 @@ def register(app: typer.Typer) -> None:
             check_out_file(output, "-o/--output")
         pol = load_document(policy, Policy)
         result = export_policy(pol, engine, profile=load_profile_arg(profile))
+        for item in result.warnings:
+            typer.echo(f"warning: {item}", err=True)
         if output is not None:
             write_text_atomic(output, result.text)
         if as_json:
@@ -73,6 +75,8 @@ def register(app: typer.Typer) -> None:
                 "env": result.env,
                 "unsupported": result.unsupported,
                 "notes": result.notes,
+                "warnings": result.warnings,
+                "requires": result.requires,
             }, indent=2))
             return
         if output is None:

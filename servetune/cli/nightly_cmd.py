@@ -18,17 +18,23 @@ def _para(text: str) -> str:
 
 NIGHTLY_HELP = "\n\n".join([
     "Re-optimize the policy on a trace and replace the current one only if better.",
-    _para("""Fits a workload to TRACE, optimizes a new policy, simulates the current and
-    the new policy on the trace and at +20% and +50% rate, and compares their goodput. The
-    new policy and its engine configs are written to --out-dir only when its goodput is
-    higher by at least --min-gain and its SLO attainment is no lower on the stress runs.
-    report.md (with PNG plots) and summary.json are always written. Every file is written
+    _para("""Fits a workload to TRACE, optimizes a new policy, and, for each engine in
+    --engines, simulates the current and the new policy with that engine's admission
+    model (on the KV pool its exported config gives) on the trace and at +20% and +50%
+    rate, and compares their goodput. An engine's config is written to --out-dir only
+    when, under that engine, the new policy's goodput is higher by at least --min-gain
+    and its SLO attainment is no lower on the stress runs (its gate); policy.yaml is
+    written when at least one engine's gate passes. report.md (with PNG plots and one gate
+    row per engine) and summary.json are always written. Every file is written
     atomically, so an interrupted run leaves the previous outputs intact; the same inputs
     give the same files."""),
     """\b
 Exit codes:
-   0  new policy written: policy.yaml, <engine>.yaml, report
-  10  current policy kept: report only
+   0  new policy written: policy.yaml, every <engine> config, report
+  11  new policy written for some engines only: policy.yaml, the
+      configs of the engines whose gate passed (the others are not
+      written; the report says why), report
+  10  current policy kept (every gate failed): report only
    2  user error (bad file or option): nothing written
    3  infeasible, no policy in the space meets the SLOs: report""",
     _para("""The report is report.md, its plots (ttft_cdf.png, tpot_cdf.png, kv_queue.png,
@@ -72,7 +78,8 @@ def register(app: typer.Typer) -> None:
         current: Path = typer.Option(..., "--current", help="The policy in production."),
         out_dir: Path = typer.Option(..., "--out-dir", help="Where the outputs go."),
         engines: str = typer.Option(
-            "vllm,sglang", "--engines", help="Engine configs to write, comma-separated."
+            "vllm,sglang", "--engines",
+            help="Engines to gate and write configs for, comma-separated."
         ),
         min_gain: float = typer.Option(
             0.02, "--min-gain", help="Required relative goodput gain (0.02 = 2%)."
@@ -93,8 +100,8 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="Seed for every random choice."),
         sim_engine: str = typer.Option(
             "vllm", "--sim-engine",
-            help="Engine scheduler model to optimize and compare under "
-            f"({', '.join(ENGINE_NAMES)}).",
+            help="Engine scheduler model to optimize under "
+            f"({', '.join(ENGINE_NAMES)}); each engine in --engines is gated under its own.",
         ),
         as_json: bool = typer.Option(False, "--json", help="Print summary.json to stdout."),
     ) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import textwrap
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from servetune import __version__, knobs
@@ -59,6 +59,8 @@ class ExportResult:
     settings: dict[str, Any] = field(default_factory=dict)  # the emitted keys and values
     args: list[str] = field(default_factory=list)  # launcher arguments (TGI)
     env: dict[str, str] = field(default_factory=dict)  # environment variables (TGI)
+    warnings: list[str] = field(default_factory=list)  # provenance mismatches (export_policy)
+    requires: str = ""  # the minimum engine version the file's options need, in words
 
 
 @dataclass(frozen=True)
@@ -174,14 +176,41 @@ def memory_facts(
     return MemoryFacts()
 
 
+# An option's first engine release: (version, evidence) or (None, evidence) where the
+# release is not pinned (docs/engines.md 7).
+Since = tuple[str | None, str]
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split(".") if p.isdigit())
+
+
+def requires_text(engine_title: str, since: Mapping[str, Since], used: Any) -> str:
+    """The file's "Requires" line: the newest pinned release among the options ``used``
+    (names in ``since``), and the options whose first release is not pinned."""
+    rows = [(name, *since[name]) for name in dict.fromkeys(used) if name in since]
+    pinned = [r for r in rows if r[1] is not None]
+    out = []
+    if pinned:
+        name, version, evidence = max(pinned, key=lambda r: _version_key(str(r[1])))
+        out.append(f"{engine_title} >= {version} (`{name}`: {evidence})")
+    open_rows = [r for r in rows if r[1] is None]
+    if open_rows:
+        out.append("a release with " + "; ".join(f"`{n}` ({e})" for n, _, e in open_rows)
+                   + ", release not pinned by servetune: check --help")
+    return "; and ".join(out)
+
+
 def header(engine_title: str, usage: str, policy: Policy, unsupported: list[str],
-           notes: list[str]) -> str:
+           notes: list[str], requires: str = "") -> str:
     """The comment block at the top of every exported file."""
     lines = [
         f"{engine_title} config exported by servetune {__version__} from policy "
         f"{policy.name!r}.",
         f"Use: {usage}",
     ]
+    if requires:
+        lines.append(f"Requires: {requires}.")
     if unsupported:
         lines.append("")
         lines.append(f"NOT EXPRESSIBLE in {engine_title} ({len(unsupported)}): the policy "
@@ -273,10 +302,12 @@ def queued_tokens_instead(policy: Policy) -> str:
 def plain_settings(policy: Policy, engine: str, *sections: str) -> dict[str, Any]:
     """The knobs ``engine`` takes as they are, under its names (the knob table's
     :class:`~servetune.knobs.Plain` cells), by section in the order given (all, in table
-    order, by default); a knob set to None is left out."""
+    order, by default); a knob set to None is left out, except one that None leaves to the
+    engine (``batching.enable_chunked_prefill``), which is written as the engine's own
+    default, so the file says what the engine will do."""
     out: dict[str, Any] = {}
     for path, name in knobs.plain_names(engine, sections or None).items():
-        value = knobs.knob(path).value(policy)
+        value = knobs.value_for(path, policy, engine)
         if value is not None:
             out[name] = value
     return out
@@ -306,28 +337,105 @@ def unsupported_settings(policy: Policy, engine: str, instead: dict[str, Instead
 
 
 def yaml_result(engine: str, title: str, usage: str, policy: Policy, settings: dict[str, Any],
-                unsupported: list[str], notes: list[str]) -> ExportResult:
+                unsupported: list[str], notes: list[str], requires: str = "") -> ExportResult:
     """An engine's YAML config: the comment header, then the settings."""
     return ExportResult(
         engine=engine,
-        text=header(title, usage, policy, unsupported, notes) + dump_yaml(settings),
+        text=header(title, usage, policy, unsupported, notes, requires) + dump_yaml(settings),
         unsupported=unsupported,
         filename=FILENAMES[engine],
         notes=notes,
         settings=settings,
+        requires=requires,
     )
 
 
+def mismatch_warnings(policy: Policy, engine: str, profile: Profile | None = None) -> list[str]:
+    """What the policy's provenance says it was not checked for: tuned under another
+    engine's model (``metadata.engine``), or for another GPU or model than ``profile``
+    (``metadata.profile``, as the optimizer writes it)."""
+    meta = policy.metadata if isinstance(policy.metadata, dict) else {}
+    out: list[str] = []
+    tuned_engine = meta.get("engine")
+    if isinstance(tuned_engine, str) and tuned_engine and tuned_engine != engine:
+        title = BY_NAME[engine].title
+        out.append(
+            f"policy {policy.name!r} was tuned under servetune's {tuned_engine!r} engine model "
+            f"(metadata.engine), not {engine!r}: {title}'s admission never judged it; check "
+            f"it with `servetune simulate --engine {engine}` or let `servetune nightly "
+            f"--engines {engine}` gate it")
+    tuned = meta.get("profile")
+    if profile is None or not isinstance(tuned, Mapping):
+        return out
+    given = profile_memory_facts(profile)
+    hw, model = getattr(profile, "hardware", None), getattr(profile, "model", None)
+    gpu_checked = model_checked = False
+    if hw is not None and isinstance(tuned.get("gpu"), str):
+        gpu_checked = True
+        if tuned["gpu"] != hw.name:
+            out.append(f"policy {policy.name!r} was tuned on GPU {tuned['gpu']!r} "
+                       f"(metadata.profile.gpu), the profile given is for {hw.name!r}")
+    elif _number(tuned.get("gpu_memory_bytes")) and given.get("gpu_memory_bytes"):
+        gpu_checked = True
+        a, b = int(_number(tuned["gpu_memory_bytes"]) or 0), int(given["gpu_memory_bytes"])
+        if a != b:
+            out.append(f"policy {policy.name!r} was tuned on a GPU with {a} bytes of memory "
+                       f"(metadata.profile.gpu_memory_bytes), the profile given has {b}")
+    if model is not None and isinstance(tuned.get("model"), str):
+        model_checked = True
+        if tuned["model"] != model.name:
+            out.append(f"policy {policy.name!r} was tuned for model {tuned['model']!r} "
+                       f"(metadata.profile.model), the profile given is for {model.name!r}")
+    elif _number(tuned.get("weight_bytes")) and given.get("weight_bytes"):
+        model_checked = True
+        a, b = int(_number(tuned["weight_bytes"]) or 0), int(given["weight_bytes"])
+        if a != b:
+            out.append(f"policy {policy.name!r} was tuned for a model with {a} weight bytes "
+                       f"per GPU (metadata.profile.weight_bytes), the profile given has {b} "
+                       "(another model or parallelism)")
+    if not (gpu_checked or model_checked):
+        a_blocks, b_blocks = _number(tuned.get("kv_blocks")), given.get("kv_blocks")
+        if a_blocks and b_blocks and int(a_blocks) != int(b_blocks):
+            out.append(f"policy {policy.name!r} was tuned for a KV pool of {int(a_blocks)} "
+                       f"blocks (metadata.profile.kv_blocks), the profile given has {b_blocks}")
+    return out
+
+
+def with_warnings(result: ExportResult, warnings: list[str]) -> ExportResult:
+    """``result`` with ``warnings`` as comments at the very top of its file."""
+    if not warnings:
+        return result
+    lines: list[str] = []
+    for item in warnings:
+        lines += textwrap.wrap(f"WARNING: {item}", width=98, initial_indent="# ",
+                               subsequent_indent="#   ", break_on_hyphens=False)
+    return replace(result, text="\n".join(lines) + "\n" + result.text,
+                   warnings=[*result.warnings, *warnings])
+
+
 def export_policy(
-    policy: Policy, engine: str, *, profile: Profile | Mapping[str, Any] | MemoryFacts | None = None
+    policy: Policy,
+    engine: str,
+    *,
+    profile: Profile | Mapping[str, Any] | MemoryFacts | None = None,
+    check_provenance: bool = True,
 ) -> ExportResult:
-    """Translate ``policy`` into ``engine``'s config file (see the module docstring)."""
+    """Translate ``policy`` into ``engine``'s config file (see the module docstring).
+
+    With ``check_provenance`` (the default), :func:`mismatch_warnings` (tuned under
+    another engine's model, or for another GPU or model than a Profile ``profile``) go to
+    the top of the file and to ``warnings``; ``servetune nightly`` turns it off for the
+    engines whose gate it ran."""
     if engine not in BY_NAME:
         raise ServetuneError(
             f"engine {engine!r} is not supported; choose one of {', '.join(ENGINES)}"
         )
     facts = memory_facts(policy, profile)
-    return BY_NAME[engine].export_function()(policy, facts)
+    result = BY_NAME[engine].export_function()(policy, facts)
+    if not check_provenance:
+        return result
+    given = profile if profile is not None and hasattr(profile, "memory_summary") else None
+    return with_warnings(result, mismatch_warnings(policy, engine, given))  # type: ignore[arg-type]
 
 
 __all__ = [
@@ -338,6 +446,9 @@ __all__ = [
     "MemoryFacts",
     "export_policy",
     "memory_facts",
+    "mismatch_warnings",
+    "requires_text",
+    "with_warnings",
     "plain_settings",
     "profile_memory_facts",
     "unsupported_settings",

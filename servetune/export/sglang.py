@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from servetune import knobs
 from servetune.engines import engine
 from servetune.export import (
     ExportResult,
@@ -97,9 +98,10 @@ def mem_fraction_static(facts: MemoryFacts) -> float | None:
 
 def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
     b, a = policy.batching, policy.admission
+    chunked = knobs.value_for("batching.enable_chunked_prefill", policy, "sglang")
     settings: dict[str, Any] = {
         RUNNING_KEY: b.max_num_seqs,
-        CHUNK_KEY: b.max_num_batched_tokens if b.enable_chunked_prefill else -1,
+        CHUNK_KEY: b.max_num_batched_tokens if chunked else -1,
         PREFILL_KEY: b.max_num_batched_tokens,
         "schedule-policy": "fcfs",
         "schedule-conservativeness": 1.0,

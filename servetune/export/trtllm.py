@@ -2,7 +2,9 @@
 
 The file's keys are ``TorchLlmArgs`` fields (strict: unknown keys fail) and the file
 overrides the command line. Mapping: ``batching.max_num_seqs`` -> ``max_batch_size``;
-``batching.max_num_batched_tokens`` -> ``max_num_tokens``; ``enable_chunked_prefill``;
+``batching.max_num_batched_tokens`` -> ``max_num_tokens``; ``enable_chunked_prefill``
+(written always: the policy's value, or, when the policy leaves it unset, ``false``,
+trtllm-serve's default and what servetune's ``trtllm`` model simulates);
 ``scheduler_config.capacity_scheduler_policy: GUARANTEED_NO_EVICT`` (prompt + maximum
 output reserved at admission, never evicts: the model servetune's ``trtllm`` engine
 simulates) and ``context_chunking_policy: FIRST_COME_FIRST_SERVED``.
@@ -139,6 +141,16 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
         f"{facts.source}: the same KV bytes as gpu_memory_utilization "
         f"{facts.gpu_memory_utilization:g} of total memory gives vLLM",
     ]
+    if not settings["enable_chunked_prefill"]:
+        why = ("trtllm-serve's default, as the policy leaves batching.enable_chunked_prefill "
+               "unset" if policy.batching.enable_chunked_prefill is None
+               else "the policy sets batching.enable_chunked_prefill: false")
+        notes.append(
+            f"enable_chunked_prefill is false ({why}): a prompt is prefilled whole in one step, "
+            f"so a prompt longer than max_num_tokens ({policy.batching.max_num_batched_tokens}) "
+            "cannot be scheduled (servetune's simulator rejects it); set "
+            "batching.enable_chunked_prefill: true in the policy to chunk"
+        )
     unsupported = unsupported_settings(policy, "trtllm", INSTEAD)
 
     return yaml_result("trtllm", TITLE, USAGE, policy, settings, unsupported, notes)

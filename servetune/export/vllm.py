@@ -17,14 +17,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from servetune import knobs
 from servetune.engines import engine
 from servetune.export import (
     ExportResult,
     Instead,
     MemoryFacts,
+    Since,
     class_priority_instead,
     lanes_instead,
     plain_settings,
+    requires_text,
     unsupported_settings,
     yaml_result,
 )
@@ -33,12 +36,22 @@ from servetune.schemas.policy import Policy
 TITLE = engine("vllm").title
 USAGE = "vllm serve MODEL --config vllm.yaml   (command-line flags override this file)"
 
+# The first vLLM release of the options this exporter writes, where servetune knows it
+# (docs/engines.md 7); the others exist in every release with a --config file.
+SINCE: dict[str, Since] = {
+    "--config": ("0.6.0", "PR #7737; vllm-project/vllm#8273"),
+    "max-num-queued-reqs": ("0.29.0", "PR #49445, merged 2026-07-22; in v0.29.0 per "
+                            "vllm-project/vllm#58192"),
+    "max-num-queued-tokens": ("0.29.0", "PR #49445, merged 2026-07-22; in v0.29.0 per "
+                              "vllm-project/vllm#58192"),
+    "scheduler-reserve-full-isl": (None, "full-ISL admission, PR #37307, merged 2026-03-17"),
+}
+
 # What to do instead, for each knob the knob table says vLLM cannot express.
 INSTEAD: dict[str, Instead] = {"long_requests.threshold_tokens": lanes_instead}
 
 
 def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
-    b = policy.batching
     # vLLM's config lists the batching options, then the scheduling policy, then admission.
     settings: dict[str, Any] = plain_settings(
         policy, "vllm", "batching", "scheduling", "admission")
@@ -60,10 +73,11 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
     unsupported = unsupported_settings(policy, "vllm", INSTEAD)
     if policy.scheduling == "priority" and policy.classes:
         unsupported.append(class_priority_instead(policy, TITLE))
-    if not b.enable_chunked_prefill:
+    if not knobs.value_for("batching.enable_chunked_prefill", policy, "vllm"):
         notes.append(
             "enable-chunked-prefill is false: vLLM then requires max-num-batched-tokens >= "
             "max-model-len; raise it or cap --max-model-len"
         )
 
-    return yaml_result("vllm", TITLE, USAGE, policy, settings, unsupported, notes)
+    requires = requires_text(TITLE, SINCE, ["--config", *settings])
+    return yaml_result("vllm", TITLE, USAGE, policy, settings, unsupported, notes, requires)

@@ -2,8 +2,9 @@
 
 Defaults reproduce ``vllm serve`` on a GPU with >= 70 GiB that is not an A100
 (docs/engines.md 1.2-1.4): FCFS, 1024 sequences, 8192 batched tokens, no per-request chunk
-cap, chunked prefill on, full prompt reserved at admission, watermark 0, no queue caps,
-no long-request lanes.
+cap, chunked prefill as the engine does it (``enable_chunked_prefill: null``: on in vLLM,
+SGLang and TGI, off in ``trtllm-serve``; ``true`` or ``false`` asks every engine for it),
+full prompt reserved at admission, watermark 0, no queue caps, no long-request lanes.
 
 Long-request lanes (``long_requests``) are servetune's extension. A request is *long*
 when its prompt plus expected output (its ``max_tokens`` when the request carries one,
@@ -31,9 +32,10 @@ class Batching(Strict):
     long_prefill_token_threshold: int = Field(
         0, ge=0, description="per-request per-step cap on new tokens; 0 = off"
     )
-    enable_chunked_prefill: bool = Field(
-        True, description="split prompts by the remaining step budget; off: a prompt that "
-        "does not fit the remaining budget waits"
+    enable_chunked_prefill: bool | None = Field(
+        None, description="split prompts by the remaining step budget; off: a prompt that "
+        "does not fit the remaining budget waits; null = the engine's own default (on in "
+        "vLLM, SGLang and TGI, off in trtllm-serve)"
     )
 
 

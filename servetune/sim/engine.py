@@ -18,7 +18,8 @@ Semantics (``docs/engines.md``; the step loop is in :mod:`servetune.sim._kernel`
   ``max_num_seqs``: the whole (re-)prefill's blocks must fit the free blocks when
   ``reserve_full_prompt`` (else only this chunk's), with ``kv_watermark`` headroom
   while the running list is non-empty (an idle engine admits into the watermark). With
-  ``enable_chunked_prefill`` off, a prompt that does not fit the remaining budget waits
+  ``enable_chunked_prefill`` off (a policy that leaves it unset gets the engine's own
+  default: off for trtllm only), a prompt that does not fit the remaining budget waits
   and blocks the queue (a resumed request whose re-prefill exceeds the whole budget is
   chunked: vLLM's own config check rules that case out). Among exact ties (same priority
   and arrival time) the queue takes the lower request id first and the priority victim
@@ -36,7 +37,9 @@ Semantics (``docs/engines.md``; the step loop is in :mod:`servetune.sim._kernel`
 - **trtllm** (4, GUARANTEED_NO_EVICT) and **tgi** (3): a request is admitted only when
   blocks for ``prompt + max_tokens - 1`` tokens can be reserved beside the running
   requests' reservations, so nothing is ever evicted. TensorRT-LLM budgets all tokens
-  of a step; TGI budgets prefill tokens, and with prefill chunking each decode row
+  of a step and, as ``trtllm-serve`` does by default, does not chunk prefills unless the
+  policy sets ``enable_chunked_prefill: true`` (a prompt is prefilled whole, in one step
+  with room for it); TGI budgets prefill tokens, and with prefill chunking each decode row
   takes one token of that budget first (without chunking decode rows ride along).
 
 For every engine: ``max_num_seqs`` caps the running batch, ``kv_watermark`` blocks are
@@ -115,7 +118,8 @@ from servetune.workloads.trace import Trace
 # that changes a result, so that measurements cached on disk (capacity, spare room) keyed
 # on it are measured again. 2: vLLM's full-prompt check and idle-engine watermark as the
 # engine does them, TGI decode rows take budget.
-ENGINE_MODEL_VERSION = 2
+# 3: trtllm does not chunk prefills unless the policy asks (trtllm-serve's default).
+ENGINE_MODEL_VERSION = 3
 ENGINES = ENGINE_NAMES  # in kernel-id order: ENGINES.index(name) is the kernel's E_* id
 
 # Why a request did not complete: the codes and texts live in the kernel, which records them.
@@ -247,7 +251,7 @@ def kernel_params(
     return K.Params(
         engine=kernel_id(engine),
         # the policy's knobs, as the knob table encodes them
-        **knobs.sim_values(policy, total),
+        **knobs.sim_values(policy, total, engine),
         # the pool and the step time
         total_blocks=total,
         block_size=int(block_size),
