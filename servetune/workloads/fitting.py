@@ -57,7 +57,8 @@ by prompt-length quantile bands). Per class:
   prompts come with the shortest outputs (Mooncake: rho_S -0.52, mean output 88 tokens
   above the median prompt and 210 below); drawn independently, a sample pairs 100k-token
   prompts with long decodes, which the trace never does, and the engine defaults'
-  goodput on it was 1.8x the replay's (2.4x for seed 0). One number, and the marginals
+  goodput on it was 1.7x the replay's (median of 3 seeds; 1.1x with the copula,
+  benchmarks/RESULTS.md "Trace fidelity"). One number, and the marginals
   (all that the optimizer's models read) stay exactly the fitted ones.
 
 Sampling (``sample_trace``): each class is an independent stream, generated in fixed
