@@ -32,6 +32,12 @@ the class index a sampled trace uses) has
   interpolation between knots and rounds to an integer >= 1. A fitted workload uses a grid
   that is dense in the tail, so p50, p90, p99 and the maximum are knots and are kept
   exactly; a hand-written one may use a few knots (``[0, 0.5, 0.99, 1]``).
+- ``prompt_output_correlation`` (optional): couples a request's two lengths by a
+  Gaussian copula. The sampler draws normal scores z_p and z_o = r z_p + sqrt(1 - r^2) e
+  (e an independent standard normal) and inverts the two CDFs above at Phi(z_p), Phi(z_o),
+  so the marginals stay exactly as given and r is the correlation of the normal scores.
+  Absent (or 0), the lengths are independent. Long-context traces need it: in the
+  Mooncake trace the longest prompts come with short outputs (rank correlation -0.52).
 
 A class's share of traffic is its rate over the sum of rates (``class_stats``).
 """
@@ -348,6 +354,21 @@ class WorkloadClass(Strict):
     arrival: Arrival
     prompt_tokens: LengthDistribution
     output_tokens: LengthDistribution
+    prompt_output_correlation: float | None = Field(
+        None, description="optional Gaussian-copula correlation of a request's prompt and "
+        "output lengths (the correlation of their normal scores), strictly between -1 and 1; "
+        "absent: drawn independently",
+    )
+
+    @field_validator("prompt_output_correlation")
+    @classmethod
+    def _correlation(cls, r: float | None) -> float | None:
+        if r is not None and not (math.isfinite(r) and -1.0 < r < 1.0):
+            raise ValueError(
+                f"prompt_output_correlation must be a number strictly between -1 and 1 "
+                f"(got {r}); leave it out for independent prompt and output lengths"
+            )
+        return r
 
 
 class Workload(Document):
