@@ -70,7 +70,9 @@ def test_loop_never_returns_a_candidate_the_simulator_rejected():
     tried = {e.knobs for e in res.evaluated}
     assert tried & rejected  # they were proposed, simulated and cut off
     for it in res.iterations:
-        assert "candidates" in it and "calibration" in it and "milp_statuses" in it
+        assert "candidates" in it
+        if not (it.get("screen") or it.get("local_search")):  # rounds of the MILP
+            assert "calibration" in it and "milp_statuses" in it
 
 
 def test_loop_returns_nothing_when_the_simulator_rejects_everything():

@@ -460,6 +460,7 @@ def optimize(
     converged = None
     stopped_by = ""
     calibration = None
+    model_error: dict[str, Any] | None = None
     deadline = wall_start + time_limit_s
     run = SearchInputs(
         fluid, points, make_policy, sim, space, seed=seed, rel_tol=rel_tol,
@@ -475,6 +476,7 @@ def optimize(
         converged = loop.converged
         stopped_by = loop.stopped_by
         calibration = loop.calibration.as_dict()
+        model_error = loop.model_error
         solver_meta["milp"] = {"statuses": loop.solver_statuses}
         if loop.first_status == "infeasible":
             message, details = explain_model_infeasible(fluid, points)
@@ -575,6 +577,7 @@ def optimize(
                 "defaults_rule": defaults_rule,
             },
             "profile": _profile_meta(profile),
+            "model_error": model_error_meta(model_error),
         }
     )
     text = document_to_yaml(
@@ -617,12 +620,30 @@ def optimize(
         "max_simulations": max_simulations,
         "time_limit_s": time_limit_s,
         "calibration": calibration,
+        "model_error": round_floats(model_error) if model_error else None,
         "sample_window_s": window_at_goodput,
         "min_window_s": window,
         "warnings": warnings,
         "iterations": round_floats(iterations),
     }
     return OptimizeResult(policy, text, summary, evaluated=evaluated)
+
+
+def model_error_meta(error: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The model's error in brief, for the policy's metadata (no per-candidate rows, no
+    times: the same inputs give the same bytes; rounded with the rest of the metadata).
+    None for the baselines, which use no model."""
+    if not error:
+        return None
+    fallback = error.get("fallback") or {}
+    return {
+        "median_ratio": error.get("median_ratio"),
+        "worst_ratio": error.get("worst_ratio"),
+        "worst_miss": error.get("worst_miss"),
+        "factor": error.get("factor"),
+        "unsure": error.get("unsure"),
+        "local_search_simulations": fallback.get("simulations", 0),
+    }
 
 
 def _cal(cal: dict[str, float] | None):
