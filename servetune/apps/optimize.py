@@ -13,8 +13,10 @@ This is what ``servetune optimize`` and the nightly job call. Steps:
 3. the engine defaults are simulated the same way for comparison;
 4. the policy carries provenance in ``metadata`` (inputs' sha256, method, solver
    statuses, objective, simulated metrics, version, the profile's memory figures, why
-   the search stopped) and no wall-clock figure, so the same inputs and seed give the
-   same bytes; times go in the summary.
+   the search stopped, the fluid model's error in brief) and no wall-clock figure, so the
+   same inputs and seed give the same bytes; times go in the summary, and so does the
+   model's error per candidate (``summary["model_error"]``,
+   :func:`servetune.solvers.loop.model_error`).
 
 Budgets are work, not time: the loop's iterations, ``max_simulations`` simulations, and
 the solvers' deterministic limits (:mod:`servetune.solvers.drivers`), so a slow machine or
