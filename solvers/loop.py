@@ -61,7 +61,7 @@ import numpy as np
 
 from servetune import knobs as knob_table
 from servetune.conditions import Condition, Family
-from servetune.models.fluid import Calibration, FluidModel, Knobs
+from servetune.models.fluid import Calibration, FluidModel, Knobs, binding_limit
 from servetune.models.policy_milp import MilpInstance
 from servetune.search import GoodputResult
 from servetune.search import goodput_search as _goodput_search
@@ -454,7 +454,8 @@ def search(
             stops.add(stop)
     # Judge the model as recalibrated; where it is unsure, search by simulation.
     final_model = fluid.with_calibration(calibration)
-    judged = model_error(final_model, evaluated, factor=unsure_factor)
+    predictions: dict[Knobs, float] = {}
+    judged = model_error(final_model, evaluated, factor=unsure_factor, cache=predictions)
     fallback: dict[str, Any] = {"ran": False, "simulations": 0, "moves": 0,
                                 "worst_miss_before": judged["worst_miss"]}
     leader = max((e for e in evaluated if e.goodput.passed),
@@ -479,7 +480,7 @@ def search(
         best.goodput = refine_goodput(sim, best.policy, best.goodput, rel_tol=refine_tol)
     if fallback["ran"]:
         fallback["to_rate_per_s"] = best.goodput.rate_per_s if best else 0.0
-    error = model_error(final_model, evaluated, factor=unsure_factor)
+    error = model_error(final_model, evaluated, factor=unsure_factor, cache=predictions)
     error["unsure"] = judged["unsure"]  # the verdict the loop acted on
     error["fallback"] = fallback
     return LoopResult(
@@ -607,8 +608,24 @@ def _ratio_stats(rows: list[dict[str, Any]], ratio: str, miss: str) -> dict[str,
     }
 
 
+def _predict(model: FluidModel, knobs: list[Knobs], cache: dict[Knobs, float]) -> None:
+    """The model's goodput of each of ``knobs`` not yet in ``cache``, into it: the limits
+    of all at once (:meth:`FluidModel.limits_many` shares the work of a step shape),
+    each rate as :meth:`FluidModel.goodput` gives it."""
+    todo = [k for k in dict.fromkeys(knobs) if k not in cache]
+    if not todo:
+        return
+    if not isinstance(model, FluidModel):  # a stand-in with goodput() only (tests)
+        cache.update({k: float(model.goodput(k)[0]) for k in todo})
+        return
+    for k, lims in zip(todo, model.limits_many(todo), strict=True):
+        x = binding_limit(lims).x_max
+        cache[k] = float(x / model.mean_step_s(x)) if x > 0 else 0.0
+
+
 def model_error(
-    model: FluidModel, evaluated: list[Evaluated], *, factor: float = UNSURE_FACTOR
+    model: FluidModel, evaluated: list[Evaluated], *, factor: float = UNSURE_FACTOR,
+    cache: dict[Knobs, float] | None = None,
 ) -> dict[str, Any]:
     """How far the fluid model was from the simulator on every candidate simulated.
 
@@ -620,11 +637,14 @@ def model_error(
     smallest error factor consistent with the bracket). Overall: the median and the worst
     ratio (furthest from 1), the worst miss, for the recalibrated model and, with suffix
     ``_as_proposed``, for the predictions as used; ``unsure`` when the recalibrated
-    model's worst miss exceeds ``factor``."""
+    model's worst miss exceeds ``factor``. ``cache`` keeps the model's predictions
+    between calls with the same model."""
+    cache = {} if cache is None else cache
+    _predict(model, [ev.knobs for ev in evaluated], cache)
     rows: list[dict[str, Any]] = []
     for ev in evaluated:
         lo, hi = _bracket(ev.goodput)
-        again = float(model.goodput(ev.knobs)[0])
+        again = cache[ev.knobs]
         pred = ev.predicted_rate_per_s
         closed = ev.goodput.passed and hi is not None
         rows.append({
