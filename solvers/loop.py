@@ -21,9 +21,7 @@
    no untried candidate above it by more than that tolerance, or the MILP has nothing
    left, or the iteration limit or the simulation budget is reached.
 5. Screen the step shapes never tried, one simulation each at the best goodput plus the
-   tolerance (a simulated bound); search only those that pass. Then narrow the answer's
-   goodput bracket to 1% (it stays a lower bound, a tighter one).
-
+   tolerance (a simulated bound); search only those that pass.
 6. Judge the model (:func:`model_error`): re-predict every simulated candidate with the
    recalibrated model and compare with its simulated goodput bracket. When it misses
    some candidate by more than ``unsure_factor`` (default ``UNSURE_FACTOR`` = 1.25), the
@@ -36,8 +34,10 @@
    again); the first that passes is searched, becomes the incumbent, and the search
    moves there. It stops at a neighbourhood where nothing passes the bar (a local
    optimum *by simulation*), after ``local_simulations`` simulations, or when the
-   loop's budget is spent. The result records the model's error and whether this
+   loop's budget is spent; it does not start when that budget or the safety stop
+   already ended the loop. The result records the model's error and whether this
    fallback ran (:attr:`LoopResult.model_error`).
+7. Narrow the answer's goodput bracket to 1% (it stays a lower bound, a tighter one).
 
 Every iteration is logged. Only a candidate that passed the SLOs in simulation is ever
 returned: the answer is the best *simulated* goodput, never the model's promise.
