@@ -202,6 +202,11 @@ def test_nightly_writes_new_policy(first_run):
     assert sglang["max-running-requests"] == policy.batching.max_num_seqs
     report = (out / "report.md").read_text()
     assert "New policy written" in report and "| `batching.max_num_seqs` | 4 |" in report
+    # The optimizer's model error: its section, and the block the summary carries.
+    assert "## How far the optimizer's model was off" in report
+    error = summary["optimizer"]["model_error"]
+    assert error["candidates"] == len(error["per_candidate"]) > 0
+    assert "candidates it simulated" in report
     assert all(ch["reason"].startswith("model:") for ch in summary["changes"]
                if ch["knob"].startswith("batching."))
     for png in ("ttft_cdf.png", "tpot_cdf.png", "kv_queue.png", "goodput.png"):

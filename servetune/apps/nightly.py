@@ -50,11 +50,13 @@ from servetune.apps.optimize import DEFAULT_REQUESTS, optimize
 from servetune.apps.report import (
     DEFAULT_STRESS,
     FIGURE_NAMES,
+    MODEL_ERROR_HEADING,
     Comparison,
     ReportFiles,
     Verdict,
     build_report,
     compare,
+    model_error_section,
     report_file_list,
     write_report,
 )
@@ -393,6 +395,7 @@ def optimize_policy(
         "predicted_goodput_rate_per_s": summary.get("predicted_goodput_rate_per_s"),
         "binding": objective.get("binding") if isinstance(objective, dict) else None,
         "solver": result.policy.metadata.get("solver"),
+        "model_error": summary.get("model_error"),
     }
     return Optimized(policy=result.policy, reasons=reasons, info=info)
 
@@ -559,7 +562,8 @@ def run_nightly(
     report = build_report(
         comp, Verdict(headline, reasons), reasons=opt.reasons, exports=exports,
         inputs=inputs, title="servetune nightly tuning report", summary_extra=summary_extra,
-        extra_sections=[("Gate per engine", gate_table(gates))],
+        extra_sections=[("Gate per engine", gate_table(gates)),
+                        (MODEL_ERROR_HEADING, model_error_section(opt.info.get("model_error")))],
     )
     _say(progress, f"writing outputs to {out}")
     written = _write_outputs(out, policy_text, exports, report)

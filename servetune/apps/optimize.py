@@ -13,8 +13,10 @@ This is what ``servetune optimize`` and the nightly job call. Steps:
 3. the engine defaults are simulated the same way for comparison;
 4. the policy carries provenance in ``metadata`` (inputs' sha256, method, solver
    statuses, objective, simulated metrics, version, the profile's memory figures, why
-   the search stopped) and no wall-clock figure, so the same inputs and seed give the
-   same bytes; times go in the summary.
+   the search stopped, the fluid model's error in brief) and no wall-clock figure, so the
+   same inputs and seed give the same bytes; times go in the summary, and so does the
+   model's error per candidate (``summary["model_error"]``,
+   :func:`servetune.solvers.loop.model_error`).
 
 Budgets are work, not time: the loop's iterations, ``max_simulations`` simulations, and
 the solvers' deterministic limits (:mod:`servetune.solvers.drivers`), so a slow machine or
@@ -571,6 +573,7 @@ def optimize(
     converged = None
     stopped_by = ""
     calibration = None
+    model_error: dict[str, Any] | None = None
     deadline = wall_start + time_limit_s
     run = SearchInputs(
         fluid, points, make_policy, sim, space, seed=seed, rel_tol=rel_tol,
@@ -588,6 +591,7 @@ def optimize(
         converged = loop.converged
         stopped_by = loop.stopped_by
         calibration = loop.calibration.as_dict()
+        model_error = loop.model_error
         solver_meta["milp"] = {"statuses": loop.solver_statuses}
         if loop.first_status == "infeasible":
             message, details = explain_model_infeasible(fluid, points)
@@ -694,6 +698,7 @@ def optimize(
                 "defaults_rule": defaults_rule,
             },
             "profile": _profile_meta(profile),
+            "model_error": model_error_meta(model_error),
         }
     )
     text = document_to_yaml(
@@ -738,12 +743,30 @@ def optimize(
         "max_simulations": max_simulations,
         "time_limit_s": time_limit_s,
         "calibration": calibration,
+        "model_error": round_floats(model_error) if model_error else None,
         "sample_window_s": window_at_goodput,
         "min_window_s": window,
         "warnings": warnings,
         "iterations": round_floats(iterations),
     }
     return OptimizeResult(policy, text, summary, evaluated=evaluated)
+
+
+def model_error_meta(error: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The model's error in brief, for the policy's metadata (no per-candidate rows, no
+    times: the same inputs give the same bytes; rounded with the rest of the metadata).
+    None for the baselines, which use no model."""
+    if not error:
+        return None
+    fallback = error.get("fallback") or {}
+    return {
+        "median_ratio": error.get("median_ratio"),
+        "worst_ratio": error.get("worst_ratio"),
+        "worst_miss": error.get("worst_miss"),
+        "factor": error.get("factor"),
+        "unsure": error.get("unsure"),
+        "local_search_simulations": fallback.get("simulations", 0),
+    }
 
 
 def _cal(cal: dict[str, float] | None):

@@ -550,6 +550,90 @@ def changes_table(changes: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+MODEL_ERROR_HEADING = "How far the optimizer's model was off"
+_SHORT_KNOB = {
+    "batching.max_num_seqs": "seqs",
+    "batching.max_num_batched_tokens": "tokens",
+    "batching.long_prefill_token_threshold": "chunk",
+    "admission.kv_watermark": "watermark",
+    "admission.max_queued_requests": "queue",
+    "admission.max_queued_prompt_tokens": "queued tokens",
+}
+
+
+def _knobs_short(knobs: dict[str, Any]) -> str:
+    """``seqs 32, tokens 1024, chunk 512``: the step shape always, the other knobs when set."""
+    parts = []
+    for path, value in knobs.items():
+        name = _SHORT_KNOB.get(path, path)
+        if name in ("seqs", "tokens") or value not in (None, 0, 0.0):
+            parts.append(f"{name} {value}")
+    return ", ".join(parts)
+
+
+def _rate(x: Any) -> str:
+    return "n/a" if x is None else f"{float(x):.3g}"
+
+
+def model_error_section(error: dict[str, Any] | None) -> str:
+    """The fluid model's goodput predictions against the simulator's goodputs, for every
+    candidate the optimizer simulated (``optimize``'s ``summary["model_error"]``,
+    :func:`servetune.solvers.loop.model_error`), in words and one table (Markdown)."""
+    if not error:
+        return "The optimizer used no model (a baseline search), so there is no model error.\n"
+    rows = error.get("per_candidate") or []
+    factor = error.get("factor")
+    median, worst = error.get("median_ratio"), error.get("worst_miss")
+    fallback = error.get("fallback") or {}
+    text = [
+        f"The optimizer's fluid model predicted the goodput of each of the {len(rows)} "
+        "candidates it simulated; after recalibration the median ratio simulated / "
+        f"predicted was {_fmt(median)} over the {error.get('compared', 0)} whose goodput "
+        f"was bracketed, and its worst miss a factor of {_fmt(worst)}"
+        + (f" ({error.get('worst_miss_label')})" if worst is not None else "")
+        + f". As the loop proposed them (before recalibration) the worst miss was "
+        f"{_fmt(error.get('worst_miss_as_proposed'))}."
+    ]
+    if fallback.get("ran"):
+        text.append(
+            f"The recalibrated model missed by more than {_fmt(factor)}x, so it was not "
+            "trusted near the answer: the optimizer searched the best policy's neighbours "
+            "(one grid step in each knob) by simulation, "
+            f"{fallback.get('simulations', 0)} simulations, {fallback.get('moves', 0)} "
+            f"move(s); best goodput {_rate(fallback.get('from_rate_per_s'))} -> "
+            f"{_rate(fallback.get('to_rate_per_s'))} req/s."
+        )
+    elif error.get("unsure"):
+        text.append(f"The recalibrated model missed by more than {_fmt(factor)}x, but the "
+                    "search had no budget or incumbent left to check its answer by "
+                    "simulation.")
+    else:
+        text.append(f"Every miss was within {_fmt(factor)}x, so the model's ranking was "
+                    "trusted; no extra simulations were spent.")
+    lines = [" ".join(text), "",
+             "| candidate | knobs | predicted (as proposed) | predicted (recalibrated) | "
+             "simulated goodput | miss |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lo, hi = r.get("simulated_rate_per_s"), r.get("simulated_upper_rate_per_s")
+        if lo:
+            sim_text = _rate(lo)
+        elif hi is not None:
+            sim_text = f"< {_rate(hi)}"
+        else:
+            sim_text = "no pass"
+        miss = r.get("miss")
+        lines.append(
+            f"| {r.get('label', '')} | {_knobs_short(r.get('knobs') or {})} | "
+            f"{_rate(r.get('predicted_rate_per_s'))} | "
+            f"{_rate(r.get('recalibrated_rate_per_s'))} | {sim_text} | "
+            f"{'n/a' if miss is None else f'{float(miss):.2f}x'} |")
+    lines += ["", "Goodputs in req/s. *simulated goodput*: the highest rate that met the "
+              "SLOs (\"< x\": rejected at x, the rate it had to beat); *miss*: the smallest "
+              "factor between the recalibrated prediction and the simulated bracket."]
+    return "\n".join(lines) + "\n"
+
+
 def _slo_text_one(c: ClassSLO) -> str:
     limits = ", ".join(f"{k.removesuffix('_s').upper()} <= {v:g} s"
                        for k, v in c.limits().items())
