@@ -438,6 +438,8 @@ def _merged(first: LoopResult, between: list[Evaluated], again: LoopResult) -> L
         solver_s=first.solver_s + again.solver_s, converged=again.converged,
         first_instance=first.first_instance, first_status=first.first_status,
         stopped_by=again.stopped_by,
+        # the search again judged the model over the widened space, its fallback included
+        model_error=again.model_error,
     )
 
 
