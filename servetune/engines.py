@@ -14,7 +14,15 @@ Every engine name list in the code (the job schema's ``engine``, the simulator's
 - ``default_batching``: the engine's own ``max_num_seqs`` / ``max_num_batched_tokens`` on
   a GPU (:class:`GpuFacts`), with the rule that gave them (the defaults baseline is
   simulated with them and reports name the rule); ``None`` where servetune does not
-  model them.
+  model them;
+- ``host``: the engine's host-side cost per step (:class:`HostOverhead`): the scheduling,
+  input preparation, sampling and output processing a CUDA-graph replay of the GPU work
+  does not contain. GPU profiles hold GPU time only and take these defaults when a step
+  is evaluated for the engine (``servetune.profiles.steptime``), unless a profile pins its
+  own. The defaults live here, not in each profile, because they belong to the engine
+  (its process layout, whether it overlaps host work with the GPU) and its host CPU, not
+  to the GPU a profile describes: one profile serves four engines, and a new engine
+  release changes one row instead of every profile.
 
 This module imports nothing heavy: the CLI reads it at start-up.
 """
@@ -81,6 +89,47 @@ def _sglang_default_batching(gpu: GpuFacts) -> DefaultBatching:
 
 
 @dataclass(frozen=True)
+class HostOverhead:
+    """An engine's host seconds per step and per sequence that produces a token, and where
+    the numbers come from (reports and profile docs quote it)."""
+
+    per_step_s: float
+    per_seq_s: float
+    source: str
+
+
+# vLLM V1 (0.8 and later; the engine core runs in its own process, API server and
+# detokenizer in another): two global constants fitted on the published end-to-end
+# measurements of benchmarks/published_vllm.yaml (see benchmarks/RESULTS.md, section
+# "Published vLLM end to end"), with the GPU side of every profile held fixed.
+VLLM_HOST = HostOverhead(
+    per_step_s=1.0e-3, per_seq_s=10e-6,
+    source="fitted on the published vLLM V1 end-to-end points in "
+           "benchmarks/published_vllm.yaml (benchmarks/RESULTS.md)",
+)
+# SGLang overlaps the next batch's scheduling with the current step by default (its
+# "zero-overhead" overlap scheduler since v0.4, Dec 2024), so less of its host work is
+# exposed; per-sequence output work remains. Not fitted: no SGLang points are replayed.
+SGLANG_HOST = HostOverhead(
+    per_step_s=0.4e-3, per_seq_s=8e-6,
+    source="assumed: vLLM's per-sequence cost, less than half its per-step cost because "
+           "SGLang overlaps scheduling with the GPU step by default (since v0.4)",
+)
+# TensorRT-LLM: C++ batch manager (and in the PyTorch backend, an overlap scheduler on by
+# default since 1.0); the smallest exposed host cost of the four. Not fitted.
+TRTLLM_HOST = HostOverhead(
+    per_step_s=0.3e-3, per_seq_s=5e-6,
+    source="assumed: C++ scheduling, overlapped with the GPU step; not fitted",
+)
+# TGI: Rust router, Python model server exchanging batches over gRPC each step, no
+# overlap; the largest exposed host cost. Not fitted.
+TGI_HOST = HostOverhead(
+    per_step_s=1.5e-3, per_seq_s=15e-6,
+    source="assumed: router-to-server gRPC round trip per step, no overlap; not fitted",
+)
+
+
+@dataclass(frozen=True)
 class Engine:
     """One serving engine (module docstring)."""
 
@@ -90,6 +139,7 @@ class Engine:
     exporter: str
     config_file: str
     default_batching: Callable[[GpuFacts], DefaultBatching] | None = None
+    host: HostOverhead = VLLM_HOST
 
     def export_function(self) -> Callable[..., Any]:
         """The exporter, ``export(policy, facts) -> ExportResult``."""
@@ -99,11 +149,12 @@ class Engine:
 
 ENGINES: tuple[Engine, ...] = (
     Engine("vllm", "vLLM", 0, "servetune.export.vllm:export", "vllm.yaml",
-           _vllm_default_batching),
+           _vllm_default_batching, VLLM_HOST),
     Engine("sglang", "SGLang", 1, "servetune.export.sglang:export", "sglang.yaml",
-           _sglang_default_batching),
-    Engine("trtllm", "TensorRT-LLM", 2, "servetune.export.trtllm:export", "trtllm.yaml"),
-    Engine("tgi", "TGI", 3, "servetune.export.tgi:export", "tgi.sh"),
+           _sglang_default_batching, SGLANG_HOST),
+    Engine("trtllm", "TensorRT-LLM", 2, "servetune.export.trtllm:export", "trtllm.yaml",
+           host=TRTLLM_HOST),
+    Engine("tgi", "TGI", 3, "servetune.export.tgi:export", "tgi.sh", host=TGI_HOST),
 )
 
 ENGINE_NAMES: tuple[str, ...] = tuple(e.name for e in ENGINES)
@@ -114,6 +165,15 @@ CONFIG_FILES: dict[str, str] = {e.name: e.config_file for e in ENGINES}
 def engine(name: str) -> Engine:
     """The row of engine ``name`` (KeyError when there is none; callers say what to do)."""
     return BY_NAME[name]
+
+
+def host_overhead(name: str) -> tuple[float, float]:
+    """(per step, per sequence) host seconds of engine ``name`` (ValueError naming the
+    known engines when there is none)."""
+    row = BY_NAME.get(name)
+    if row is None:
+        raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
+    return row.host.per_step_s, row.host.per_seq_s
 
 
 def kernel_id(name: str) -> int:
@@ -129,6 +189,8 @@ __all__ = [
     "DefaultBatching",
     "Engine",
     "GpuFacts",
+    "HostOverhead",
     "engine",
+    "host_overhead",
     "kernel_id",
 ]

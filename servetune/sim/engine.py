@@ -115,7 +115,8 @@ from servetune.workloads.trace import Trace
 # that changes a result, so that measurements cached on disk (capacity, spare room) keyed
 # on it are measured again. 2: vLLM's full-prompt check and idle-engine watermark as the
 # engine does them, preemption ties by running-list order, TGI decode rows take budget.
-ENGINE_MODEL_VERSION = 2
+# 3: every step adds the engine's host cost (servetune.engines, per step and per sequence).
+ENGINE_MODEL_VERSION = 3
 ENGINES = ENGINE_NAMES  # in kernel-id order: ENGINES.index(name) is the kernel's E_* id
 
 # Why a request did not complete: the codes and texts live in the kernel, which records them.
@@ -243,7 +244,7 @@ def kernel_params(
     total = int(kv_blocks)
     ratio_init = min(SGLANG_INIT_NEW_TOKEN_RATIO, 1.0)
     ratio_floor = ratio_init * SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
-    coef, pieces = step_time.as_arrays()
+    coef, pieces = step_time.as_arrays(engine)
     return K.Params(
         engine=kernel_id(engine),
         # the policy's knobs, as the knob table encodes them
