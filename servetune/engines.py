@@ -99,13 +99,16 @@ class HostOverhead:
 
 
 # vLLM V1 (0.8 and later; the engine core runs in its own process, API server and
-# detokenizer in another): two global constants fitted on the published end-to-end
-# measurements of benchmarks/published_vllm.yaml (see benchmarks/RESULTS.md, section
-# "Published vLLM end to end"), with the GPU side of every profile held fixed.
+# detokenizer in another). PROVISIONAL, not fitted: 1.0 ms per step is where two
+# estimates meet, the H200 measurement README's "roughly 0.1-1 ms of CPU time per step
+# unless overlapped" and issue 13's "roughly 1-3 ms per step" from end-to-end comparisons;
+# 10 us per sequence is an assumed order of magnitude for per-request output processing.
+# benchmarks/published_vllm.py is where they are to be fitted (two global constants, GPU
+# side held fixed) once benchmarks/published_vllm.yaml holds admitted points; it has none.
 VLLM_HOST = HostOverhead(
     per_step_s=1.0e-3, per_seq_s=10e-6,
-    source="fitted on the published vLLM V1 end-to-end points in "
-           "benchmarks/published_vllm.yaml (benchmarks/RESULTS.md)",
+    source="provisional (not fitted): 1 ms per step between the 0.1-1 ms of the H200 "
+           "measurement README and the 1-3 ms of issue 13; 10 us per sequence assumed",
 )
 # SGLang overlaps the next batch's scheduling with the current step by default (its
 # "zero-overhead" overlap scheduler since v0.4, Dec 2024), so less of its host work is
