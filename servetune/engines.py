@@ -104,11 +104,15 @@ class HostOverhead:
 # unless overlapped" and issue 13's "roughly 1-3 ms per step" from end-to-end comparisons;
 # 10 us per sequence is an assumed order of magnitude for per-request output processing.
 # benchmarks/published_vllm.py is where they are to be fitted (two global constants, GPU
-# side held fixed) once benchmarks/published_vllm.yaml holds admitted points; it has none.
+# side held fixed) once benchmarks/published_vllm.yaml holds admitted points; it has none
+# after two searches on 2026-12-02 (RESULTS.md). One non-admitted H100 run (vLLM 0.21,
+# unstated lengths, p50 only) shows batch-1 TPOT at the GPU-only step time, a hint that the
+# exposed per-step cost is well under 1 ms there; not enough to fit, so left as is.
 VLLM_HOST = HostOverhead(
     per_step_s=1.0e-3, per_seq_s=10e-6,
-    source="provisional (not fitted): 1 ms per step between the 0.1-1 ms of the H200 "
-           "measurement README and the 1-3 ms of issue 13; 10 us per sequence assumed",
+    source="provisional (not fitted; no admitted published points as of 2026-12-02): "
+           "1 ms per step between the 0.1-1 ms of the H200 measurement README and the "
+           "1-3 ms of issue 13; 10 us per sequence assumed",
 )
 # SGLang overlaps the next batch's scheduling with the current step by default (its
 # "zero-overhead" overlap scheduler since v0.4, Dec 2024), so less of its host work is
