@@ -63,6 +63,8 @@ from servetune.profiles.steptime import (
     COEF_DECODE_CTX,
     COEF_DECODE_SEQ,
     COEF_FIXED,
+    COEF_HOST_SEQ,
+    COEF_HOST_STEP,
     COEF_LM_ROW,
     COEF_PREFILL_PAIR,
     StepTimeModel,
@@ -319,15 +321,18 @@ class Knobs:
 
 @dataclass(frozen=True)
 class Platform:
-    """The GPU x model the policy runs on: step-time model and KV pool."""
+    """The GPU x model the policy runs on: step-time model and KV pool, and the engine
+    whose host cost per step the step time includes (``servetune.engines``)."""
 
     step_time: StepTimeModel
     kv_blocks: int
     block_size: int = 16
+    engine: str = "vllm"
 
     @staticmethod
-    def from_profile(profile: Profile) -> Platform:
-        return Platform(profile.step_time, int(profile.kv_blocks()), int(profile.block_size))
+    def from_profile(profile: Profile, engine: str = "vllm") -> Platform:
+        return Platform(profile.step_time, int(profile.kv_blocks()), int(profile.block_size),
+                        engine)
 
     @property
     def kv_tokens(self) -> int:
@@ -445,7 +450,7 @@ class FluidModel:
         self.tokens = self.prompt_mean + self.decode_rows
         self.ca2 = ld.mean(lambda c: c.interarrival_cv**2)
         self.cs2 = max(self.prompt_sq / self.prompt_mean**2 - 1.0, 0.0)
-        self.coef, self.pieces = self.platform.step_time.as_arrays()
+        self.coef, self.pieces = self.platform.step_time.as_arrays(self.platform.engine)
         # The prompt-length mixture (quantile midpoints of every class, weighted by share)
         # for E[P min(P, c)], the per-step prefill variance under a chunk size c.
         mids = (np.arange(_N_MOMENT_BINS) + 0.5) / _N_MOMENT_BINS
@@ -484,9 +489,9 @@ class FluidModel:
         gemm = np.max(p[:, 0][:, None] + p[:, 1][:, None] * tokens.reshape(1, -1), axis=0)
         gemm = gemm.reshape(tokens.shape)
         return (
-            c[COEF_FIXED] + gemm + c[COEF_ALLREDUCE] * tokens + c[COEF_DECODE_CTX] * context
-            + c[COEF_DECODE_SEQ] * decode + c[COEF_PREFILL_PAIR] * pairs
-            + c[COEF_LM_ROW] * sampled
+            c[COEF_FIXED] + c[COEF_HOST_STEP] + gemm + c[COEF_ALLREDUCE] * tokens
+            + c[COEF_DECODE_CTX] * context + c[COEF_DECODE_SEQ] * decode
+            + c[COEF_PREFILL_PAIR] * pairs + (c[COEF_LM_ROW] + c[COEF_HOST_SEQ]) * sampled
         )
 
     def step_pieces(self) -> list[tuple[float, float]]:
@@ -506,12 +511,13 @@ class FluidModel:
         linear = (
             c[COEF_ALLREDUCE] * self.tokens + c[COEF_DECODE_CTX] * self.context
             + c[COEF_DECODE_SEQ] * self.decode_rows + c[COEF_PREFILL_PAIR] * self.pairs
-            + c[COEF_LM_ROW] * self.output_mean
+            + (c[COEF_LM_ROW] + c[COEF_HOST_SEQ]) * self.output_mean
         )
         b_max = float(max(b for _, b in self.pieces))
         prefill = b_max * self.prompt_mean
         return [
-            (float(c[COEF_FIXED] + a), float(b * self.decode_rows + prefill + linear))
+            (float(c[COEF_FIXED] + c[COEF_HOST_STEP] + a),
+             float(b * self.decode_rows + prefill + linear))
             for a, b in self.pieces
         ]
 

@@ -18,7 +18,15 @@ Every engine name list in the code (the job schema's ``engine``, the simulator's
 - ``chunked_prefill``: whether the engine chunks prefills by default; a policy that leaves
   ``batching.enable_chunked_prefill`` unset (None) runs and exports with it (vLLM, SGLang
   and TGI on; ``trtllm-serve`` off: its ``--enable_chunked_prefill`` is off by default,
-  docs/engines.md 4).
+  docs/engines.md 4);
+- ``host``: the engine's host-side cost per step (:class:`HostOverhead`): the scheduling,
+  input preparation, sampling and output processing a CUDA-graph replay of the GPU work
+  does not contain. GPU profiles hold GPU time only and take these defaults when a step
+  is evaluated for the engine (``servetune.profiles.steptime``), unless a profile pins its
+  own. The defaults live here, not in each profile, because they belong to the engine
+  (its process layout, whether it overlaps host work with the GPU) and its host CPU, not
+  to the GPU a profile describes: one profile serves four engines, and a new engine
+  release changes one row instead of every profile.
 
 This module imports nothing heavy: the CLI reads it at start-up.
 """
@@ -85,6 +93,31 @@ def _sglang_default_batching(gpu: GpuFacts) -> DefaultBatching:
 
 
 @dataclass(frozen=True)
+class HostOverhead:
+    """An engine's host seconds per step and per sequence that produces a token, and where
+    the numbers come from (reports and profile docs quote it)."""
+
+    per_step_s: float
+    per_seq_s: float
+    source: str
+
+
+# The engines' host cost is not yet known well enough to charge by default, so it is 0 for
+# every engine: the profiles' GPU time alone, as before the host terms existed. Why: no
+# published end-to-end vLLM measurement could be admitted to fit it (two searches on
+# 2026-12-02, benchmarks/RESULTS.md "Published vLLM measurements"), and the one near miss
+# (an H100 sweep, vLLM 0.21, p50 only) puts batch-1 TPOT at the GPU-only step time, which a
+# guessed 1 ms per step would make 16% slow. `servetune validate --calibrate` fits both
+# terms for a deployment from its own `vllm bench serve` run and pins them in the profile;
+# a profile may also pin them by hand (step_time.host_s_per_step / host_s_per_seq).
+UNMEASURED_HOST = HostOverhead(
+    per_step_s=0.0, per_seq_s=0.0,
+    source="none charged: no admitted published measurement to fit it to (2026-12-02); "
+           "calibrate with `servetune validate --calibrate` or pin it in the profile",
+)
+
+
+@dataclass(frozen=True)
 class Engine:
     """One serving engine (module docstring)."""
 
@@ -95,6 +128,7 @@ class Engine:
     config_file: str
     default_batching: Callable[[GpuFacts], DefaultBatching] | None = None
     chunked_prefill: bool = True
+    host: HostOverhead = UNMEASURED_HOST
 
     def export_function(self) -> Callable[..., Any]:
         """The exporter, ``export(policy, facts) -> ExportResult``."""
@@ -122,6 +156,15 @@ def engine(name: str) -> Engine:
     return BY_NAME[name]
 
 
+def host_overhead(name: str) -> tuple[float, float]:
+    """(per step, per sequence) host seconds of engine ``name`` (ValueError naming the
+    known engines when there is none)."""
+    row = BY_NAME.get(name)
+    if row is None:
+        raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
+    return row.host.per_step_s, row.host.per_seq_s
+
+
 def kernel_id(name: str) -> int:
     """The simulator kernel's integer for engine ``name``."""
     return BY_NAME[name].kernel_id
@@ -135,6 +178,8 @@ __all__ = [
     "DefaultBatching",
     "Engine",
     "GpuFacts",
+    "HostOverhead",
     "engine",
+    "host_overhead",
     "kernel_id",
 ]

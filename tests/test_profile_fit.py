@@ -84,8 +84,14 @@ def write_synthetic(folder: Path) -> None:
            for t in TOKENS for op, (k, n) in OPS.items()])
     write("elementwise.csv", ["model", "tokens", "ms"],
           [[model, t, f"{max(1e-4, TRUE['el'] * t) * 1e3:.6f}"] for t in TOKENS])
+    kv_bytes = 2 * ARCH.kv_heads * ARCH.head_dim * 2.0  # one layer's K and V, bf16
+
+    def decode_ms(b: int, n: int) -> float:
+        return (phi + TRUE['c_ctx'] * b * n + TRUE['c_seq'] * b) * 1e3
+
     write("attn_decode.csv", ["model", "batch", "context", "ms", "kv_GBps"],
-          [[model, b, n, f"{(phi + TRUE['c_ctx'] * b * n + TRUE['c_seq'] * b) * 1e3:.6f}", 0]
+          [[model, b, n, f"{decode_ms(b, n):.6f}",
+            f"{kv_bytes * b * n / decode_ms(b, n) / 1e6:.1f}"]
            for b in (1, 4, 8, 16, 32, 64, 128, 256, 512)
            for n in (128, 512, 1024, 2048, 4096, 8192, 16384, 32768) if b * n <= 2_000_000])
     pre = [[model, 1, c, f"{(phi + TRUE['w'] * c * c / 2) * 1e3:.6f}"]
@@ -127,7 +133,7 @@ def test_synthetic_gpu_is_recovered(tmp_path):
     for decode, ctx, chunk in ((0, 0, 256), (0, 0, 1024), (0, 0, 4096), (0, 0, 8192),
                                (32, 2048, 1024), (128, 1024, 1024), (512, 512, 0)):
         t, s = decode + chunk, decode + (1 if chunk else 0)
-        got = st.seconds(t, s, decode, decode * ctx, chunk * chunk / 2)
+        got = st.gpu_only().seconds(t, s, decode, decode * ctx, chunk * chunk / 2)
         assert got == pytest.approx(true_step(decode, ctx, chunk), rel=0.03), (decode, chunk)
 
 

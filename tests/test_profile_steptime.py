@@ -61,3 +61,97 @@ def test_constant_step_time():
 def test_negative_piece_rejected():
     with pytest.raises(ValueError):
         StepTimeModel(gemm_pieces=[(0.001, -1e-6)])
+
+
+# ---- host-side cost (issue 13) ------------------------------------------------------
+HOSTED = StepTimeModel(
+    fixed_s=0.0005, gemm_pieces=[(0.004, 1e-5)], decode_attn_s_per_context_token=3e-8,
+    decode_attn_s_per_seq=1e-6, lm_head_s_per_row=1.5e-6,
+    host_s_per_step=0.0012, host_s_per_seq=2e-5,
+)
+
+
+def test_step_with_host_cost_worked_by_hand():
+    # 8 decoding sequences of 1,000 context tokens, nothing else:
+    #   GPU  = 0.5 ms + (4 ms + 8 x 10 us) + 8,000 x 30 ns + 8 x 1 us + 8 x 1.5 us
+    #        = 0.5 + 4.08 + 0.24 + 0.008 + 0.012 = 4.84 ms
+    #   host = 1.2 ms + 8 x 20 us = 1.36 ms;  step = 6.20 ms
+    assert HOSTED.seconds(8, 8, 8, 8000, 0) == pytest.approx(6.20e-3, rel=1e-12)
+    assert HOSTED.gpu_only().seconds(8, 8, 8, 8000, 0) == pytest.approx(4.84e-3, rel=1e-12)
+    # a constant step time ignores host costs (it is the whole step)
+    assert StepTimeModel(constant_s=0.01, host_s_per_step=0.5).seconds(8, 8, 8, 8000, 0) \
+        == 0.01
+
+
+def test_unset_host_cost_takes_the_engines_default():
+    from servetune.engines import ENGINES
+
+    gpu = HOSTED.model_copy(update={"host_s_per_step": None, "host_s_per_seq": None})
+    base = gpu.gpu_only().seconds(8, 8, 8, 8000, 0)
+    for eng in ENGINES:
+        want = base + eng.host.per_step_s + 8 * eng.host.per_seq_s
+        assert gpu.seconds(8, 8, 8, 8000, 0, engine=eng.name) == pytest.approx(want)
+        assert eng.host.source
+    # a profile's own figure wins over the engine's
+    assert HOSTED.seconds(8, 8, 8, 8000, 0, engine="tgi") == pytest.approx(6.20e-3)
+
+
+def test_numba_and_python_step_time_agree_with_host_cost():
+    # the compiled kernel and the pure-Python reference replay the same steps: same times
+    import numpy as np
+
+    from servetune.schemas.policy import Policy
+    from servetune.sim.api import simulate
+    from servetune.workloads.trace import from_arrays
+
+    profile = load_profile("h100-80gb-llama-3.1-8b")
+    trace = from_arrays(np.array([0.0, 0.0, 0.01, 0.5]), np.array([1000, 3000, 200, 9000]),
+                        np.array([50, 20, 80, 10]))
+    for engine in ("vllm", "sglang"):
+        fast = simulate(trace, Policy(), profile, engine=engine).metrics
+        ref = simulate(trace, Policy(), profile, engine=engine, reference=True).metrics
+        np.testing.assert_allclose(fast.e2e_s, ref.e2e_s, rtol=1e-12)
+        np.testing.assert_allclose(fast.ttft_s, ref.ttft_s, rtol=1e-12)
+    # and the host cost is in them: one request alone, 50 steps, each >= 1 vLLM host cost
+    alone = simulate(from_arrays(np.zeros(1), np.array([100]), np.array([50])), Policy(),
+                     profile).metrics
+    gpu = profile.model_copy(update={"step_time": profile.step_time.gpu_only()})
+    bare = simulate(from_arrays(np.zeros(1), np.array([100]), np.array([50])), Policy(),
+                    gpu).metrics
+    host_step, host_seq = profile.step_time.host_seconds("vllm")
+    assert alone.e2e_s[0] - bare.e2e_s[0] == pytest.approx(50 * (host_step + host_seq))
+
+
+def test_host_fields_round_trip_through_profile_yaml(tmp_path):
+    from servetune.profiles.shipped import load_profile
+    from servetune.schemas.base import document_to_yaml
+    from servetune.schemas.profile import Profile
+
+    profile = load_profile("h200-llama-3.1-8b")
+    assert profile.step_time.host_s_per_step is None  # shipped profiles: GPU time only
+    pinned = profile.model_copy(update={"step_time": profile.step_time.model_copy(
+        update={"host_s_per_step": 0.0015, "host_s_per_seq": 1.2e-5})})
+    path = tmp_path / "p.yaml"
+    path.write_text(document_to_yaml(pinned), encoding="utf-8")
+    import yaml
+
+    back = Profile.model_validate(yaml.safe_load(path.read_text(encoding="utf-8")))
+    assert back.step_time == pinned.step_time
+    assert back.step_time.host_seconds("trtllm") == (0.0015, 1.2e-5)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("host_s_per_step", -0.001), ("host_s_per_seq", -1e-6),
+    ("host_s_per_step", 2.0), ("host_s_per_seq", float("nan")),
+])
+def test_bad_host_cost_is_rejected_naming_the_field(field, value):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as err:
+        StepTimeModel(**{field: value})
+    assert field in str(err.value)
+
+
+def test_unknown_engine_is_named():
+    with pytest.raises(ValueError, match="unknown engine 'nope'"):
+        HOSTED.model_copy(update={"host_s_per_step": None}).as_arrays("nope")

@@ -204,7 +204,8 @@ def fit_profile(
         "step time = per-operation timings of one layer x layers, with the launch-floor "
         "correction (launch_floor_s, gemv_bandwidth_Bps, gemm_scale, layer_overhead_s) "
         f"learned from {corr.learned_from} (servetune.profiles.fit docstring)",
-        "CPU scheduling and sampling time not included (the measurements exclude them)",
+        HOST_ASSUMPTION,
+        _kv_assumption(perop.kv_read_Bps, hardware),
         "activation_reserve_bytes estimated by "
         "servetune.profiles.memory.estimate_activation_reserve "
         "(max_num_batched_tokens 8192, max_num_seqs 1024, 1.5 GiB CUDA graphs + non-torch)",
@@ -213,7 +214,8 @@ def fit_profile(
         assumptions.append(f"per-GPU rows {rows_name!r} stand for {arch.name} at TP {tp}")
     if tp > 1:
         assumptions.append(_allreduce_assumption(hardware))
-    fit = {**{k: round_sig(v) for k, v in corr.as_dict().items()}, **corr_fit}
+    fit = {**{k: round_sig(v) for k, v in corr.as_dict().items()}, **corr_fit,
+           **_kv_fit(perop.kv_read_Bps, hardware)}
     if check is not None:
         fit["step_rows"] = check["rows"]
         fit["median_abs_pct_error"] = check["median_abs_pct_error"]
@@ -228,6 +230,25 @@ def fit_profile(
     profile = _new_profile(name or _default_name(_gpu_slug(hardware), arch, tp), hardware,
                            arch, tp, gpu_memory_utilization, block_size, step_time, calibration)
     return profile, FitReport(corr, check)
+
+
+HOST_ASSUMPTION = (
+    "GPU time only: the engine's host work per step (scheduling, input preparation, "
+    "sampling, output processing) is added when a step is simulated, from the engine's "
+    "defaults in servetune.engines (host_s_per_step and host_s_per_seq are null here)"
+)
+
+
+def _kv_fit(kv_read_Bps: float, hw: Hardware) -> dict[str, float]:
+    return {"kv_read_bandwidth_Bps": round_sig(kv_read_Bps),
+            "kv_bandwidth_fraction": round_sig(kv_read_Bps / hw.hbm_bandwidth_Bps, 4)}
+
+
+def _kv_assumption(kv_read_Bps: float, hw: Hardware) -> str:
+    return (f"decode attention reads KV at {kv_read_Bps / 1e12:.3f} TB/s, "
+            f"{kv_read_Bps / hw.hbm_bandwidth_Bps:.1%} of the {hw.hbm_bandwidth_Bps / 1e12:.3g} "
+            "TB/s datasheet figure: the median kv_GBps of the bandwidth-bound rows of "
+            "attn_decode.csv (servetune.profiles.fit.kv_read_bandwidth)")
 
 
 def _allreduce_assumption(hw: Hardware) -> str:
@@ -299,6 +320,11 @@ def derive_profile(
         f"memory bandwidth ({base_hw.hbm_bandwidth_Bps / 1e12:.2f} -> "
         f"{target_hw.hbm_bandwidth_Bps / 1e12:.3f} TB/s)",
         "efficiencies (fraction of peak reached) assumed equal to the measured GPU's",
+        f"decode attention reads KV at {scaled.kv_read_Bps / 1e12:.3f} TB/s: the fraction of "
+        f"datasheet bandwidth measured on {base_hw.name} "
+        f"({perop.kv_read_Bps / base_hw.hbm_bandwidth_Bps:.1%}, median kv_GBps of the "
+        "bandwidth-bound rows of attn_decode.csv) assumed on this GPU too",
+        HOST_ASSUMPTION,
         "shape ratios target/measured per GPU: "
         + ", ".join(f"{k}={v:.3g}" for k, v in ratios.items()),
         "activation_reserve_bytes estimated by "
@@ -314,7 +340,8 @@ def derive_profile(
         source="derived by servetune profile derive from measured H200 per-operation "
                "timings and datasheets: " + "; ".join(sources),
         files=_calibration_files(meas, paths_relative_to), assumptions=assumptions,
-        fit={**{k: round_sig(v) for k, v in target_corr.as_dict().items()}, **corr_fit},
+        fit={**{k: round_sig(v) for k, v in target_corr.as_dict().items()}, **corr_fit,
+             **_kv_fit(scaled.kv_read_Bps, target_hw)},
     )
     return _new_profile(name or _default_name(gpu_key, arch, tp), target_hw, arch, tp,
                         gpu_memory_utilization, block_size, step_time, calibration)

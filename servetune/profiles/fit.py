@@ -61,6 +61,7 @@ from pathlib import Path
 import numpy as np
 
 from servetune.errors import ServetuneError
+from servetune.profiles import memory
 from servetune.profiles.lp import solve_lp
 from servetune.profiles.measurements import (
     GEMM_OPS,
@@ -127,6 +128,7 @@ class PerOpModel:
     lm_tokens: np.ndarray
     lm_seconds: np.ndarray
     lm_weight_bytes: float
+    kv_read_Bps: float = 0.0  # KV read bandwidth decode attention is charged at
     files: list[Path] = field(default_factory=list)
 
     def token_term(self, tokens: np.ndarray, corr: GraphCorrection) -> np.ndarray:
@@ -187,21 +189,26 @@ def build_perop(meas: Measurements, rows_name: str, arch: ModelArch, tensor_para
     bs = np.array([s for _, s in big])
     el_slope = float(_relative_ls(bt[:, None], bs)[0])
 
-    # decode attention: i + c_ctx * B * n + c_seq * B on the rows clear of the timing
-    # floor (twice the file's smallest time); the intercept i is that floor, not kernel
+    # decode attention: c_ctx = KV bytes per token / the KV read bandwidth the file's
+    # bandwidth-bound rows achieve (kv_read_bandwidth); then i + c_seq * B on the rows
+    # clear of the timing floor (twice the file's smallest time) for what is left; the
+    # intercept i is that floor, not kernel
     ad = meas.tables["attn_decode.csv"]
     dec = [(ad.number(i, "batch", integer=True), ad.number(i, "context", integer=True),
             ad.number(i, "ms") * 1e-3) for i in ad.for_model(rows_name)]
+    kv_bytes = memory.kv_bytes_per_token(1, arch.kv_heads, arch.head_dim, 2.0, tp)
+    kv_Bps = kv_read_bandwidth(meas, launch_floor_s, rows_name, kv_bytes)
+    c_ctx = kv_bytes / kv_Bps
     dec_floor = min(s for _, _, s in dec)
     dec_big = [(b, n, s) for b, n, s in dec if s > 2 * dec_floor]
     if len(dec_big) < 3:
         dec_big = dec
-    x = np.array([[1.0, b * n, b] for b, n, _ in dec_big], float)
+    x = np.array([[1.0, b] for b, _, _ in dec_big], float)
     y = np.array([s for _, _, s in dec_big])
-    _, c_ctx, c_seq = _relative_ls(x, y)
-    if c_seq < 0:
-        _, c_ctx = _relative_ls(x[:, :2], y)
-        c_seq = 0.0
+    rest = y - c_ctx * np.array([b * n for b, n, _ in dec_big], float)
+    w_rel = 1.0 / y
+    (_, c_seq), *_ = np.linalg.lstsq(x * w_rel[:, None], rest * w_rel, rcond=None)
+    c_seq = max(float(c_seq), 0.0)
 
     # prefill attention: w * pairs
     ap = meas.tables["attn_prefill.csv"]
@@ -238,11 +245,41 @@ def build_perop(meas: Measurements, rows_name: str, arch: ModelArch, tensor_para
     return PerOpModel(
         rows_name=rows_name, layers=arch.layers, launch_floor_s=phi, gemm=gemm,
         elementwise_s_per_token=max(el_slope, 0.0),
-        decode_s_per_context_token=max(float(c_ctx), 0.0), decode_s_per_seq=float(c_seq),
+        decode_s_per_context_token=float(c_ctx), decode_s_per_seq=float(c_seq),
+        kv_read_Bps=kv_Bps,
         prefill_s_per_pair=max(w, 0.0), lm_tokens=lm_tokens, lm_seconds=lm_secs,
         lm_weight_bytes=vocab_shard * arch.hidden * 2.0,
         files=[t.path for t in meas.tables.values()],
     )
+
+
+def kv_read_bandwidth(meas: Measurements, launch_floor_s: float,
+                      rows_name: str | None = None, bytes_per_token: float = 0.0) -> float:
+    """KV read bandwidth (B/s) of decode attention: the median over the ``attn_decode.csv``
+    rows clear of the timing floor (more than twice the file's smallest time) of KV bytes
+    / (time - launch floor), the floor taken off as it is for GEMMs. Bytes are the file's
+    ``kv_GBps`` x time, every model's rows (a property of the GPU and the kernel, not the
+    model); a file without that column gives them as ``bytes_per_token`` x batch x context
+    over the rows of ``rows_name``. On the shipped H200 file: 4.60 TB/s, 95.7% of the 4.8
+    TB/s datasheet figure (single sequences reach 88-92%, large batches 97-98%; an affine
+    fit's slope charged 100%: its intercept took part of the per-token cost)."""
+    ad = meas.tables["attn_decode.csv"]
+    if ad.rows and "kv_GBps" in ad.rows[0]:
+        pts = [(ad.number(i, "ms") * 1e-3, ad.number(i, "kv_GBps") * 1e9 * ad.number(i, "ms")
+                * 1e-3) for i in range(len(ad.rows))]
+    else:
+        pts = [(ad.number(i, "ms") * 1e-3,
+                bytes_per_token * ad.number(i, "batch") * ad.number(i, "context"))
+               for i in ad.for_model(rows_name or "")]
+    if not pts:
+        raise ServetuneError(f"{ad.path}: no decode-attention rows to measure the KV read "
+                             "bandwidth from")
+    floor = min(sec for sec, _ in pts)
+    clear = [(sec, b) for sec, b in pts if sec > 2 * floor and sec > launch_floor_s]
+    if not clear:  # no row clear of the floor: the slowest rows are the best evidence
+        clear = sorted(pts)[-5:]
+    rates = [b / max(sec - launch_floor_s, 0.5 * sec) for sec, b in clear]
+    return float(np.median(rates))
 
 
 def gemv_bandwidth_evidence(meas: Measurements, launch_floor_s: float,
@@ -301,8 +338,8 @@ class GraphCorrection:
 # measurement folder has no whole-step file of its own.
 # (tests/test_profile_fit.py checks that relearning gives these values).
 H200_CORRECTION = GraphCorrection(
-    launch_floor_s=21.855e-6, gemv_bandwidth_Bps=3.83120e12, gemm_scale=1.11547,
-    layer_overhead_s=12.6942e-6, learned_from="h200 step_graph_llama-3.1-8b.csv",
+    launch_floor_s=21.855e-6, gemv_bandwidth_Bps=3.83120e12, gemm_scale=1.10982,
+    layer_overhead_s=8.55154e-6, learned_from="h200 step_graph_llama-3.1-8b.csv",
 )
 
 
@@ -533,8 +570,11 @@ def step_time_from_perop(perop: PerOpModel, corr: GraphCorrection, *,
 
 
 def predict(model: StepTimeModel, shapes: StepShapes) -> np.ndarray:
+    """GPU seconds of each step (host costs left out: the whole-step files are graph
+    replays, GPU time only)."""
+    gpu = model.gpu_only()
     t, s, d, c, w = shapes.step_arguments()
-    return np.array([model.seconds(*args) for args in zip(t, s, d, c, w, strict=True)])
+    return np.array([gpu.seconds(*args) for args in zip(t, s, d, c, w, strict=True)])
 
 
 def check_rows(model: StepTimeModel, rows: list[StepRow]) -> dict:
@@ -603,6 +643,7 @@ def scale_perop(perop: PerOpModel, *, base_hw: Hardware, target_hw: Hardware,
         elementwise_s_per_token=perop.elementwise_s_per_token * m * bytes_ratio,
         decode_s_per_context_token=perop.decode_s_per_context_token * m * kv_ratio,
         decode_s_per_seq=perop.decode_s_per_seq * m,
+        kv_read_Bps=perop.kv_read_Bps / m,
         prefill_s_per_pair=perop.prefill_s_per_pair * f * attn_flops_ratio,
         lm_seconds=kernel_scaled(perop.lm_seconds, f * lm_ratio),
         lm_weight_bytes=perop.lm_weight_bytes * lm_ratio,

@@ -11,6 +11,13 @@ plus the LM head and argmax, decode sequences against a contiguous KV cache plus
 optional causal prefill chunk) are captured once as a CUDA graph and replayed, which is how
 serving engines run them, so they pay no Python launch cost.
 
+These are GPU times only. A serving engine's host work per step (scheduling, input
+preparation, sampling, detokenization, output processing) is not in them: a whole step
+timed through a real engine would need that engine, which this module does not drive.
+``env.txt`` records this (its ``host`` line), ``profile fit`` leaves the profile's
+``host_s_per_step`` / ``host_s_per_seq`` null, and the simulator adds the engine's
+defaults from :mod:`servetune.engines` to every step.
+
 Needs the optional ``gpu`` extra (PyTorch); without PyTorch or without a CUDA device it
 raises a ServetuneError (exit 2) before writing anything.
 
@@ -324,6 +331,10 @@ def _measure(torch: Any, archs: list[ModelArch], out: Path, whole_steps: bool,
     return written
 
 
+HOST_NOTE = ("host not timed: whole steps are graph replays (GPU time only); the engine's "
+             "host cost per step is added from servetune.engines defaults\n")
+
+
 def _env_text(torch: Any, device: str) -> str:
     """``env.txt`` as in ``gpu_measurements/`` (``profile fit`` reads the device line)."""
     if device == "cuda":
@@ -331,11 +342,11 @@ def _env_text(torch: Any, device: str) -> str:
         free, total = torch.cuda.mem_get_info()
         return (f"torch {torch.__version__} cuda {torch.version.cuda}\n"
                 f"device {props.name} sms {props.multi_processor_count} "
-                f"mem_total {total} mem_free {free}\n")
+                f"mem_total {total} mem_free {free}\n" + HOST_NOTE)
     # no GPU name, so that fit cannot mistake CPU timings for a GPU's (it needs --gpu)
     return (f"torch {torch.__version__} cpu\n"
             f"device cpu sms {os.cpu_count() or 1} mem_total 0 mem_free 0\n"
-            "note: timed on the CPU (servetune tests), not a GPU profile\n")
+            "note: timed on the CPU (servetune tests), not a GPU profile\n" + HOST_NOTE)
 
 
 def _whole_steps(torch: Any, F: Any, arch: ModelArch, out_of_time: Callable[[], bool],

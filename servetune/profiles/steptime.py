@@ -17,6 +17,19 @@ The model (all coefficients in seconds)::
                      + decode_attn_s_per_context_token * C + decode_attn_s_per_seq * D
                      + prefill_attn_s_per_token_pair * W
                      + lm_head_s_per_row * S
+                     + host_s_per_step + host_s_per_seq * S
+
+The first seven terms are GPU time (what a CUDA-graph replay of the step measures). The
+last two are the serving engine's host-side work per step, which a graph replay does not
+see: scheduling, preparing the inputs, sampling, detokenizing and returning outputs. It is
+a fixed part per step and a part per sequence that produces a token this step (``S``: a
+prefill chunk that does not finish produces no output to process; at most a few of those
+are scheduled per step). The two fields are ``None`` unless a profile pins them (timed on
+its own host, or 0 for a GPU-only what-if); ``None`` takes the engine's default from
+:data:`servetune.engines.ENGINES` when the step time is evaluated for an engine
+(:meth:`StepTimeModel.as_arrays`), so one GPU profile serves every engine. They are kept
+apart from ``fixed_s`` (GPU launch and in-graph overhead) so the provenance of each stays
+clear.
 
 The GEMM term is convex piecewise-linear in ``T``: its first piece is the floor of reading
 all weights from HBM once (flat at small batch), later pieces the compute-bound growth.
@@ -31,6 +44,7 @@ from __future__ import annotations
 import numpy as np
 from pydantic import Field, model_validator
 
+from servetune.engines import host_overhead
 from servetune.schemas.base import Strict
 
 # Layout of the scalar coefficient vector handed to compiled code.
@@ -41,7 +55,12 @@ COEF_DECODE_SEQ = 3
 COEF_PREFILL_PAIR = 4
 COEF_LM_ROW = 5
 COEF_CONSTANT = 6  # < 0 means "not constant"
-N_COEF = 7
+COEF_HOST_STEP = 7
+COEF_HOST_SEQ = 8
+N_COEF = 9
+
+# A per-step or per-sequence host cost of a second or more is a unit slip (ms given as s).
+HOST_LIMIT_S = 1.0
 
 
 class StepTimeModel(Strict):
@@ -59,6 +78,16 @@ class StepTimeModel(Strict):
     decode_attn_s_per_seq: float = Field(0.0, ge=0)
     prefill_attn_s_per_token_pair: float = Field(0.0, ge=0)
     lm_head_s_per_row: float = Field(0.0, ge=0)
+    host_s_per_step: float | None = Field(
+        None, ge=0, lt=HOST_LIMIT_S,
+        description="engine host work per step (scheduling, input preparation, output "
+                    "processing), s; null = the engine's default (servetune.engines)",
+    )
+    host_s_per_seq: float | None = Field(
+        None, ge=0, lt=HOST_LIMIT_S,
+        description="engine host work per sequence that produces a token in the step, s; "
+                    "null = the engine's default (servetune.engines)",
+    )
 
     @model_validator(mode="after")
     def _nonnegative_pieces(self) -> StepTimeModel:
@@ -67,8 +96,20 @@ class StepTimeModel(Strict):
                 raise ValueError(f"gemm_pieces[{i}]: intercept and slope must be >= 0")
         return self
 
-    def as_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """(coefficients[N_COEF], pieces[k, 2]) for :func:`step_seconds`."""
+    def host_seconds(self, engine: str = "vllm") -> tuple[float, float]:
+        """(per step, per sequence) host seconds: the profile's own where it pins them,
+        else engine ``engine``'s defaults."""
+        step, seq = host_overhead(engine)
+        return (step if self.host_s_per_step is None else self.host_s_per_step,
+                seq if self.host_s_per_seq is None else self.host_s_per_seq)
+
+    def gpu_only(self) -> StepTimeModel:
+        """The same model with no host cost (GPU time only, as graph replays measure)."""
+        return self.model_copy(update={"host_s_per_step": 0.0, "host_s_per_seq": 0.0})
+
+    def as_arrays(self, engine: str = "vllm") -> tuple[np.ndarray, np.ndarray]:
+        """(coefficients[N_COEF], pieces[k, 2]) for :func:`step_seconds`, host costs
+        resolved for ``engine`` (:meth:`host_seconds`)."""
         coef = np.zeros(N_COEF, dtype=np.float64)
         coef[COEF_FIXED] = self.fixed_s
         coef[COEF_ALLREDUCE] = self.allreduce_s_per_token
@@ -77,6 +118,7 @@ class StepTimeModel(Strict):
         coef[COEF_PREFILL_PAIR] = self.prefill_attn_s_per_token_pair
         coef[COEF_LM_ROW] = self.lm_head_s_per_row
         coef[COEF_CONSTANT] = self.constant_s if self.constant_s is not None else -1.0
+        coef[COEF_HOST_STEP], coef[COEF_HOST_SEQ] = self.host_seconds(engine)
         pieces = np.asarray(self.gemm_pieces, dtype=np.float64).reshape(-1, 2)
         return coef, pieces
 
@@ -87,9 +129,11 @@ class StepTimeModel(Strict):
         decode_seqs: float,
         decode_context_tokens: float,
         prefill_attn_pairs: float,
+        engine: str = "vllm",
     ) -> float:
-        """Seconds for one step (pure Python; see the module docstring for the symbols)."""
-        coef, pieces = self.as_arrays()
+        """Seconds for one step under ``engine`` (pure Python; see the module docstring for
+        the symbols)."""
+        coef, pieces = self.as_arrays(engine)
         return step_seconds(
             coef, pieces, tokens, sampled_rows, decode_seqs, decode_context_tokens,
             prefill_attn_pairs,
@@ -121,6 +165,8 @@ def step_seconds(
         + coef[COEF_DECODE_SEQ] * decode_seqs
         + coef[COEF_PREFILL_PAIR] * prefill_attn_pairs
         + coef[COEF_LM_ROW] * sampled_rows
+        + coef[COEF_HOST_STEP]
+        + coef[COEF_HOST_SEQ] * sampled_rows
     )
 
 

@@ -142,7 +142,7 @@ class Params(NamedTuple):
     # KV pool and step time
     total_blocks: int
     block_size: int
-    step_coef: np.ndarray  # float64, StepTimeModel.as_arrays()
+    step_coef: np.ndarray  # float64[N_COEF], StepTimeModel.as_arrays(engine), host terms in
     step_pieces: np.ndarray  # float64 (k, 2)
     # SGLang environment constants (engines.md 2.2)
     sglang_clip: int  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION

@@ -119,7 +119,9 @@ from servetune.workloads.trace import Trace
 # on it are measured again. 2: vLLM's full-prompt check and idle-engine watermark as the
 # engine does them, TGI decode rows take budget.
 # 3: trtllm does not chunk prefills unless the policy asks (trtllm-serve's default).
-ENGINE_MODEL_VERSION = 3
+# 4: decode attention at the measured share of HBM bandwidth; a step may add a host cost
+# per step and per sequence (servetune.engines: 0 until measured; a profile may pin it).
+ENGINE_MODEL_VERSION = 4
 ENGINES = ENGINE_NAMES  # in kernel-id order: ENGINES.index(name) is the kernel's E_* id
 
 # Why a request did not complete: the codes and texts live in the kernel, which records them.
@@ -247,7 +249,7 @@ def kernel_params(
     total = int(kv_blocks)
     ratio_init = min(SGLANG_INIT_NEW_TOKEN_RATIO, 1.0)
     ratio_floor = ratio_init * SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
-    coef, pieces = step_time.as_arrays()
+    coef, pieces = step_time.as_arrays(engine)
     return K.Params(
         engine=kernel_id(engine),
         # the policy's knobs, as the knob table encodes them
