@@ -21,6 +21,7 @@ from servetune.cli import (
     profile_cmd,
     simulate_cmd,
     trace_cmd,
+    validate_cmd,
     workload_cmd,
 )
 from servetune.cli.root import ARGUMENT_FLAGS, COMMAND_FLAGS, app, error_line, new_group
@@ -37,6 +38,7 @@ for _module in (
     export_cmd,
     nightly_cmd,
     plan_cmd,
+    validate_cmd,
 ):
     _module.register(app)
 

@@ -31,6 +31,11 @@ its own host, or 0 for a GPU-only what-if); ``None`` takes the engine's default 
 apart from ``fixed_s`` (GPU launch and in-graph overhead) so the provenance of each stays
 clear.
 
+``gpu_time_scale`` (1 by default, and then not written to the file) multiplies the seven GPU
+terms: a compute-efficiency correction fitted by ``servetune validate --calibrate`` when a
+replay of a real benchmark run shows the GPU part of the steps slower (or faster) than the
+timings the profile was fitted from.
+
 The GEMM term is convex piecewise-linear in ``T``: its first piece is the floor of reading
 all weights from HBM once (flat at small batch), later pieces the compute-bound growth.
 A profile may instead fix ``constant_s`` (a constant step time for what-if replays).
@@ -42,7 +47,7 @@ simulator's hot loop calls it with :meth:`StepTimeModel.as_arrays`.
 from __future__ import annotations
 
 import numpy as np
-from pydantic import Field, model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from servetune.engines import host_overhead
 from servetune.schemas.base import Strict
@@ -89,6 +94,21 @@ class StepTimeModel(Strict):
                     "null = the engine's default (servetune.engines)",
     )
 
+    gpu_time_scale: float = Field(
+        1.0, gt=0, le=100,
+        description="multiplies every GPU term (fixed_s, GEMM, all-reduce, attention, LM "
+                    "head), not the host terms nor constant_s; 1 unless a replay of a real "
+                    "run corrected it (servetune validate --calibrate)",
+    )
+
+    @model_serializer(mode="wrap")
+    def _omit_unit_scale(self, handler: SerializerFunctionWrapHandler) -> dict:
+        # a profile that was never corrected keeps its file as it was (no scale line)
+        data = handler(self)
+        if isinstance(data, dict) and data.get("gpu_time_scale") == 1.0:
+            data.pop("gpu_time_scale")
+        return data
+
     @model_validator(mode="after")
     def _nonnegative_pieces(self) -> StepTimeModel:
         for i, (intercept, slope) in enumerate(self.gemm_pieces):
@@ -109,17 +129,20 @@ class StepTimeModel(Strict):
 
     def as_arrays(self, engine: str = "vllm") -> tuple[np.ndarray, np.ndarray]:
         """(coefficients[N_COEF], pieces[k, 2]) for :func:`step_seconds`, host costs
-        resolved for ``engine`` (:meth:`host_seconds`)."""
+        resolved for ``engine`` (:meth:`host_seconds`) and the GPU terms multiplied by
+        ``gpu_time_scale`` here, so the kernel and the fluid model see it without a term of
+        their own."""
+        g = self.gpu_time_scale
         coef = np.zeros(N_COEF, dtype=np.float64)
-        coef[COEF_FIXED] = self.fixed_s
-        coef[COEF_ALLREDUCE] = self.allreduce_s_per_token
-        coef[COEF_DECODE_CTX] = self.decode_attn_s_per_context_token
-        coef[COEF_DECODE_SEQ] = self.decode_attn_s_per_seq
-        coef[COEF_PREFILL_PAIR] = self.prefill_attn_s_per_token_pair
-        coef[COEF_LM_ROW] = self.lm_head_s_per_row
+        coef[COEF_FIXED] = g * self.fixed_s
+        coef[COEF_ALLREDUCE] = g * self.allreduce_s_per_token
+        coef[COEF_DECODE_CTX] = g * self.decode_attn_s_per_context_token
+        coef[COEF_DECODE_SEQ] = g * self.decode_attn_s_per_seq
+        coef[COEF_PREFILL_PAIR] = g * self.prefill_attn_s_per_token_pair
+        coef[COEF_LM_ROW] = g * self.lm_head_s_per_row
         coef[COEF_CONSTANT] = self.constant_s if self.constant_s is not None else -1.0
         coef[COEF_HOST_STEP], coef[COEF_HOST_SEQ] = self.host_seconds(engine)
-        pieces = np.asarray(self.gemm_pieces, dtype=np.float64).reshape(-1, 2)
+        pieces = g * np.asarray(self.gemm_pieces, dtype=np.float64).reshape(-1, 2)
         return coef, pieces
 
     def seconds(
