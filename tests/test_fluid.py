@@ -140,8 +140,8 @@ def test_goodput_is_the_rate_at_the_binding_limit():
 
 
 def test_tight_tpot_target_is_infeasible_at_any_load():
-    # below the 6 ms minimum step of STEP under vLLM: 1 ms fixed + 4 ms GEMM floor (GPU)
-    # + 1 ms vLLM host cost per step (the per-sequence host part vanishes at no load)
+    # below the minimum step of STEP under vLLM: 1 ms fixed + 4 ms GEMM floor (GPU) + the
+    # engine table's vLLM host cost per step (the per-sequence host part vanishes at no load)
     fm = fluid(tpot_s=0.004)
     rate, binding, lims = fm.goodput(Knobs(64, 512))
     assert rate == 0.0
