@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from servetune import knobs as knob_table
-from servetune.apps.optimize import DEFAULT_REQUESTS, optimize
+from servetune.apps.optimize import DEFAULT_REQUESTS, gpu_facts, optimize
 from servetune.apps.report import (
     DEFAULT_STRESS,
     FIGURE_NAMES,
@@ -79,6 +79,7 @@ from servetune.schemas.profile import Profile
 from servetune.schemas.slo import SLOSet
 from servetune.schemas.space import SearchSpace
 from servetune.schemas.workload import Workload
+from servetune.solvers import baselines
 from servetune.solvers.loop import STOP_TIME_LIMIT
 from servetune.workloads.fitting import class_stats, fit_workload
 from servetune.workloads.formats import load_trace
@@ -547,6 +548,7 @@ def run_nightly(
             for g in gates if g is not main]
 
     files_written = (["policy.yaml"] + [e.filename for e in exports]) if exports else []
+    defaults_text, defaults_rule = defaults_section(current, profile)
     summary_extra = {
         **base_summary,
         "status": status,
@@ -557,17 +559,31 @@ def run_nightly(
         "files_written": [*files_written, "report.md", *FIGURE_NAMES, "summary.json"],
         "optimizer": drop_timings(opt.info),
         "new_policy": new.knobs(),
+        "defaults_rule": defaults_rule,
     }
     _say(progress, "rendering the report and its plots")
     report = build_report(
         comp, Verdict(headline, reasons), reasons=opt.reasons, exports=exports,
         inputs=inputs, title="servetune nightly tuning report", summary_extra=summary_extra,
         extra_sections=[("Gate per engine", gate_table(gates)),
-                        (MODEL_ERROR_HEADING, model_error_section(opt.info.get("model_error")))],
+                        (MODEL_ERROR_HEADING, model_error_section(opt.info.get("model_error"))),
+                        ("Engine defaults on this GPU", defaults_text)],
     )
     _say(progress, f"writing outputs to {out}")
     written = _write_outputs(out, policy_text, exports, report)
     return NightlyOutcome(exit_code=code, status=status, files=written, summary=report.summary)
+
+
+def defaults_section(current: Policy, profile: Profile) -> tuple[str, str]:
+    """What ``vllm serve`` would choose on the profile's GPU, by which rule, and whether the
+    policy in production is that (a report's reader compares gains with it)."""
+    knobs, rule = baselines.engine_default_knobs("vllm", gpu_facts(profile))
+    same = all(current.knobs().get(path) == value for path, value in knobs.as_dotted().items()
+               if path in ("batching.max_num_seqs", "batching.max_num_batched_tokens"))
+    text = (f"On this GPU `vllm serve` picks {knobs.max_num_seqs} sequences and "
+            f"{knobs.max_num_batched_tokens} batched tokens (rule: {rule}). The policy in "
+            "production " + ("uses these." if same else "differs from them."))
+    return text, rule
 
 
 def _failures(decision: Decision) -> list[str]:
