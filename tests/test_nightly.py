@@ -209,6 +209,9 @@ def test_nightly_writes_new_policy(first_run):
     assert "candidates it simulated" in report
     assert all(ch["reason"].startswith("model:") for ch in summary["changes"]
                if ch["knob"].startswith("batching."))
+    # What vllm serve would pick on this GPU, and by which rule.
+    assert summary["defaults_rule"].startswith("vllm serve on a GPU with")
+    assert "## Engine defaults on this GPU" in report
     for png in ("ttft_cdf.png", "tpot_cdf.png", "kv_queue.png", "goodput.png"):
         assert f"]({png})" in report
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
@@ -404,3 +407,18 @@ def test_parse_engines_only_raises_servetune_errors(text):
     except ServetuneError:
         return
     assert engines and set(engines) <= {"vllm", "sglang", "trtllm", "tgi"}
+
+
+def test_defaults_section_names_the_rule_for_the_gpu():
+    from servetune.apps.nightly import defaults_section
+    from servetune.profiles.shipped import load_profile
+    from servetune.schemas.base import load_document
+    from servetune.schemas.policy import Policy
+
+    repo = Path(__file__).resolve().parents[1]
+    big = load_document(repo / "configs/policies/vllm-serve-defaults.yaml", Policy)
+    text, rule = defaults_section(big, load_profile("a100-80gb-llama-3.1-8b"))
+    assert "256 sequences and 2048 batched tokens" in text and "A100" in rule
+    assert text.endswith("differs from them.")
+    text, _ = defaults_section(big, load_profile("h200-llama-3.1-8b"))
+    assert "1024 sequences and 8192 batched tokens" in text and text.endswith("uses these.")
