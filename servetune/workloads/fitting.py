@@ -6,13 +6,47 @@ by prompt-length quantile bands). Per class:
 - rate_c = overall mean rate * n_c / n, where the overall rate is (rows-1)/span as in
   :mod:`servetune.workloads.stats` (so one class has exactly the trace's rate and the
   classes' rates sum to it);
-- optional windows: relative rate m_i = (requests in window i / window length), divided
-  by their mean;
+- two timescales. Real traces drift over the hour (Azure conv: 5-min rates 2.6-7.5 req/s,
+  longer prompts in the peak; Mooncake: mean prompt 11.8k tokens in the first minutes,
+  20.8k in the last) and a replay fails its SLO first in the peak, which a stationary
+  sample lacks (stationary fits gave 1.2-1.6x the replay's goodput). So the rate is
+  lambda(t) = rate * m(t) * x(Lambda(t)): a slow, deterministic, periodic profile m
+  (piecewise constant on windows of minutes: the trace's own shape, which is what a
+  nightly job replays: yesterday's traffic) times a fast Markov-modulated burst level x
+  that runs in the profile's operational time Lambda(t) = integral_0^t m (mean-rate
+  seconds), and the length mix follows the slow windows (``length_shift``):
+
+  * the slow windows (``rate_windows_s``): "auto" (default) takes k = max(6, ceil(span /
+    5 min)) equal windows covering the trace (so at most 5 minutes, no partial window),
+    none when they would be shorter than 2 minutes or than 10 burst windows (a short
+    trace cannot tell a trend from bursts, and keeps the simple fit); a number forces
+    windows of that length; None or "none" turns them off (the stationary fit);
+  * the profile: m_i = (requests in window i / window length), divided by their mean.
+    ``auto`` keeps it when the index of dispersion of the windows' counts exceeds what
+    a Poisson process reaches with odds ~1/1000 (1 + 3 sqrt(2 / (k - 1))), else the
+    rate is flat (m_i = 1, and the windows stay only if the lengths drift);
+  * the length drift: per window, a shift d_i of the normal score of prompt (output)
+    lengths: a length drawn in window i is Q(Phi(d_i + a e)), Q the class's quantile
+    function below, e standard normal, a = sqrt(1 - weighted variance of d), so over
+    all windows the scores keep mean 0 and variance 1 and the marginal stays (close to)
+    Q: the optimizer's models read Q unchanged. d_i is the shift that gives window i its
+    own mean length (quadrature + bisection; the mean, not the median score, because a
+    peak's prompts differ most in the tail: on the conv trace, shifts from mean normal
+    scores gave 1.14x the replay's goodput (defaults, server, one seed), from the means
+    1.04x), shrunk towards 0 by tau^2 / (tau^2 + 1/c_i) (c_i requests in the window,
+    tau^2 the between-window variance of the mean scores net of noise); fitted only when
+    the windows' mean normal scores s_i differ significantly (sum c_i s_i^2 more than 3
+    SDs above its no-drift mean, k - 1). With a copula, its r is the within-window part:
+    the overall score correlation cov(d_p, d_o) + a_p a_o r_within equals the fitted r.
+    Why this form: 1-2 numbers per window, the marginals kept, and a replay shuffled
+    within 5-min windows (times kept) matched the conv replay's goodput within 2% while
+    one shuffled over the whole trace was 15% easier: the 5-minute length mix is what
+    matters there;
 - burstiness: the CV of the class's inter-arrival gaps measured in operational time
   Lambda(t) = integral of m (plain gaps without windows), so the windows' rate changes
-  are removed first. Without windows, ``auto`` (the default) first looks for sustained
-  bursts, which i.i.d. gaps cannot make and which drive queueing and p99 TTFT (a renewal
-  fit of the Azure code trace claimed 2-4x the goodput of replaying it):
+  are removed first. ``auto`` (the default) first looks for sustained bursts (in that
+  operational time), which i.i.d. gaps cannot make and which drive queueing and p99 TTFT
+  (a renewal fit of the Azure code trace claimed 2-4x the goodput of replaying it):
 
   * ``modulated`` (Markov-modulated rate): windows of w = 10 arrivals at the mean rate
     (1..60 s); counts c_i, relative rates x_i = c_i / mean(c). Chosen when there are
@@ -66,11 +100,18 @@ chunks of ``CHUNK`` requests from its own seeded generators: unit-mean exponenti
 gamma or empirical gaps (u -> interp(u, gap quantiles, gap values / their mean)) cumulated
 in operational time, mapped to seconds through the inverse cumulative rate (a modulated
 class: of its level path, a Markov chain started from the stationary distribution and
-drawn MOD_CHUNK windows at a time from a generator of its own; ``rate_scale`` compresses
-its time axis, as scaling a trace replay does), and lengths
+drawn MOD_CHUNK windows at a time from a generator of its own), then through the inverse
+of the slow profile's Lambda (periodic: the profile repeats after its last window).
+``rate_scale`` s divides the resulting times by s for a class with windows or a
+modulation: the profile and the bursts compress with the time axis, exactly as a trace
+replay scaled by s does (a goodput search compares the two; a profile kept in wall time
+would instead spread s times more traffic over the same hour, a different workload).
+Lengths are
 drawn by inverse CDF u -> interp(u, quantiles, values), rounded to an integer >= 1: u is
 a uniform from the prompt's (output's) own generator, or with a copula u_p = Phi(z_p),
-u_o = Phi(r z_p + sqrt(1 - r^2) e), z_p and e standard normals from those generators.
+u_o = Phi(r z_p + sqrt(1 - r^2) e), z_p and e standard normals from those generators;
+with a length shift the scores are d_i + a z for the window i of the arrival time (at
+rate scale 1).
 Streams are merged by arrival time. Because each stream does not depend on how much is
 drawn, a shorter sample is a prefix of a longer one with the same seed.
 """
