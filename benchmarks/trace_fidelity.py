@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=0, help="first rows; 0: whole trace")
     ap.add_argument("--seeds", default="0,1,2,3")
     ap.add_argument("--fits", default=",".join(FITS))
+    ap.add_argument("--slos", default="", help="only these SLO sets (default: the case's)")
     ap.add_argument("--table", help="print the markdown table of a results JSON and exit")
     ap.add_argument("--before", help="with --table: take 'before' from this JSON's 'auto'")
     args = ap.parse_args()
@@ -109,6 +110,8 @@ def main() -> None:
         samples = {f: [sample_trace(w, n_requests=len(stretch), seed=s) for s in seeds]
                    for f, w in fitted.items()}
         for sname in slo_names:
+            if args.slos and sname not in args.slos.split(","):
+                continue
             if sname == "relaxed":
                 slo = document_from_data(RELAXED, SLOSet, "relaxed")
             else:
