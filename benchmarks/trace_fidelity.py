@@ -4,9 +4,11 @@ match the goodput of replaying that trace?
 For each real trace (Azure 2023 code and conversation, Mooncake synthetic as the
 long-context trace) and SLO set, a stretch of the trace (the whole trace by default, else
 its first ``--requests`` rows) is fitted (``fit_workload``, ``arrival_process="auto"``)
-and compared two ways: "before" with independent prompt and output lengths (the fit's
-``prompt_output_correlation`` removed: what the fit did before the Gaussian copula) and
-"after" with today's fit. A short stretch is a poor judge: p99 TTFT over 3000 requests is
+and compared two ways: "before" = the stationary fit (``rate_windows_s=None``: bursts and
+length copula, no slow rate profile or length drift: the fit before the two-timescale
+model) and "after" = today's ``auto`` fit. ``--fits auto`` runs the new fit only; the
+table then takes "before" from an earlier run's JSON (``--before``, its "auto" column,
+matched by trace, SLO and policy). A short stretch is a poor judge: p99 TTFT over 3000 requests is
 set by ~30 requests, i.e. by one or two bursts, so the default is the whole trace (8,818,
 19,365 and 3,993 rows). Two policies are measured, on the H200
 Llama-3.1-8B profile: the vLLM engine defaults and the policy ``optimize`` chooses given
@@ -20,7 +22,9 @@ SLO (p99 TTFT 10 s, TPOT 100 ms) as ``optimizer_quality.py`` does.
 
 Usage: python benchmarks/trace_fidelity.py [--out benchmarks/trace_fidelity.json]
        [--cases code,conv,long] [--requests 0 (whole trace)] [--seeds 0,1,2,3]
+       [--fits stationary,auto]
        python benchmarks/trace_fidelity.py --table benchmarks/trace_fidelity.json
+       [--before benchmarks/trace_fidelity_stationary.json]
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ CASES = {
 }
 RELAXED = {"apiVersion": "servetune/v1", "kind": "SLOSet", "name": "relaxed-long-context",
            "classes": {"default": {"ttft_s": 10.0, "tpot_s": 0.1, "percentile": 99}}}
-FITS = ("independent", "auto")  # before (lengths drawn independently), after
+FITS = ("stationary", "auto")  # before (no slow profile), after
 
 
 def main() -> None:
@@ -50,11 +54,23 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--requests", type=int, default=0, help="first rows; 0: whole trace")
     ap.add_argument("--seeds", default="0,1,2,3")
+    ap.add_argument("--fits", default=",".join(FITS))
+    ap.add_argument("--slos", default="", help="only these SLO sets (default: the case's)")
     ap.add_argument("--table", help="print the markdown table of a results JSON and exit")
+    ap.add_argument("--before", help="with --table: take 'before' from this JSON's 'auto'")
     args = ap.parse_args()
     if args.table:
-        print(render_table(json.loads(Path(args.table).read_text())))
+        data = json.loads(Path(args.table).read_text())
+        if args.before:
+            old = {(c["trace"], c["slo"], c["policy"]): c
+                   for c in json.loads(Path(args.before).read_text())["cases"]}
+            for c in data["cases"]:
+                prev = old.get((c["trace"], c["slo"], c["policy"]))
+                if prev is not None and "stationary" not in c:
+                    c["stationary"] = prev["auto"]
+        print(render_table(data))
         return
+    fits = [f for f in args.fits.split(",") if f]
 
     from servetune.apps.optimize import TraceSimulator, gpu_facts, optimize
     from servetune.errors import InfeasibleError
@@ -87,15 +103,15 @@ def main() -> None:
         stretch = load_trace(path)
         if args.requests > 0:
             stretch = stretch.head(args.requests)
-        after = fit_workload(stretch)
-        before = after.model_copy(deep=True)
-        for cls in before.classes.values():
-            cls.prompt_output_correlation = None
-        fitted = {"independent": before, "auto": after}
+        fitted = {"stationary": fit_workload(stretch, rate_windows_s=None),
+                  "auto": fit_workload(stretch)}
+        fitted = {f: fitted[f] for f in fits}
         models = {f: _describe(w) for f, w in fitted.items()}
         samples = {f: [sample_trace(w, n_requests=len(stretch), seed=s) for s in seeds]
                    for f, w in fitted.items()}
         for sname in slo_names:
+            if args.slos and sname not in args.slos.split(","):
+                continue
             if sname == "relaxed":
                 slo = document_from_data(RELAXED, SLOSet, "relaxed")
             else:
@@ -114,7 +130,7 @@ def main() -> None:
                         "span_s": stretch.duration_s, "slo": sname, "policy": pname,
                         "optimize_wall_s": opt_s if pname == "chosen" else None,
                         "trace_goodput": goodput(stretch, policy, slo)}
-                for f in FITS:
+                for f in fits:
                     g = [goodput(s, policy, slo) for s in samples[f]]
                     tg = case["trace_goodput"]
                     ratios = [x / tg if tg > 0 else None for x in g]
@@ -136,6 +152,16 @@ def _describe(workload) -> str:
     text = a.process if a.process == "poisson" else f"{a.process} CV {a.interarrival_cv:.2f}"
     if a.modulation is not None:
         text += f" + {len(a.modulation.levels)} levels x {a.modulation.window_s:g} s"
+    if a.windows is not None:
+        m = a.windows.rate_multipliers
+        flat = max(m) == min(m)
+        text += (f"; {len(m)} x {a.windows.window_s:.0f} s windows"
+                 f" ({'flat rate' if flat else f'rate {min(m):.2f}-{max(m):.2f}'})")
+    shift = cls.length_shift
+    if shift is not None:
+        for what, d in (("prompt", shift.prompt), ("output", shift.output)):
+            if d is not None:
+                text += f", {what} shift {min(d):+.2f}..{max(d):+.2f}"
     r = cls.prompt_output_correlation
     return text + (f"; lengths r {r:+.2f}" if r is not None else "; lengths independent")
 
@@ -155,6 +181,9 @@ def render_table(data: dict) -> str:
     for c in data["cases"]:
         cells = []
         for f in FITS:
+            if f not in c:
+                cells.append("- | -")
+                continue
             d = c[f]
             rng = [r for r in d["ratios"] if r is not None]
             cells.append(f"{d['model']} | {_r(d['ratio_seed0'])} ({_r(d['ratio_median'])}) "

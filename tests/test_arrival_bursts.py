@@ -153,6 +153,9 @@ def test_hand_written_modulation_gets_a_mixture_cv():
     assert (len(s) - 1) / s.duration_s == pytest.approx(2.0, rel=0.1)
 
 
-def test_modulated_with_rate_windows_is_refused():
+def test_modulated_with_rate_windows_is_allowed():
+    w = fit_workload(_trace(_two_level()), rate_windows_s=600, arrival_process="modulated")
+    arrival = w.classes["default"].arrival
+    assert arrival.windows is not None and arrival.modulation is not None
     with pytest.raises(ServetuneError, match="rate_windows_s"):
-        fit_workload(_trace(_two_level()), rate_windows_s=60, arrival_process="modulated")
+        fit_workload(_trace(_two_level()), rate_windows_s="hourly")

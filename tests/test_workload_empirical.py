@@ -69,7 +69,7 @@ def test_code_trace_fit_reproduces_gap_distribution(code_trace):
     want_gaps = np.diff(code_trace.arrival_s)
     want = trace_stats(code_trace)
     # the renewal fit (auto adds a Markov modulation on this trace: test_arrival_bursts.py)
-    workload = fit_workload(code_trace, arrival_process="renewal")
+    workload = fit_workload(code_trace, arrival_process="renewal", rate_windows_s=None)
     arrival = workload.classes["default"].arrival
     assert want["interarrival_cv"] > EMPIRICAL_CV_THRESHOLD
     assert arrival.process == "empirical"
@@ -109,16 +109,19 @@ def test_code_trace_fit_reproduces_gap_distribution(code_trace):
 
 
 def test_moment_matched_gamma_is_what_went_wrong(code_trace):
-    gamma = fit_workload(code_trace, arrival_process="gamma").classes["default"].arrival
+    gamma = fit_workload(code_trace, arrival_process="gamma",
+                         rate_windows_s=None).classes["default"].arrival
     assert gamma.process == "gamma" and gamma.interarrival_cv == pytest.approx(13.15, abs=0.01)
-    w = fit_workload(code_trace, arrival_process="gamma")
+    w = fit_workload(code_trace, arrival_process="gamma", rate_windows_s=None)
     gaps = np.diff(sample_trace(w, n_requests=50_000, seed=1).arrival_s)
     assert np.mean(gaps < 1e-3) > 0.8  # versus the trace's 17%
 
 
 def test_rate_windows_fit_gaps_after_removing_the_window_rate(code_trace):
-    plain = fit_workload(code_trace, arrival_process="renewal").classes["default"].arrival
-    windowed = fit_workload(code_trace, rate_windows_s=60).classes["default"].arrival
+    plain = fit_workload(code_trace, arrival_process="renewal",
+                         rate_windows_s=None).classes["default"].arrival
+    windowed = fit_workload(code_trace, rate_windows_s=60,
+                            arrival_process="renewal").classes["default"].arrival
     m = np.array(windowed.windows.rate_multipliers)
     assert len(m) == 58 and m.mean() == pytest.approx(1, abs=1e-3)
     # the windows explain part of the burstiness (idle minutes); the rest stays empirical
@@ -141,7 +144,8 @@ def test_rate_windows_fit_gaps_after_removing_the_window_rate(code_trace):
 def test_shipped_code_workload_is_empirical_and_matches_a_fresh_fit(code_trace):
     shipped = load_workload(REPO / "configs/workloads/azure-code-2023.yaml")
     # shipped before Markov modulation: the renewal fit (the old automatic choice)
-    fresh = fit_workload(code_trace, name="azure-code-2023", arrival_process="renewal")
+    fresh = fit_workload(code_trace, name="azure-code-2023", arrival_process="renewal",
+                          rate_windows_s=None)
     assert shipped.classes == fresh.classes  # the header's command reproduces the numbers
     assert shipped.classes["default"].arrival.process == "empirical"
     text = (REPO / "configs/workloads/azure-code-2023.yaml").read_text()
@@ -150,11 +154,13 @@ def test_shipped_code_workload_is_empirical_and_matches_a_fresh_fit(code_trace):
 
 def test_conv_trace_stays_gamma():
     trace = load_trace(shared_file("traces", "AzureLLMInferenceTrace_conv.csv"))
-    arrival = fit_workload(trace, arrival_process="renewal").classes["default"].arrival
+    arrival = fit_workload(trace, arrival_process="renewal",
+                           rate_windows_s=None).classes["default"].arrival
     assert arrival.process == "gamma" and arrival.interarrival_cv == pytest.approx(1.094, 1e-3)
     shipped = load_workload(REPO / "configs/workloads/azure-conv-2023.yaml")
     assert shipped.classes["default"].arrival == arrival
-    forced = fit_workload(trace, arrival_process="empirical").classes["default"].arrival
+    forced = fit_workload(trace, arrival_process="empirical",
+                          rate_windows_s=None).classes["default"].arrival
     assert forced.process == "empirical"
     assert forced.interarrival_cv == pytest.approx(1.094, rel=0.01)
 

@@ -85,8 +85,10 @@ def register(app: typer.Typer) -> None:
             "prompt-quantiles (bands of prompt length)."
         ),
         bands: int = typer.Option(3, "--bands", help="Number of prompt-length bands."),
-        rate_windows: float | None = typer.Option(
-            None, "--rate-windows", help="Fit a piecewise-constant rate over windows of S seconds."
+        rate_windows: str = typer.Option(
+            "auto", "--rate-windows", help="Slow rate profile: auto (windows of <= 5 min, "
+            "at least 6 over the trace, when the trace is long enough and its windowed rate "
+            "or length mix drifts significantly), none (stationary), or S seconds."
         ),
         name: str | None = typer.Option(None, "--name", help="Workload name (default: file stem)."),
         arrival: str = typer.Option(
@@ -110,12 +112,21 @@ def register(app: typer.Typer) -> None:
             )
         if bands < 1:
             raise ServetuneError(f"--bands must be >= 1 (got {bands})")
+        windows: float | str = rate_windows
+        if rate_windows not in ("auto", "none"):
+            try:
+                windows = float(rate_windows)
+            except ValueError:
+                raise ServetuneError(
+                    f"--rate-windows must be auto, none or a number of seconds (got "
+                    f"{rate_windows!r})"
+                ) from None
         trace = load_trace_cli(trace_path, trace_format, columns, arrival_unit, on_bad_row)
         workload = fit_workload(
             trace,
             split=None if split_by == "none" else split_by,
             bands=bands,
-            rate_windows_s=rate_windows,
+            rate_windows_s=windows,
             name=name or output.stem,
             source=trace_path.name,
             arrival_process=arrival,

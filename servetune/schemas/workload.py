@@ -18,15 +18,17 @@ the class index a sampled trace uses) has
   last one) runs at ``rate_per_s * rate_multipliers[i] / mean(rate_multipliers)``, so
   ``rate_per_s`` stays the mean rate. The gaps are drawn in "operational time" (unit
   rate) and mapped through the inverse cumulative rate, so the CV describes burstiness
-  that the windows do not already explain. Optional ``modulation`` (instead of
-  ``windows``) makes the rate a Markov chain over windows: each window of ``window_s``
+  that the windows do not already explain. Optional ``modulation`` makes the rate a
+  Markov chain over windows: each window of ``window_s``
   seconds runs at ``rate_per_s * levels[k] / sum(pi * levels)`` where ``k`` is the
   chain's state and ``pi`` the stationary distribution of the row-stochastic
   ``transitions`` matrix (``transitions[a][b]`` = probability that the window after one
   at level ``a`` is at level ``b``). It keeps the sustained bursts (seconds to minutes)
   that i.i.d. gaps cannot: the gaps above are then drawn in the modulated operational
   time. Its ``gap_cv`` is the CV of the gaps in seconds (what queueing formulas read;
-  computed from the levels when omitted, see ``RateModulation``);
+  computed from the levels when omitted, see ``RateModulation``). Both together make a
+  two-timescale rate: the chain runs in the operational time of the (slow) windows, so
+  the bursts ride on the windows' profile (rate ``rate_per_s * m_i * level``);
 - ``prompt_tokens`` / ``output_tokens``: empirical length distributions as quantile knots,
   ``values[i]`` = the ``quantiles[i]`` quantile. Sampling inverts this CDF with linear
   interpolation between knots and rounds to an integer >= 1. A fitted workload uses a grid
@@ -38,6 +40,13 @@ the class index a sampled trace uses) has
   so the marginals stay exactly as given and r is the correlation of the normal scores.
   Absent (or 0), the lengths are independent. Long-context traces need it: in the
   Mooncake trace the longest prompts come with short outputs (rank correlation -0.52).
+- ``length_shift`` (optional, needs ``arrival.windows``): the length mix following the
+  slow rate profile. ``prompt[i]`` (``output[i]``) shifts the normal score of a length
+  drawn in window ``i``: z = d_i + sqrt(1 - s^2) e, e standard normal, where d is the
+  list centred on its arrival-weighted mean (weights ``rate_multipliers``) and s^2 its
+  weighted variance (must be < 1), and the length is the quantile at Phi(z). Over all
+  windows z has mean 0 and variance 1, so the marginal stays (close to) the knots above
+  while window ``i``'s lengths sit d_i standard deviations (in normal scores) higher.
 
 A class's share of traffic is its rate over the sum of rates (``class_stats``).
 """
@@ -293,7 +302,8 @@ class Arrival(Strict):
     )
     windows: RateWindows | None = Field(None, description="optional piecewise-constant rate")
     modulation: RateModulation | None = Field(
-        None, description="optional Markov-modulated rate (bursts); excludes windows"
+        None, description="optional Markov-modulated rate (bursts); with windows it runs "
+        "in their operational time"
     )
 
     @property
@@ -308,11 +318,6 @@ class Arrival(Strict):
     def _consistent(self) -> Arrival:
         if not math.isfinite(self.rate_per_s):
             raise ValueError("rate_per_s must be a finite number")
-        if self.windows is not None and self.modulation is not None:
-            raise ValueError(
-                "give windows (a periodic rate) or modulation (a Markov-modulated rate), "
-                "not both"
-            )
         self._check_process()
         if self.modulation is not None and self.modulation.gap_cv is None:
             cv = self.modulation.mixture_cv(self.interarrival_cv)
@@ -349,6 +354,53 @@ class Arrival(Strict):
             )
 
 
+MAX_LENGTH_SHIFT = 5.0  # normal scores; a shift beyond puts a window outside the knots
+
+
+class LengthShift(Strict):
+    """Per window of ``arrival.windows``: a shift of the prompt (output) lengths' normal
+    score (see the module docstring). Either list may be left out (no shift)."""
+
+    prompt: list[float] | None = Field(
+        None, min_length=1, description="normal-score shift of prompt lengths per window"
+    )
+    output: list[float] | None = Field(
+        None, min_length=1, description="normal-score shift of output lengths per window"
+    )
+
+    @field_validator("prompt", "output")
+    @classmethod
+    def _finite(cls, d: list[float] | None) -> list[float] | None:
+        if d is not None and any(
+            not math.isfinite(x) or abs(x) > MAX_LENGTH_SHIFT for x in d
+        ):
+            raise ValueError(
+                f"shifts must be finite numbers within +-{MAX_LENGTH_SHIFT:g} (they are "
+                "normal scores: standard deviations of the lengths' ranks)"
+            )
+        return d
+
+    @model_validator(mode="after")
+    def _some(self) -> LengthShift:
+        if self.prompt is None and self.output is None:
+            raise ValueError("length_shift needs prompt and/or output shifts per window")
+        return self
+
+    @staticmethod
+    def centred(shifts: list[float] | None, multipliers: list[float]) -> tuple[np.ndarray,
+                                                                                float]:
+        """(d, a): the shifts centred on their mean weighted by ``multipliers`` and the
+        within-window scale sqrt(1 - weighted variance); zeros and 1 without shifts."""
+        w = np.asarray(multipliers, dtype=np.float64)
+        w = w / w.sum()
+        if shifts is None:
+            return np.zeros(len(w)), 1.0
+        d = np.asarray(shifts, dtype=np.float64)
+        d = d - float(w @ d)
+        var = float(w @ (d * d))
+        return d, math.sqrt(max(1.0 - var, 0.0))
+
+
 class WorkloadClass(Strict):
     priority: int = Field(0, description="lower value is served first (vLLM convention)")
     arrival: Arrival
@@ -358,6 +410,9 @@ class WorkloadClass(Strict):
         None, description="optional Gaussian-copula correlation of a request's prompt and "
         "output lengths (the correlation of their normal scores), strictly between -1 and 1; "
         "absent: drawn independently",
+    )
+    length_shift: LengthShift | None = Field(
+        None, description="optional shift of the length mix per window of arrival.windows"
     )
 
     @field_validator("prompt_output_correlation")
@@ -369,6 +424,34 @@ class WorkloadClass(Strict):
                 f"(got {r}); leave it out for independent prompt and output lengths"
             )
         return r
+
+    @model_validator(mode="after")
+    def _shift_windows(self) -> WorkloadClass:
+        shift = self.length_shift
+        if shift is None:
+            return self
+        windows = self.arrival.windows
+        if windows is None:
+            raise ValueError(
+                "length_shift gives one shift per window of arrival.windows, but the arrival "
+                "has no windows; add arrival.windows or remove length_shift"
+            )
+        k = len(windows.rate_multipliers)
+        for what, d in (("prompt", shift.prompt), ("output", shift.output)):
+            if d is None:
+                continue
+            if len(d) != k:
+                raise ValueError(
+                    f"length_shift.{what} has {len(d)} entries but arrival.windows has {k} "
+                    "windows; give one shift per window"
+                )
+            _, a = LengthShift.centred(d, windows.rate_multipliers)
+            if not a > 0:
+                raise ValueError(
+                    f"length_shift.{what}: the shifts' variance (weighted by the windows' "
+                    "rates) must be < 1, since the shifted normal scores must keep variance 1"
+                )
+        return self
 
 
 class Workload(Document):
