@@ -393,6 +393,7 @@ def _search_beyond_edges(run: SearchInputs, loop: LoopResult) -> tuple[LoopResul
                     or equivalence_key(neighbour) == equivalence_key(best.knobs)):
                 continue  # not a valid point, or one the simulator cannot tell apart
             if run.sim.simulations >= run.max_simulations:
+                loop.stopped_by = STOP_SIMULATIONS  # the work budget ends it here
                 break
             bar = best.goodput.rate_scale * (1.0 + EDGE_BAR)
             est = find_goodput(run.sim, run.make_policy(neighbour), start_scale=bar,
