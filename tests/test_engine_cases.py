@@ -19,25 +19,119 @@ BATCH64 = {"max_num_seqs": 8, "max_num_batched_tokens": 64}
 # ---- other engines' admission models -------------------------------------------------
 
 def test_sglang_retracts_the_fewest_generated_and_recomputes_it():
-    # bs=1, 60 tokens of KV. Admission needs prompt + 0.7 * 30 = 26 tokens of room per
-    # request: A and B fit (26 + 26 <= 60), C does not. A and B prefill in step 0 and
-    # decode from step 1, 2 tokens of KV per step; after step 25 all 60 tokens are
-    # used, so step 26's decode batch does not fit: B (tie on generated tokens and on
-    # prompt; the later one) is retracted and the batch is A alone.
-    tr = trace_of([(0, 5, 30), (0, 5, 30), (0, 5, 30)])
-    out, log = both_modes(tr, policy(batching=BATCH64), kv_blocks=60, block_size=1,
+    """bs=1, a pool of 66 tokens, A and B (5-token prompt, 30 output) at t=0.
+
+    Admission follows ``PrefillAdder.add_one_req`` (``schedule_policy.py``): a request is
+    refused when prompt + min(max_new - generated, 4096) + a page >= the free tokens less
+    the running requests' ratio-scaled estimates and what this pass admitted.
+    Step 0: A needs 5 + 30 + 1 = 36 < 66: admitted; the pass then has 66 - 36 = 30 left
+    and B's 36 >= 30: refused. Step 1: A runs (1 generated), estimate 29 * 0.7 = 20.3;
+    B's 36 < 66 - 5 - 20.3 = 40.7: B prefills alone (prefill and decode batches are
+    separate). Steps 2-29 decode both, 2 tokens of KV each: 10 + 56 = 66 after step 29.
+    Step 30 does not fit: B (a tie on generated tokens and prompt; the later one) is
+    retracted (``retract_decode``, ``schedule_batch.py``) and A decodes its 30th token
+    alone. Step 31: B re-prefills 5 + 29 = 34 tokens and samples its last token.
+    """
+    tr = trace_of([(0, 5, 30), (0, 5, 30)])
+    out, log = both_modes(tr, policy(batching=BATCH64), kv_blocks=66, block_size=1,
                           engine="sglang")
     steps = compact(log)
-    assert steps[0] == (0.0, [(0, 5), (1, 5)], [], [0, 1], [], 10, 1, 2)
-    assert steps[25] == (25.0, [(0, 1), (1, 1)], [], [], [], 60, 1, 2)
-    assert steps[26] == (26.0, [(0, 1)], [1], [], [], 31, 2, 1)
-    assert [i for i, s in enumerate(steps) if s[2]] == [26]
-    # A finishes at the end of step 29 (its 30th token); B re-prefills its 5 + 26
-    # tokens as a prefill batch of its own (decode and prefill are separate batches).
-    assert out.finish_s[0] == 30.0
-    assert steps[30][1] == [(1, 31)]
-    assert out.preemptions.tolist() == [0, 1, 0]
+    assert steps[0] == (0.0, [(0, 5)], [], [0], [], 5, 1, 1)
+    assert steps[1] == (1.0, [(1, 5)], [], [1], [], 10, 0, 2)
+    assert steps[2] == (2.0, [(0, 1), (1, 1)], [], [], [], 12, 0, 2)
+    assert steps[29] == (29.0, [(0, 1), (1, 1)], [], [], [], 66, 0, 2)
+    assert steps[30] == (30.0, [(0, 1)], [1], [], [0], 34, 1, 1)
+    assert steps[31] == (31.0, [(1, 34)], [], [1], [1], 34, 0, 1)
+    assert len(steps) == 32
+    assert out.finish_s.tolist() == [31.0, 32.0]
+    assert out.preemptions.tolist() == [0, 1]
     assert (out.status == 0).all()
+
+
+def test_sglang_counts_the_new_requests_output_in_full_and_refuses_on_equality():
+    """bs=1, one request with a 5-token prompt and 30 output tokens.
+
+    ``PrefillAdder.add_one_req`` (``schedule_policy.py``): total = extend_input_len +
+    min(max_new_tokens - generated, CLIP) + page_size, refused when total >=
+    rem_total_tokens (the new request's own output is not scaled by new_token_ratio,
+    which servetune used to do: 5 + 0.7 * 30 = 26 would have fitted both pools).
+    Pool 36: 5 + 30 + 1 = 36 >= 36, it can never run: rejected at arrival (at its last
+    token: 34 + min(30 - 29, 4096) + 1 = 36). Pool 37: 36 < 37, admitted at step 0.
+    """
+    tr = trace_of([(0, 5, 30)])
+    out, log = both_modes(tr, policy(batching=BATCH64), kv_blocks=36, block_size=1,
+                          engine="sglang")
+    assert out.status.tolist() == [2]
+    assert REASONS[out.reason[0]].startswith("rejected: prompt + max output")
+    assert log[0]["shed"] == [0]
+    out, log = both_modes(tr, policy(batching=BATCH64), kv_blocks=37, block_size=1,
+                          engine="sglang")
+    assert compact(log)[0] == (0.0, [(0, 5)], [], [0], [], 5, 0, 1)
+    assert out.finish_s.tolist() == [30.0]
+
+
+def test_sglang_allocates_a_chunked_prefill_one_chunk_at_a_time():
+    """Blocks of 4 tokens, a 4-token prefill budget (chunked-prefill-size), one request
+    with a 10-token prompt and 2 output tokens.
+
+    ``PrefillAdder.add_one_req`` admits it with a truncated extend of 4 tokens and
+    ``add_chunked_req`` continues it (``schedule_policy.py``); the scheduler allocates KV
+    for each chunk's tokens only (``ScheduleBatch.prepare_for_extend``,
+    ``schedule_batch.py``). Step 0: tokens 0-3, 1 block (servetune used to allocate all
+    3 blocks here). Step 1: tokens 4-7, 2 blocks. Step 2: tokens 8-9, 3 blocks, first
+    token sampled. Step 3: decodes the second token (11 tokens, still 3 blocks).
+    """
+    tr = trace_of([(0, 10, 2)])
+    pol = policy(batching={"max_num_seqs": 2, "max_num_batched_tokens": 4})
+    out, log = both_modes(tr, pol, kv_blocks=100, block_size=4, engine="sglang")
+    assert compact(log) == [
+        (0.0, [(0, 4)], [], [0], [], 1, 0, 1),
+        (1.0, [(0, 4)], [], [], [], 2, 0, 1),
+        (2.0, [(0, 2)], [], [], [], 3, 0, 1),
+        (3.0, [(0, 1)], [], [], [0], 3, 0, 1),
+    ]
+    assert out.first_token_s.tolist() == [3.0]
+
+
+@pytest.mark.parametrize("b_priority, preempts", [(0, True), (10, False)])
+def test_sglang_priority_preempts_past_the_threshold(b_priority, preempts):
+    """One seat, a pool of 100 tokens (bs=1), priority scheduling with lower values
+    first (the exporter writes ``schedule-low-priority-values-first``). A (prompt 4,
+    output 5, priority 20) at t=0; B (prompt 4, output 2) at t=1.5, queued at t=2.
+
+    ``Scheduler.get_new_batch_prefill`` (``scheduler.py``): the batch is full, so
+    ``PrefillAdder.preempt_to_schedule`` (``schedule_policy.py``) may preempt running
+    requests whose priority is worse by more than
+    ``--priority-scheduling-preemption-threshold`` (10); B's need (4 + 2 less a budget
+    of ~93 tokens) is already covered, so one victim suffices.
+    B priority 0 (20 - 0 > 10): step 2 preempts A and prefills B; B decodes its second
+    token in step 3 (A cannot preempt B back: 0 - 20 <= 10); A re-prefills 4 + 2 = 6
+    tokens in step 4 and finishes at the end of step 6.
+    B priority 10 (20 - 10 = 10, not > 10): B waits for A (steps 0-4), then runs in
+    steps 5-6.
+    """
+    tr = trace_of([(0, 4, 5), (1.5, 4, 2)], priority=np.array([20, b_priority]))
+    pol = policy(batching={"max_num_seqs": 1, "max_num_batched_tokens": 64},
+                 scheduling="priority")
+    out, log = both_modes(tr, pol, kv_blocks=100, block_size=1, engine="sglang")
+    steps = compact(log)
+    if preempts:
+        assert steps == [
+            (0.0, [(0, 4)], [], [0], [], 4, 0, 1),
+            (1.0, [(0, 1)], [], [], [], 5, 0, 1),
+            (2.0, [(1, 4)], [0], [1], [], 4, 1, 1),
+            (3.0, [(1, 1)], [], [], [1], 5, 1, 1),
+            (4.0, [(0, 6)], [], [0], [], 6, 0, 1),
+            (5.0, [(0, 1)], [], [], [], 7, 0, 1),
+            (6.0, [(0, 1)], [], [], [0], 8, 0, 1),
+        ]
+        assert out.finish_s.tolist() == [7.0, 4.0]
+        assert out.preemptions.tolist() == [1, 0]
+    else:
+        assert [s[1] for s in steps] == [[(0, 4)], [(0, 1)], [(0, 1)], [(0, 1)], [(0, 1)],
+                                         [(1, 4)], [(1, 1)]]
+        assert out.finish_s.tolist() == [5.0, 7.0]
+        assert out.preemptions.sum() == 0
 
 
 def test_sglang_prefill_and_decode_batches_are_separate():

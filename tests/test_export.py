@@ -16,11 +16,13 @@ from typer.testing import CliRunner
 from servetune.cli import app
 from servetune.errors import ServetuneError
 from servetune.export import ENGINES, MemoryFacts, export_policy, memory_facts
+from servetune.export import sglang as sglang_export
 from servetune.export.sglang import mem_fraction_static
 from servetune.export.tgi import tgi_memory
 from servetune.export.trtllm import free_gpu_memory_fraction
 from servetune.schemas.base import dump_yaml
 from servetune.schemas.policy import Policy
+from servetune.sim import engine as engine_model
 
 # --- the engines' option names, as data (numbers: docs/engines.md sections) ---------------
 
@@ -271,6 +273,11 @@ def test_sglang_exact_file_and_priority_convention():
     assert data["enable-priority-scheduling"] is True
     assert data["schedule-low-priority-values-first"] is True
     assert data["retraction-policy"] == "priority"
+    # the model preempts as SGLang does by default (threshold 10, preemption on)
+    assert data["priority-scheduling-preemption-threshold"] == 10
+    assert sglang_export.SGLANG_PRIORITY_PREEMPTION_THRESHOLD == (
+        engine_model.SGLANG_PRIORITY_PREEMPTION_THRESHOLD)
+    assert "disable-priority-preemption" not in data
     # waiting-queue cap = in-flight cap 256 - running cap 64
     assert data["max-queued-requests"] == 192
     # (0.9 * 150e9 - 6e9) / 150e9 = 129 / 150 = 0.86

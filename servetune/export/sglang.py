@@ -10,8 +10,10 @@ Mapping:
   ``schedule-low-priority-values-first`` (SGLang serves *higher* values first by default;
   servetune, like vLLM, serves *lower* values first, so the sign convention is flipped by
   the flag and request values stay the same on every engine), ``retraction-policy:
-  priority`` (lowest priority retracted first, as vLLM preempts) and
-  ``disable-priority-preemption`` (the simulated policy never preempts on arrival);
+  priority`` (lowest priority retracted first) and
+  ``priority-scheduling-preemption-threshold: 10`` (SGLang's default, pinned: the
+  simulated model preempts running requests whose value exceeds a waiting one's by more
+  than 10, as SGLang does unless ``disable-priority-preemption``);
 - ``admission.max_queued_requests`` caps waiting + running; SGLang's
   ``max-queued-requests`` caps the waiting queue only, so it gets the cap minus the
   running-set cap (and the running-set cap is at most the in-flight cap);
@@ -56,6 +58,9 @@ USAGE = (
 CHUNK_KEY, PREFILL_KEY = export_names("sglang", "batching.max_num_batched_tokens")
 (PRIORITY_KEY,) = export_names("sglang", "scheduling")
 (QUEUE_KEY,) = export_names("sglang", "admission.max_queued_requests")
+# The priority gap the simulated model preempts at (servetune.sim.engine's
+# SGLANG_PRIORITY_PREEMPTION_THRESHOLD; the export layer may not import the simulator).
+SGLANG_PRIORITY_PREEMPTION_THRESHOLD = 10
 
 
 def _watermark_instead(policy: Policy) -> str:
@@ -118,7 +123,8 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
         settings[PRIORITY_KEY] = True
         settings["schedule-low-priority-values-first"] = True
         settings["retraction-policy"] = "priority"
-        settings["disable-priority-preemption"] = True
+        settings["priority-scheduling-preemption-threshold"] = (
+            SGLANG_PRIORITY_PREEMPTION_THRESHOLD)
         if policy.classes:
             unsupported.append(class_priority_instead(policy, TITLE))
 

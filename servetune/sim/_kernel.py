@@ -37,8 +37,8 @@ Token accounting (one rule for every engine, as vLLM V1): a request's target is
 ``prompt + generated``; a step grants it ``new`` tokens towards that target; a step that
 reaches the target samples one output token. Hence the first output token is sampled in
 the step that completes the prefill, and each later step decodes one token. KV blocks
-held = ceil(computed / block_size) (SGLang: the whole re-prefill is allocated at
-admission).
+held = ceil(computed / block_size), for every engine (SGLang, too, allocates a chunked
+prefill one chunk at a time).
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ class Params(NamedTuple):
     # SGLang environment constants (engines.md 2.2)
     sglang_clip: int  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
     sglang_retract_steps: int  # SGLANG_RETRACT_DECODE_STEPS
+    sglang_preempt_threshold: int  # --priority-scheduling-preemption-threshold (< 0: off)
     ratio_init: float
     ratio_floor: float
     ratio_decay: float  # per decode step
@@ -224,6 +225,7 @@ class State(NamedTuple):
     batch_tokens: np.ndarray  # int64, tokens granted
     jump_hist: np.ndarray  # int64 scratch: blocks opened per step of a jumped stretch
     series: np.ndarray  # float64 (3, bins): time-weighted KV blocks, waiting, running
+    victims: np.ndarray  # int64 scratch: SGLang's priority victims, queued after the pass
     scalars: Any  # SCALARS record array of 1 (reference mode: [namespace])
 
 
@@ -523,16 +525,24 @@ def _preemption_victim(p, rq, st):
 
 
 @jit
-def _retraction_victim(rq, st):
+def _retraction_victim(p, rq, st):
     """SGLang: the running position of the request with the fewest generated tokens
-    (longest prompt, then latest arrival among ties)."""
+    (longest prompt, then latest arrival among ties); under priority scheduling
+    (``--retraction-policy priority``, which the exporter writes) the least important
+    priority first, then the same order (``schedule_batch.py``, ``retract_decode``)."""
     sc = st.scalars[0]
     gen = st.generated
     prompt = rq.prompt
+    prio = rq.priority
+    by_prio = p.priority_scheduling
     vp = 0
     for q in range(1, sc.n_running):
         a = st.running[q]
         b = st.running[vp]
+        if by_prio and prio[a] != prio[b]:
+            if prio[a] > prio[b]:
+                vp = q
+            continue
         if gen[a] < gen[b] or (gen[a] == gen[b] and (
                 prompt[a] > prompt[b] or (prompt[a] == prompt[b] and a > b))):
             vp = q
@@ -586,7 +596,8 @@ def _kv_refused(p, rq, st, r, target, chunk):
     chunk, beside the blocks in use (``KVCacheManager.allocate_slots`` with
     ``full_sequence_must_fit``; the blocks other in-flight prefills still need are kept
     back only for a request whose KV a connector loads asynchronously, which servetune
-    does not model); SGLang: the whole (re-)prefill beside the blocks in use; TensorRT-LLM
+    does not model); SGLang: the whole (re-)prefill beside the blocks in use (servetune's
+    watermark and lane check; SGLang's own token check is in ``_admit_waiting``); TensorRT-LLM
     and TGI: the prompt + max output reservation beside the running requests'
     reservations."""
     sc = st.scalars[0]
@@ -607,12 +618,99 @@ def _kv_refused(p, rq, st, r, target, chunk):
 
 @jit
 def _sglang_estimate(p, rq, r, generated, ratio):
-    """SGLang's estimate of the KV tokens request ``r`` still grows by: its remaining
-    maximum output, clipped, times the new-token ratio."""
+    """SGLang's estimate of the KV tokens running request ``r`` still grows by: its
+    remaining maximum output, clipped, times the new-token ratio
+    (``PrefillAdder._get_running_request_total_token_offset``)."""
     f = rq.max_tokens[r] - generated
     if f > p.sglang_clip:
         f = p.sglang_clip
     return f * ratio
+
+
+@jit
+def _sglang_clipped(p, tokens):
+    return p.sglang_clip if tokens > p.sglang_clip else tokens
+
+
+@jit
+def _sglang_offset(p, rq, st, r, ratio):
+    """What running request ``r`` takes off SGLang's prefill budget: its output estimate,
+    or, for the chunked request in its last chunk (``add_chunked_req``, not part of the
+    running batch), its whole clipped ``max_new_tokens``, unscaled."""
+    if r == st.scalars[0].chunked_req:
+        return float(_sglang_clipped(p, rq.max_tokens[r]))
+    return _sglang_estimate(p, rq, r, st.generated[r], ratio)
+
+
+@jit
+def _sglang_comes_first(rq, a, b):
+    """``a`` comes before ``b`` in SGLang's priority-preemption order
+    (``PrefillAdder.preempt_to_schedule``: least important priority first, then the
+    latest to enter the queue; servetune: latest arrival, then higher id)."""
+    pa = rq.priority[a]
+    pb = rq.priority[b]
+    return pa > pb or (pa == pb and (rq.arrival[a] > rq.arrival[b]
+                                     or (rq.arrival[a] == rq.arrival[b] and a > b)))
+
+
+@jit
+def _sglang_next_victim(rq, st, n_elig, prev):
+    """Running position (< ``n_elig``, not the chunked request) of the request after
+    ``prev`` (-1: the first) in SGLang's priority-preemption order; -1 if none."""
+    cr = st.scalars[0].chunked_req
+    best = -1
+    for q in range(n_elig):
+        a = st.running[q]
+        if a == cr or (prev >= 0 and not _sglang_comes_first(rq, prev, a)):
+            continue
+        if best == -1 or _sglang_comes_first(rq, a, st.running[best]):
+            best = q
+    return best
+
+
+@jit
+def _sglang_preempt_for(p, rq, st, lg, r, rem, ratio, n_elig, nvict):
+    """SGLang's priority preemption (``PrefillAdder.preempt_to_schedule``) for waiting
+    request ``r``: walk the running requests admitted before this pass in preemption
+    order while each is less important than ``r`` by more than the threshold, counting
+    their output estimates off ``r``'s need (its re-prefill plus clipped
+    ``max_new_tokens`` less the budget ``rem``); if that covers the need, free those
+    requests (their KV and estimates return to the budget) and hold them for the queue
+    until the pass ends. Returns (preempted, budget, eligible running, victims held)."""
+    need = float(rq.prompt[r] + st.generated[r] + _sglang_clipped(p, rq.max_tokens[r])) - rem
+    k = 0
+    prev = -1
+    while True:
+        q = _sglang_next_victim(rq, st, n_elig, prev)
+        if q == -1:
+            break
+        a = st.running[q]
+        if rq.priority[a] - rq.priority[r] <= p.sglang_preempt_threshold:
+            break
+        k += 1
+        need -= _sglang_offset(p, rq, st, a, ratio)
+        prev = a
+        if need <= 0:
+            break
+    if k == 0 or need > 0:
+        return False, rem, n_elig, nvict
+    sc = st.scalars[0]
+    bs = p.block_size
+    for _ in range(k):
+        vp = _sglang_next_victim(rq, st, n_elig, -1)
+        v = st.running[vp]
+        rem += _sglang_offset(p, rq, st, v, ratio) + st.held[v] * bs
+        _release(p, rq, st, v)
+        st.computed[v] = 0
+        st.preemptions[v] += 1
+        for q in range(vp, sc.n_running - 1):
+            st.running[q] = st.running[q + 1]
+        sc.n_running -= 1
+        n_elig -= 1
+        st.victims[nvict] = v
+        nvict += 1
+        _log_event(p, lg, EV_PREEMPT, v, 0)
+    return True, rem, n_elig, nvict
 
 
 @jit
@@ -656,31 +754,41 @@ def _admit_waiting(p, rq, st, lg, t, budget, ratio):
 
     Every engine: a (re-)prefill's first chunk is capped by the budget (with chunked prefill
     off, one that would fit a whole step waits); the lane must have room; the engine's KV
-    check (``_kv_refused``) must pass; SGLang also needs the re-prefill plus the output
-    estimate of it and of every running request to fit the free KV tokens. A head that does
+    check (``_kv_refused``) must pass. SGLang (``PrefillAdder.add_one_req``) also refuses
+    a request when its re-prefill plus its clipped remaining output, unscaled, plus a
+    page reaches (``>=``) the free KV tokens less every running request's ratio-scaled
+    output estimate and what this pass admitted (prompt, clipped ``max_new_tokens`` and a
+    page each); under priority scheduling a request refused for a seat or for KV may
+    preempt less important running requests (``_sglang_preempt_for``). A head that does
     not fit blocks its lane (strict head-of-line; with lanes, only within its lane), or is
-    rejected when the engine is empty. Admitting allocates the chunk's blocks (SGLang: the
-    whole re-prefill's); SGLang stops after a chunked admission.
+    rejected when the engine is empty. Admitting allocates the chunk's blocks only;
+    SGLang stops after a chunked admission.
     """
     sc = st.scalars[0]
     engine = p.engine
     bs = p.block_size
     sglang = engine == E_SGLANG
+    preempts = sglang and p.priority_scheduling and p.sglang_preempt_threshold >= 0
     rem = 0.0  # SGLang: free KV tokens less the running requests' output estimate
     if sglang:
         future = 0.0
         for q in range(sc.n_running):
-            r = st.running[q]
-            future += _sglang_estimate(p, rq, r, st.generated[r], ratio)
+            future += _sglang_offset(p, rq, st, st.running[q], ratio)
         rem = float((p.total_blocks - sc.used) * bs) - future
+    n_elig = sc.n_running  # SGLang: running before this pass (preemption candidates)
+    nvict = 0
+    tried = -1  # SGLang: the request a preemption was last tried for
     nadm = 0
     blocked0 = False
     blocked1 = False
-    while budget > 0 and sc.n_running < p.max_seqs:
+    while budget > 0:
         lane = _pick_lane(st, blocked0, blocked1)
         if lane == -1:
             break
         r = st.heap_id[lane][0]
+        seat = sc.n_running < p.max_seqs
+        if not seat and not (preempts and tried != r):
+            break
         target = rq.prompt[r] + st.generated[r]
         chunk = _long_prefill_cap(p, target)
         waits = False
@@ -689,16 +797,25 @@ def _admit_waiting(p, rq, st, lg, t, budget, ratio):
                 waits = True  # chunked prefill off: the prompt waits for a step with room
             else:
                 chunk = budget  # (off: a re-prefill over the whole budget is chunked)
-        fr = 0.0
+        total = 0.0
         if sglang:
-            fr = _sglang_estimate(p, rq, r, st.generated[r], ratio)
-        fits = (not waits and _lane_has_room(p, rq, st, r)
-                and not _kv_refused(p, rq, st, r, target, chunk)
-                and (not sglang or target + fr <= rem))
+            total = float(target + _sglang_clipped(p, rq.max_tokens[r] - st.generated[r])
+                          + bs)
+        others = (not waits and _lane_has_room(p, rq, st, r)
+                  and not _kv_refused(p, rq, st, r, target, chunk))
+        fits = seat and others and (not sglang or total < rem)
+        if not fits and preempts and tried != r and others:
+            tried = r
+            done, rem, n_elig, nvict = _sglang_preempt_for(p, rq, st, lg, r, rem, ratio,
+                                                           n_elig, nvict)
+            if done:
+                continue  # the same head, checked again
         if not fits:
             if sc.n_running == 0:
                 _reject_head(p, rq, st, lg, lane)
                 continue
+            if not seat:
+                break
             if p.lanes:  # each lane is head-of-line only within itself
                 if lane == 0:
                     blocked0 = True
@@ -706,16 +823,20 @@ def _admit_waiting(p, rq, st, lg, t, budget, ratio):
                     blocked1 = True
                 continue
             break  # strict head-of-line blocking
-        nblocks = _blocks(target, bs) if sglang else _blocks(chunk, bs)
+        nblocks = _blocks(chunk, bs)
         _admit(p, rq, st, lg, lane, nblocks, t)
         if sglang:
-            rem -= nblocks * bs + fr
+            rem -= nblocks * bs + bs
+            if chunk == target:
+                rem -= _sglang_clipped(p, rq.max_tokens[r])
         _grant(st, r, chunk)
         budget -= chunk
         nadm += 1
         if sglang and chunk < target:
             sc.chunked_req = r
             break
+    for i in range(nvict):
+        _enqueue(p, rq, st, st.victims[i], True)
     return budget, nadm
 
 
@@ -733,8 +854,8 @@ def reject_at_arrival(p, rq, st):
       resumed request's longer re-prefill is chunked instead: vLLM's own config check
       rules that case out);
     - REASON_RESERVATION: TensorRT-LLM/TGI's KV check (its reservation) refuses it on an
-      empty engine; SGLang: its re-prefill at its last token plus the output estimate at
-      the ratio's maximum (1) exceeds the pool.
+      empty engine; SGLang: its re-prefill at its last token plus its clipped remaining
+      output plus a page reaches the pool (``add_one_req`` refuses on ``>=``).
     """
     bs = p.block_size
     total = p.total_blocks
@@ -751,8 +872,10 @@ def reject_at_arrival(p, rq, st):
             reservation = refused
         else:
             never_fits = refused or _blocks(last, bs) > total
-            reservation = (p.engine == E_SGLANG and last + _sglang_estimate(
-                p, rq, r, rq.output[r] - 1, 1.0) > total * bs)
+            # SGLang's own check at its last token on an empty engine (add_one_req):
+            # re-prefill + clipped remaining output + a page must stay below the pool.
+            reservation = (p.engine == E_SGLANG and last + _sglang_clipped(
+                p, rq.max_tokens[r] - rq.output[r] + 1) + bs >= total * bs)
         if never_fits:
             rq.reject[r] = REASON_KV_POOL
         elif not _lane_has_room(p, rq, st, r):
@@ -872,7 +995,7 @@ def _sglang_decode_batch(p, rq, st, lg, ratio):
         need += _blocks(st.computed[r] + 1, bs) - st.held[r]
     retracted = False
     while need > p.total_blocks - sc.used and sc.n_running > 0:
-        vp = _retraction_victim(rq, st)
+        vp = _retraction_victim(p, rq, st)
         v = st.running[vp]
         need -= _blocks(st.computed[v] + 1, bs) - st.held[v]
         _preempt(p, rq, st, lg, v, vp)
@@ -922,6 +1045,9 @@ def _schedule(p, rq, st, lg, t):
         if new > budget:
             new = budget
             still_chunking = True
+        # Only this chunk's KV is allocated (it fits: the admission counted the whole
+        # re-prefill, and nothing else allocates while the request is chunked).
+        _alloc(p, rq, st, cr, _blocks(st.computed[cr] + new, p.block_size) - st.held[cr])
         _grant(st, cr, new)
         budget -= new
         prefill_step = True

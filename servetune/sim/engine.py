@@ -24,16 +24,23 @@ Semantics (``docs/engines.md``; the step loop is in :mod:`servetune.sim._kernel`
   chunked: vLLM's own config check rules that case out). Among exact ties (same priority
   and arrival time) the queue takes the lower request id first and the priority victim
   is the first such request in the running list.
-- **sglang** (2.2, 2.3): a step is a prefill batch when one can be formed (the chunked
-  request first, then admissions in queue order whose re-prefill plus
-  ``min(max_tokens - generated, 4096) * new_token_ratio`` fits the free KV tokens less
-  the same estimate for every running request), else a decode batch of every running
-  request (decode is not budgeted). The ratio starts at 0.7, decays linearly to 0.098
-  over 600 decode steps, resets when idle, and after a retraction jumps to
-  ``(decoded + 20 * running) / sum(max_tokens)``. When a decode batch does not fit,
-  requests are retracted fewest-generated first (longest prompt, then latest among
-  ties) back to the front of the queue. The whole re-prefill's KV is allocated at
-  admission.
+- **sglang** (2.2-2.4): a step is a prefill batch when one can be formed (the chunked
+  request first, then admissions in queue order), else a decode batch of every running
+  request (decode is not budgeted). A waiting request is refused when its re-prefill +
+  ``min(max_tokens - generated, 4096)`` + one block reaches (``>=``) the free KV tokens
+  less ``min(max_tokens - generated, 4096) * new_token_ratio`` for every running request
+  (the chunked request in its last chunk: ``min(max_tokens, 4096)``) and less what the
+  pass already admitted (prompt + ``min(max_tokens, 4096)`` + one block each). The
+  ratio starts at 0.7, decays linearly to 0.098 over 600 decode steps, resets when idle,
+  and after a retraction jumps to ``(decoded + 20 * running) / sum(max_tokens)``. When a
+  decode batch does not fit, requests are retracted fewest-generated first (longest
+  prompt, then latest among ties; under priority scheduling the highest priority value
+  first) back to the front of the queue. A chunked prefill allocates one chunk's KV per
+  step. Under priority scheduling (lower values first, as the exporter sets
+  ``schedule-low-priority-values-first``) a waiting request refused for a seat or KV
+  preempts running requests whose priority value exceeds its own by more than 10
+  (highest value, then latest arrival first) when their output estimates cover its
+  shortfall; they rejoin the queue after the pass.
 - **trtllm** (4, GUARANTEED_NO_EVICT) and **tgi** (3): a request is admitted only when
   blocks for ``prompt + max_tokens - 1`` tokens can be reserved beside the running
   requests' reservations, so nothing is ever evicted. TensorRT-LLM budgets all tokens
@@ -121,7 +128,10 @@ from servetune.workloads.trace import Trace
 # 3: trtllm does not chunk prefills unless the policy asks (trtllm-serve's default).
 # 4: decode attention at the measured share of HBM bandwidth; a step may add a host cost
 # per step and per sequence (servetune.engines: 0 until measured; a profile may pin it).
-ENGINE_MODEL_VERSION = 4
+# 5: SGLang as PrefillAdder does it: a new request's own output counted in full and refused
+# on >= (plus a page), chunked prefills allocated per chunk, priority preemption and
+# priority retraction under priority scheduling.
+ENGINE_MODEL_VERSION = 5
 ENGINES = ENGINE_NAMES  # in kernel-id order: ENGINES.index(name) is the kernel's E_* id
 
 # Why a request did not complete: the codes and texts live in the kernel, which records them.
@@ -140,6 +150,11 @@ SGLANG_INIT_NEW_TOKEN_RATIO = 0.7
 SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS = 600
 SGLANG_RETRACT_DECODE_STEPS = 20
+# SGLang's priority flags as servetune's exporter writes them (docs/engines.md 2.4): lower
+# values first (servetune's convention, as vLLM's), and preemption of running requests
+# less important than a waiting one by more than this (SGLang's default threshold).
+SGLANG_LOW_PRIORITY_VALUES_FIRST = True
+SGLANG_PRIORITY_PREEMPTION_THRESHOLD = 10
 
 SERIES_BINS = 2048
 _CHUNK_STEPS_FAST = 500_000
@@ -262,6 +277,7 @@ def kernel_params(
         # SGLang's environment constants
         sglang_clip=SGLANG_CLIP_MAX_NEW_TOKENS,
         sglang_retract_steps=SGLANG_RETRACT_DECODE_STEPS,
+        sglang_preempt_threshold=SGLANG_PRIORITY_PREEMPTION_THRESHOLD,
         ratio_init=ratio_init,
         ratio_floor=ratio_floor,
         ratio_decay=(ratio_init - ratio_floor) / SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS,
@@ -302,6 +318,8 @@ def kernel_requests(
             [policy.class_priority(name) for name in trace.class_names], dtype=np.int64
         )
         prio = class_prio[trace.class_ids().astype(np.int64)]
+    if engine == "sglang" and not SGLANG_LOW_PRIORITY_VALUES_FIRST:
+        prio = -prio  # the kernel serves lower values first; SGLang's default is higher
     arrival = np.ascontiguousarray(trace.arrival_s, dtype=np.float64)
     if not (np.all(np.isfinite(arrival)) and np.all(np.diff(arrival) >= 0)):
         raise ServetuneError("trace arrivals must be finite and sorted (use trace.from_arrays)")
@@ -370,6 +388,7 @@ def _initial_state(params: K.Params, requests: K.Requests, reference: bool) -> K
         batch_tokens=np.zeros(width, dtype=np.int64),
         jump_hist=np.zeros(K.WINDOW_MAX + 2, dtype=np.int64),
         series=np.zeros((3, SERIES_BINS), dtype=np.float64),
+        victims=np.zeros(max(n, 1), dtype=np.int64),
         scalars=_scalar_holder(K.SCALARS, reference, chunked_req=-1, token_ratio=params.ratio_init,
                         bin_width=bin_width),
     )
