@@ -5,8 +5,9 @@ binds there: the fluid model misses most).
 
 Two runs per workload x SLO set:
 
-1. ``optimize`` as a user runs it (method milp, the default 1,332-point space, widened at its edges where that helps, 3000
-   requests per simulation): its wall time, simulations, goodput and the defaults';
+1. ``optimize`` as a user runs it (method milp, the default 1,332-point space, widened at
+   its edges where that helps, 3000 requests per simulation): its wall time, simulations,
+   goodput and the defaults';
 2. the comparison on a reduced space (seqs 32..1024 x tokens 512..16384 x chunk cap
    0/512/2048: 105 valid points) and a 2000-request sample, where the exhaustive grid
    (every point, goodput by bracketing and bisection) is affordable: milp, grid, random
