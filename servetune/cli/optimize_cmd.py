@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 
 from servetune.errors import InfeasibleError, ServetuneError
-from servetune.io import require_file, write_text_atomic
+from servetune.io import check_outputs, require_file, write_text_atomic
 from servetune.knobs import summary_text
 from servetune.schemas.base import load_document
 from servetune.schemas.job import (
@@ -80,6 +80,9 @@ def run_optimize(
         _file(space, "--space")
     # lazy: the optimizer imports pyomo (0.3 s) that `servetune --help` should not pay
     from servetune.apps.optimize import optimize_files
+    from servetune.solvers.drivers import preload_cpsat
+
+    preload_cpsat()  # the lanes step solves CP-SAT: import OR-Tools before the work
 
     return optimize_files(
         trace=trace, workload=workload, profile=profile, slo=slo, space=space,
@@ -170,6 +173,10 @@ def register(app: typer.Typer) -> None:
             raise ServetuneError("give --profile and --slo (or a job file); see --help")
         if output is None:
             raise ServetuneError("give -o POLICY.yaml (where to write the chosen policy)")
+
+        check_outputs({"-o/--output": output, "--json": json_out},
+                      {"JOB": job, "--trace": trace, "--workload": workload, "--profile": profile,
+                       "--slo": slo, "--space": space})
 
         def say(msg: str) -> None:
             if not quiet:
