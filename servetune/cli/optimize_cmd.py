@@ -22,6 +22,7 @@ from servetune.knobs import summary_text
 from servetune.schemas.base import load_document
 from servetune.schemas.job import (
     DEFAULT_MAX_SIMULATIONS,
+    DEFAULT_REQUESTS,
     DEFAULT_TIME_LIMIT_S,
     METHODS,
     METHODS_IN_WORDS,
@@ -189,7 +190,8 @@ def register(app: typer.Typer) -> None:
                 time_limit_s=DEFAULT_TIME_LIMIT_S if time_limit is None else time_limit,
                 max_simulations=(DEFAULT_MAX_SIMULATIONS if max_simulations is None
                                  else max_simulations),
-                seed=0 if seed is None else seed, requests=requests or 3000, engine=engine,
+                seed=0 if seed is None else seed,
+                requests=DEFAULT_REQUESTS if requests is None else requests, engine=engine,
                 trace_format=trace_format, progress=say,
             )
         except InfeasibleError as err:
