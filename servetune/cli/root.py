@@ -13,8 +13,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import typer
-from typer._click import exceptions as click_exceptions
 from typer.core import TyperGroup
+
+try:  # typer >= 0.22 carries its own click
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover - older typer on click
+    from click import exceptions as click_exceptions  # type: ignore[no-redef]
 
 from servetune import __version__
 from servetune.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, ServetuneError
