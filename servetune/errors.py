@@ -18,6 +18,7 @@ from collections.abc import Mapping
 EXIT_USER_ERROR = 2
 EXIT_INFEASIBLE = 3
 EXIT_KEPT_CURRENT = 10
+EXIT_INTERRUPTED = 130  # Ctrl-C / SIGINT: 128 + 2, as shells report it
 
 _ARGUMENT = re.compile(r"argument `([A-Za-z_][A-Za-z0-9_]*)`")
 

@@ -11,9 +11,13 @@
   :func:`write_all_or_none` for a set of writers that each stream their own file.
 - **Reading**: :func:`open_binary`, :func:`read_bytes` and :func:`decode_text` turn a
   missing, unreadable or non-UTF-8 input into one error line naming the file.
-- **Path checks**: :func:`require_file` for an input that must be a readable file,
-  :func:`check_out_file`, :func:`check_out_files` and :func:`check_out_dir` for outputs,
-  before any long work.
+- **Path checks**: :func:`require_file` for an input that must be a readable file;
+  :func:`check_outputs` (the one check every command that writes files calls before any
+  long work): no output is a folder, a special file (a device, a FIFO) or one of the run's
+  own inputs, and no two outputs are the same file; :func:`check_out_file`,
+  :func:`check_out_files` and :func:`check_out_dir` are its parts.
+- **Symlinks**: an output path that is a symbolic link is written *through* to the link's
+  target (the target is replaced atomically; the link stays a link).
 
 Every failure is one :class:`~servetune.errors.ServetuneError` line naming the path.
 """
@@ -24,8 +28,10 @@ import hashlib
 import json
 import math
 import os
+import stat
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -202,22 +208,117 @@ def check_out_file(path: str | os.PathLike[str], option: str) -> None:
 
 def check_out_files(outputs: Mapping[str, Path | None]) -> None:
     """Fail before a run when an output path (where it came from -> path) cannot be a
-    file, or two outputs name the same file."""
-    seen: dict[Path, str] = {}
+    file, or two outputs name the same file (:func:`check_outputs` without inputs)."""
     for option, path in outputs.items():
-        if path is None:
-            continue
-        if path.is_dir():
+        if path is not None and path.is_dir():
             raise ServetuneError(f"{path}: is a directory (given to {option}); give a file path")
-        key = path.resolve()
+    check_outputs(outputs)
+
+
+PathArg = str | os.PathLike[str] | None
+STDOUT = "-"
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are one file: the same resolved path, or (hard links, bind
+    mounts) the same device and inode."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
+def _refuse_special(p: Path, option: str) -> None:
+    """An existing output that is not a regular file (a device, FIFO, socket) after
+    following symlinks: an atomic rename would replace it with a regular file."""
+    try:
+        mode = os.stat(p).st_mode
+    except OSError:
+        return  # missing (or a dangling link: written through to its target)
+    if stat.S_ISDIR(mode):
+        raise ServetuneError(f"{option} {p}: is a folder; give a file path")
+    if not stat.S_ISREG(mode):
+        raise ServetuneError(
+            f"{option} {p}: is not a regular file (a device, pipe or socket); give a file "
+            "path, or - for stdout where the option takes it"
+        )
+
+
+def _input_paths(inputs: Mapping[str, PathArg]) -> list[tuple[str, Path]]:
+    return [(opt, Path(v)) for opt, v in inputs.items()
+            if v is not None and str(v) != STDOUT and Path(v).exists()]
+
+
+def check_outputs(
+    outputs: Mapping[str, PathArg],
+    inputs: Mapping[str, PathArg] | None = None,
+    *,
+    out_dirs: Mapping[str, tuple[PathArg, Iterable[str]]] | None = None,
+) -> None:
+    """The check every command that writes files runs before any work: refuse (one
+    :class:`ServetuneError` line, exit 2) when
+
+    - an output file (``option -> path``; ``None`` and ``-`` = stdout are skipped) is a
+      folder, stands below a file, or exists and is not a regular file (``/dev/full``);
+    - an output resolves to one of the run's ``inputs`` (``option -> path``; a shipped
+      profile's bare name or a missing path is skipped): the same resolved path or the
+      same inode, symlinks and hard links included;
+    - two outputs are the same file;
+    - an output folder (``option -> (folder, names it writes)``, names may be
+      ``fnmatch`` patterns) is not a folder, or one of the inputs is a file it would write.
+
+    An output that is a symlink is written through to its target, so the target is what
+    is compared."""
+    ins = _input_paths(inputs or {})
+    seen: dict[Path, str] = {}
+    for option, raw in outputs.items():
+        if raw is None or str(raw) == STDOUT:
+            continue
+        p = Path(raw)
+        check_out_file(p, option)
+        _refuse_special(p, option)
+        for in_option, q in ins:
+            if _same_file(p, q):
+                raise ServetuneError(
+                    f"{option} {p}: is the input given to {in_option}; writing it would "
+                    "destroy the input; choose another output path"
+                )
+        key = p.resolve()
         if key in seen:
             raise ServetuneError(
-                f"{path}: given to both {seen[key]} and {option}; give each output its own file"
+                f"{p}: given to both {seen[key]} and {option}; give each output its own file"
             )
         seen[key] = option
+    for option, (folder, names) in (out_dirs or {}).items():
+        if folder is None:
+            continue
+        d = Path(folder)
+        check_out_dir(d, option)
+        patterns = list(names)
+        for in_option, q in ins:
+            if q.resolve().parent == d.resolve() and any(fnmatch(q.name, n) for n in patterns):
+                raise ServetuneError(
+                    f"{option} {d}: the input given to {in_option} ({q}) is a file this run "
+                    "writes there; copy the input elsewhere or choose another folder"
+                )
+        for name in patterns:
+            if not any(ch in name for ch in "*?["):
+                _refuse_special(d / name, option)
 
 
 # ----------------------------------------------------------------------- atomic writes
+
+
+def _write_target(p: Path) -> Path:
+    """Where writing ``p`` goes: through a symlink to its target (so the link stays a link
+    and the rename replaces the target); an existing special file is refused, since the
+    rename would replace a device node with a regular file."""
+    if p.is_symlink():
+        p = Path(os.path.realpath(p))
+    _refuse_special(p, "output")
+    return p
 
 
 def _stage(folder: Path, name: str, data: bytes, *, sync: bool = False) -> Path:
@@ -240,7 +341,7 @@ def _stage(folder: Path, name: str, data: bytes, *, sync: bool = False) -> Path:
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary file in the same folder and a rename,
     so a reader never sees a half-written file and an interrupted run leaves the old one."""
-    p = Path(path)
+    p = _write_target(Path(path))
     parent = p.parent if str(p.parent) else Path(".")
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -281,7 +382,8 @@ def commit_files(out_dir: str | os.PathLike[str], files: Sequence[tuple[str, byt
     staged: list[tuple[Path, Path]] = []
     try:
         for name, data in files:
-            staged.append((_stage(out, name, data, sync=True), out / name))
+            target = _write_target(out / name)
+            staged.append((_stage(target.parent, name, data, sync=True), target))
     except BaseException as exc:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
@@ -296,15 +398,38 @@ def commit_files(out_dir: str | os.PathLike[str], files: Sequence[tuple[str, byt
 
 
 def write_all_or_none(writers: Sequence[tuple[Path, Callable[[], None]]]) -> None:
-    """Run each (path, write) in turn; if one fails, remove the files written before it,
-    so that an error leaves no partial set of outputs behind (for writers that stream
-    their own file, where :func:`commit_files` would need the bytes in memory)."""
-    written: list[Path] = []
+    """Run each (path, write) in turn, each writing its file atomically; if one fails or
+    the run is interrupted, every file written before it is put back as it was (the
+    previous file restored from a hard-linked backup, a new file removed), so an error
+    leaves the previous outputs, never a mix (for writers that stream their own file,
+    where :func:`commit_files` would need the bytes in memory). A writer of a folder
+    (a report through :func:`commit_files`) cannot be undone: give it last."""
+    backups: list[tuple[Path, Path | None]] = []
     try:
         for path, write in writers:
+            target = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
+            if target.is_dir():  # a folder writer: atomic on its own, not undone
+                write()
+                continue
+            backup = None
+            if target.is_file():
+                backup = target.with_name(f".{target.name}.{os.getpid()}.bak")
+                try:
+                    backup.unlink(missing_ok=True)
+                    os.link(target, backup)
+                except OSError:
+                    backup = None
+            backups.append((target, backup))
             write()
-            written.append(path)
     except BaseException:
-        for path in written:
-            path.unlink(missing_ok=True)
+        for target, backup in reversed(backups):
+            if backup is not None:
+                os.replace(backup, target)
+                # a rename between two links to one inode does nothing: drop the backup
+                backup.unlink(missing_ok=True)
+            elif not target.is_dir():
+                target.unlink(missing_ok=True)
         raise
+    for _, backup in backups:
+        if backup is not None:
+            backup.unlink(missing_ok=True)

@@ -201,6 +201,14 @@ def top_k_highs(
     return out
 
 
+def preload_cpsat() -> None:
+    """Import OR-Tools now, before a run's work begins: a command that will solve CP-SAT
+    models calls this first, so that its slow import (and a Ctrl-C during it) happens
+    before any work rather than halfway through a run."""
+    # lazy: as in cpsat_status; this is the place a command chooses to pay it
+    from ortools.sat.python import cp_model  # noqa: F401
+
+
 def cpsat_status(code: int) -> SolveStatus:
     """Map an OR-Tools CP-SAT status code to ours."""
     # lazy: OR-Tools takes 0.5 s to import; runs that solve only MILPs never need it

@@ -34,3 +34,22 @@ def shared_file(*parts: str) -> Path:
 def workload_from_yaml_text(text: str, source: str) -> Workload:
     """A Workload from YAML text, parsed and validated as ``load_workload`` does a file."""
     return document_from_data(parse_yaml_text(text, source), Workload, source)
+
+
+def assert_data_close(got, want, *, rel: float = 1e-6, abs_tol: float = 0.0, path: str = ""):
+    """Nested data (dicts, lists, numbers) equal, floats within ``rel`` (and ``abs_tol``):
+    computed values from a refit differ in their last bits across numpy/HiGHS versions
+    and CPUs, and a coefficient that is 0 on one machine is 1e-17 on another."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), path
+        for key in want:
+            assert_data_close(got[key], want[key], rel=rel, abs_tol=abs_tol,
+                              path=f"{path}.{key}")
+    elif isinstance(want, list | tuple):
+        assert isinstance(got, list | tuple) and len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_data_close(g, w, rel=rel, abs_tol=abs_tol, path=f"{path}[{i}]")
+    elif isinstance(want, float) or isinstance(got, float):
+        assert got == pytest.approx(want, rel=rel, abs=abs_tol), path
+    else:
+        assert got == want, path

@@ -309,7 +309,11 @@ def test_second_run_with_new_policy_keeps_it(tiny, first_run):
     kept.mkdir()
     (kept / "policy.yaml").write_bytes((out / "policy.yaml").read_bytes())
     before = (kept / "policy.yaml").read_bytes()
-    res2 = runner.invoke(app, tiny_args(tiny, kept, kept / "policy.yaml", "--json"))
+    # the policy in production is read from outside --out-dir: an input that is one of the
+    # files nightly writes is refused (test_no_clobber)
+    current = tiny / "in-production.yaml"
+    current.write_bytes(before)
+    res2 = runner.invoke(app, tiny_args(tiny, kept, current, "--json"))
     assert res2.exit_code == 10, res2.output
     summary = json.loads((kept / "summary.json").read_text())
     assert json.loads(res2.stdout) == summary  # --json prints the summary, nothing else

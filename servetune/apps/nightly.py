@@ -70,7 +70,7 @@ from servetune.export import (
     profile_memory_facts,
 )
 from servetune.export.tgi import tgi_memory
-from servetune.io import check_out_dir, commit_files, drop_timings, sha256_file
+from servetune.io import check_outputs, commit_files, drop_timings, sha256_file
 from servetune.models.fluid import Calibration, FluidModel, Knobs, LoadModel, Platform, targets_for
 from servetune.profiles.shipped import load_profile
 from servetune.schemas.base import document_to_yaml, load_document
@@ -409,6 +409,14 @@ def _say(progress: Progress | None, text: str) -> None:
         progress(text)
 
 
+def _check_out_dir(out: Path, names: Sequence[str],
+                   inputs: dict[str, str | os.PathLike[str] | None]) -> None:
+    """Refuse, before any work, an output folder that is not one, or one where this run
+    would write over one of its own inputs (``--current out/policy.yaml --out-dir out``)."""
+    check_outputs({}, {f"argument `{k}`": v for k, v in inputs.items()}, out_dirs={
+        "argument `out_dir`": (out, [*names, "report.md", *FIGURE_NAMES, "summary.json"])})
+
+
 def run_nightly(
     trace_path: str | os.PathLike[str],
     profile_path: str | os.PathLike[str],
@@ -437,7 +445,9 @@ def run_nightly(
     trace_path, profile_path, slo_path, current_path = (
         Path(trace_path), Path(profile_path), Path(slo_path), Path(current_path))
     out = Path(out_dir)
-    check_out_dir(out, "argument `out_dir`")
+    _check_out_dir(out, ["policy.yaml", *CONFIG_FILES.values()], {
+        "trace_path": trace_path, "profile_path": profile_path, "slo_path": slo_path,
+        "current_path": current_path, "space_path": space_path})
 
     _say(progress, f"loading {trace_path.name}, {profile_path.name}, {slo_path.name}")
     trace, profile, slo = load_inputs(trace_path, profile_path, slo_path)
@@ -688,6 +698,9 @@ def run_report(
     trace_path, profile_path, slo_path, current_path, new_path = (
         Path(trace_path), Path(profile_path), Path(slo_path), Path(current_path),
         Path(new_path))
+    _check_out_dir(Path(out_dir), [], {
+        "trace_path": trace_path, "profile_path": profile_path, "slo_path": slo_path,
+        "current_path": current_path, "new_path": new_path})
     trace, profile, slo = load_inputs(trace_path, profile_path, slo_path)
     current = load_document(current_path, Policy)
     new = load_document(new_path, Policy)

@@ -54,7 +54,12 @@ from servetune.models.fluid import (
 from servetune.models.lanes_cpsat import build_instance
 from servetune.profiles.shipped import load_profile, shipped_or_path
 from servetune.schemas.base import document_to_yaml, load_document
-from servetune.schemas.job import DEFAULT_MAX_SIMULATIONS, DEFAULT_TIME_LIMIT_S, METHODS_IN_WORDS
+from servetune.schemas.job import (
+    DEFAULT_MAX_SIMULATIONS,
+    DEFAULT_REQUESTS,
+    DEFAULT_TIME_LIMIT_S,
+    METHODS_IN_WORDS,
+)
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
 from servetune.schemas.space import SearchSpace, apply_knobs
@@ -83,7 +88,6 @@ if TYPE_CHECKING:
     from servetune.schemas.profile import Profile
 
 DEFAULT_SPACE_KNOBS: dict[str, list[Any]] = knob_table.default_space_knobs()
-DEFAULT_REQUESTS = 3000
 # Cap on the minimum simulated window (seconds): see min_window_s().
 MAX_MIN_WINDOW_S = 600.0
 RANDOM_BUDGET = 60  # simulations for random / optuna when run on their own

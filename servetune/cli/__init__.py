@@ -24,8 +24,15 @@ from servetune.cli import (
     validate_cmd,
     workload_cmd,
 )
-from servetune.cli.root import ARGUMENT_FLAGS, COMMAND_FLAGS, app, error_line, new_group
-from servetune.errors import ServetuneError
+from servetune.cli.root import (
+    ARGUMENT_FLAGS,
+    COMMAND_FLAGS,
+    INTERRUPTED_LINE,
+    app,
+    error_line,
+    new_group,
+)
+from servetune.errors import EXIT_INTERRUPTED, ServetuneError
 
 __all__ = ["ARGUMENT_FLAGS", "COMMAND_FLAGS", "app", "error_line", "main", "new_group"]
 
@@ -44,9 +51,13 @@ for _module in (
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point (errors, usage errors and Ctrl-C as one line: see
+    :class:`servetune.cli.root._ErrorsAsLines`)."""
     try:
         app()
     except ServetuneError as err:  # raised outside a command (e.g. in a callback)
         typer.echo(error_line(err), err=True)
         sys.exit(err.exit_code)
+    except KeyboardInterrupt:  # before the app started (imports)
+        typer.echo(INTERRUPTED_LINE, err=True)
+        sys.exit(EXIT_INTERRUPTED)

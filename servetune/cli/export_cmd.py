@@ -10,7 +10,7 @@ import typer
 
 from servetune.errors import ServetuneError
 from servetune.export import ENGINES, export_policy
-from servetune.io import check_out_file, write_text_atomic
+from servetune.io import check_outputs, write_text_atomic
 from servetune.schemas.base import load_document
 from servetune.schemas.policy import Policy
 
@@ -58,8 +58,7 @@ def register(app: typer.Typer) -> None:
             raise ServetuneError(
                 f"--engine {engine!r} is not supported; choose one of {', '.join(ENGINES)}"
             )
-        if output is not None:
-            check_out_file(output, "-o/--output")
+        check_outputs({"-o/--output": output}, {"--policy": policy, "--profile": profile})
         pol = load_document(policy, Policy)
         result = export_policy(pol, engine, profile=load_profile_arg(profile))
         for item in result.warnings:

@@ -8,7 +8,6 @@ from pathlib import Path
 import typer
 
 from servetune.engines import ENGINE_NAMES
-from servetune.io import check_out_dir
 
 
 def _para(text: str) -> str:
@@ -107,6 +106,11 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         # lazy: the pipeline imports pyomo (0.3 s) that `servetune --help` should not pay
         from servetune.apps.nightly import run_nightly
+        from servetune.apps.report import pyplot
+        from servetune.solvers.drivers import preload_cpsat
+
+        preload_cpsat()  # OR-Tools and matplotlib imported before the work begins
+        pyplot()
 
         outcome = run_nightly(
             trace, profile, slo, current, out_dir, engines=engines, min_gain=min_gain,
@@ -135,7 +139,6 @@ def register(app: typer.Typer) -> None:
         engine: str = typer.Option("vllm", "--engine", help="Engine model to simulate."),
         as_json: bool = typer.Option(False, "--json", help="Print summary.json to stdout."),
     ) -> None:
-        check_out_dir(out_dir, "--out-dir")
         # lazy: the pipeline imports pyomo (0.3 s) that `servetune --help` should not pay
         from servetune.apps.nightly import run_report
 

@@ -17,11 +17,12 @@ import typer
 from rich.console import Console
 
 from servetune.errors import InfeasibleError, ServetuneError
-from servetune.io import require_file, write_text_atomic
+from servetune.io import check_outputs, require_file, write_text_atomic
 from servetune.knobs import summary_text
 from servetune.schemas.base import load_document
 from servetune.schemas.job import (
     DEFAULT_MAX_SIMULATIONS,
+    DEFAULT_REQUESTS,
     DEFAULT_TIME_LIMIT_S,
     METHODS,
     METHODS_IN_WORDS,
@@ -80,6 +81,9 @@ def run_optimize(
         _file(space, "--space")
     # lazy: the optimizer imports pyomo (0.3 s) that `servetune --help` should not pay
     from servetune.apps.optimize import optimize_files
+    from servetune.solvers.drivers import preload_cpsat
+
+    preload_cpsat()  # the lanes step solves CP-SAT: import OR-Tools before the work
 
     return optimize_files(
         trace=trace, workload=workload, profile=profile, slo=slo, space=space,
@@ -171,6 +175,10 @@ def register(app: typer.Typer) -> None:
         if output is None:
             raise ServetuneError("give -o POLICY.yaml (where to write the chosen policy)")
 
+        check_outputs({"-o/--output": output, "--json": json_out},
+                      {"JOB": job, "--trace": trace, "--workload": workload, "--profile": profile,
+                       "--slo": slo, "--space": space})
+
         def say(msg: str) -> None:
             if not quiet:
                 console.print(f"[dim]optimize:[/dim] {msg}", highlight=False)
@@ -182,7 +190,8 @@ def register(app: typer.Typer) -> None:
                 time_limit_s=DEFAULT_TIME_LIMIT_S if time_limit is None else time_limit,
                 max_simulations=(DEFAULT_MAX_SIMULATIONS if max_simulations is None
                                  else max_simulations),
-                seed=0 if seed is None else seed, requests=requests or 3000, engine=engine,
+                seed=0 if seed is None else seed,
+                requests=DEFAULT_REQUESTS if requests is None else requests, engine=engine,
                 trace_format=trace_format, progress=say,
             )
         except InfeasibleError as err:

@@ -16,7 +16,7 @@ import typer
 
 from servetune.engines import ENGINE_NAMES
 from servetune.errors import ServetuneError
-from servetune.io import check_out_dir, check_out_file, require_file, write_text_atomic
+from servetune.io import check_outputs, require_file, write_text_atomic
 from servetune.schemas.base import dump_yaml, load_document, save_document
 
 if TYPE_CHECKING:  # imported where used: see the lazy imports
@@ -46,11 +46,18 @@ Exits 3 when a job's deadline is not after its release.
 """
 
 
-def _check_outputs(output: Path, report: Path | None) -> None:
-    """Refuse unusable output paths before the (long) run, so nothing is half written."""
-    check_out_file(output, "-o/--output")
-    if report is not None:
-        check_out_dir(report, "--report")
+# The files each command's --report folder receives (an input must not be one of them).
+PLAN_REPORT_FILES = ("cost_by_type.png", "replicas_over_day.png", "cost_vs_growth.png",
+                     "plan.json")
+PLACE_REPORT_FILES = ("spare_and_work.png", "schedule.json")
+
+
+def _check_outputs(output: Path, report: Path | None, report_files: tuple[str, ...],
+                   inputs: dict[str, Path]) -> None:
+    """Refuse unusable output paths (a folder, a device, one of the inputs) before the
+    (long) run, so nothing is half written and no input is overwritten."""
+    check_outputs({"-o/--output": output}, inputs,
+                  out_dirs={"--report": (report, report_files)})
 
 
 def _floats(text: str, option: str) -> list[float]:
@@ -160,7 +167,9 @@ def register(app: typer.Typer) -> None:
         for p, opt in ((workload, "--workload"), (forecast, "--forecast"), (fleet, "--fleet"),
                        (slo, "--slo")):
             require_file(p, f"given to {opt}")
-        _check_outputs(output, report)
+        _check_outputs(output, report, PLAN_REPORT_FILES,
+                       {"--workload": workload, "--forecast": forecast, "--fleet": fleet,
+                        "--slo": slo})
         if method not in ("auto", "optimizer", "candidates"):
             raise ServetuneError(
                 f"--capacity-method {method!r}: choose auto, optimizer or candidates"
@@ -212,10 +221,14 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         for p, opt in ((jobs, "--jobs"), (plan, "--plan"), (forecast, "--forecast")):
             require_file(p, f"given to {opt}")
-        _check_outputs(output, report)
+        _check_outputs(output, report, PLACE_REPORT_FILES,
+                       {"--jobs": jobs, "--plan": plan, "--forecast": forecast})
         # lazy: placement imports pyomo and OR-Tools (0.6 s)
         from servetune.apps.place import run_place
         from servetune.apps.plan_report import write_schedule_report
+        from servetune.solvers.drivers import preload_cpsat
+
+        preload_cpsat()  # placement solves CP-SAT: import OR-Tools before the work
 
         run = run_place(jobs, plan, forecast, out_path=output, cache_dir=cache_dir,
                         levels=levels, seed=seed, progress=_progress(quiet or json_out))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from servetune.cli.root import new_group
+from servetune.io import check_outputs
 from servetune.schemas.base import save_document
 
 if TYPE_CHECKING:  # imported where used: see the lazy imports
@@ -29,6 +30,16 @@ def _save(profile: Profile, output: Path) -> None:
 
     require_kv_pool(profile, f"{output} (not written)")
     save_document(profile, output, header=profile_header(profile))
+
+
+def _check_profile_output(output: Path, measurements: Path, model: str) -> None:
+    """The profile YAML must not overwrite a measurement file or the --model YAML."""
+    inputs: dict[str, Path | str | None] = {"--model": model}
+    if measurements.is_dir():
+        inputs.update({f"--measurements ({f.name})": f for f in sorted(measurements.iterdir())})
+    else:
+        inputs["--measurements"] = measurements
+    check_outputs({"-o/--output": output}, inputs)
 
 
 def register(app: typer.Typer) -> None:
@@ -58,6 +69,7 @@ def register(app: typer.Typer) -> None:
         # lazy: as in _save
         from servetune.profiles.build import fit_profile
 
+        _check_profile_output(output, measurements, model)
         profile, report = fit_profile(
             measurements, model, gpu=gpu, tensor_parallel=tp, name=name,
             gpu_memory_utilization=utilization,
@@ -89,6 +101,7 @@ def register(app: typer.Typer) -> None:
         # lazy: as in _save
         from servetune.profiles.build import derive_profile
 
+        _check_profile_output(output, measurements, model)
         profile = derive_profile(measurements, model, gpu, tensor_parallel=tp, name=name,
                                  gpu_memory_utilization=utilization,
                                  paths_relative_to=output.resolve().parent)

@@ -8,11 +8,22 @@ exit code; never a traceback. The command modules build their groups with
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
+from typing import Any
+
 import typer
 from typer.core import TyperGroup
 
+try:  # typer >= 0.22 carries its own click
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover - older typer on click
+    from click import exceptions as click_exceptions  # type: ignore[no-redef]
+
 from servetune import __version__
-from servetune.errors import ServetuneError
+from servetune.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, ServetuneError
+
+INTERRUPTED_LINE = "servetune: interrupted; previous outputs kept"
 
 # The flag that feeds each library argument an error message may name (as
 # ``argument `name```): the library speaks of its arguments, the user typed flags.
@@ -45,6 +56,12 @@ ARGUMENT_FLAGS = {
     "rate_scale": "--rate-scale",
     "rate_windows_s": "--rate-windows",
     "sim_engine": "--sim-engine",
+    "slo_path": "--slo",
+    "space_path": "--space",
+    "trace_path": "--trace",
+    "current_path": "--current",
+    "new_path": "--new",
+    "profile_path": "--profile",
     "split": "--split-by",
     "time_limit_s": "--time-limit",
     "window": "--timeline-window",
@@ -61,8 +78,19 @@ def error_line(err: ServetuneError, command: str | None = None) -> str:
     return f"servetune: error: {err.message_for(COMMAND_FLAGS.get(command, ARGUMENT_FLAGS))}"
 
 
+def usage_line(err: click_exceptions.ClickException) -> str:
+    """One stderr line for a framework (typer/click) error: an unknown or missing option,
+    a value of the wrong type, ...; with the command whose ``--help`` lists the options."""
+    message = " ".join(err.format_message().split())
+    ctx = getattr(err, "ctx", None)
+    hint = f" (see {ctx.command_path if ctx is not None else 'servetune'} --help)"
+    return f"servetune: error: {message}{hint}"
+
+
 class _ErrorsAsLines(TyperGroup):
-    """Turns ServetuneError into one stderr line and its exit code, at every depth."""
+    """Turns ServetuneError into one stderr line and its exit code, at every depth; at the
+    top, framework usage errors into one line (exit 2) and Ctrl-C into one line (exit
+    130), never a box or a traceback."""
 
     def invoke(self, ctx: typer.Context):  # type: ignore[override]
         try:
@@ -72,6 +100,39 @@ class _ErrorsAsLines(TyperGroup):
             command = " ".join([*ctx.command_path.split()[1:], ctx.invoked_subcommand or ""])
             typer.echo(error_line(err, command.strip()), err=True)
             ctx.exit(err.exit_code)
+        except KeyboardInterrupt:
+            # every output is committed by an atomic rename (servetune.io), so an
+            # interrupted run leaves the previous files as they were
+            typer.echo(INTERRUPTED_LINE, err=True)
+            ctx.exit(EXIT_INTERRUPTED)
+
+    def main(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_exceptions.NoArgsIsHelpError as err:  # `servetune` alone: the help
+            text = err.format_message()  # typer's rich help prints itself and returns ""
+            if text.strip():
+                typer.echo(text, err=True)
+            sys.exit(EXIT_USER_ERROR)
+        except click_exceptions.ClickException as err:
+            typer.echo(usage_line(err), err=True)
+            sys.exit(EXIT_USER_ERROR)
+        except (click_exceptions.Abort, KeyboardInterrupt):
+            typer.echo(INTERRUPTED_LINE, err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except ServetuneError as err:  # raised outside a command (e.g. in a callback)
+            typer.echo(error_line(err), err=True)
+            sys.exit(err.exit_code)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
 
 def new_group(help_text: str) -> typer.Typer:

@@ -29,7 +29,7 @@ from servetune.cli.trace_cmd import (
 )
 from servetune.engines import ENGINE_NAMES
 from servetune.errors import InfeasibleError, ServetuneError
-from servetune.io import check_out_files, require_file, write_all_or_none, write_text_atomic
+from servetune.io import check_outputs, require_file, write_all_or_none, write_text_atomic
 from servetune.schemas.base import load_document
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
@@ -44,6 +44,13 @@ ENGINE_CHOICES = ENGINE_NAMES
 # show a progress bar: they take long enough for one to help.
 PROGRESS_MIN_REQUESTS = 100_000
 REFERENCE_PROGRESS_MIN_REQUESTS = 2_000
+
+
+def _inputs(trace: Path | None, workload: Path | None, profile: str, policy: Path,
+            slo: Path | None) -> dict[str, Path | str | None]:
+    """The files a run reads, by option (outputs must not be any of them)."""
+    return {"--trace": trace, "--workload": workload, "--profile": profile,
+            "--policy": policy, "--slo": slo}
 
 
 def _need_file(path: Path, option: str) -> Path:
@@ -275,8 +282,9 @@ def register(app: typer.Typer) -> None:
         window = parse_window(timeline_window) if timeline_window is not None else None
         if window is not None and timeline is None:
             raise ServetuneError("--timeline-window needs --timeline T.json")
-        check_out_files({"--json": json_out, "--records": records, "--steps": steps,
-                         "--timeline": timeline})
+        check_outputs({"--json": json_out, "--records": records, "--steps": steps,
+                       "--timeline": timeline},
+                      _inputs(trace, workload, profile, policy, slo))
         if records is not None:
             check_records_path(records)
         options = TraceOptions(trace_format, columns, arrival_unit, on_bad_row)
@@ -361,7 +369,7 @@ def register(app: typer.Typer) -> None:
         seed_list = seeds_for(seeds, seed)
         if not rel_tol > 0:
             raise ServetuneError(f"--tolerance must be > 0 (got {rel_tol})")
-        check_out_files({"--json": json_out})
+        check_outputs({"--json": json_out}, _inputs(trace, workload, profile, policy, slo))
         options = TraceOptions(trace_format, columns, arrival_unit, on_bad_row)
         source, pol, prof, slo_set = load_inputs(
             trace, workload, profile, policy, slo, engine, options

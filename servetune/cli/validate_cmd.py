@@ -18,8 +18,7 @@ from servetune.cli.simulate_cmd import EngineOption, PolicyOption, ProfileOption
 from servetune.engines import ENGINE_NAMES
 from servetune.errors import ServetuneError
 from servetune.io import (
-    check_out_dir,
-    check_out_files,
+    check_outputs,
     require_file,
     write_all_or_none,
     write_text_atomic,
@@ -113,9 +112,11 @@ def register(app: typer.Typer) -> None:
         if out is not None and not calibrate:
             raise ServetuneError("-o writes the corrected profile; give it with --calibrate")
         json_path = None if json_out is None or str(json_out) == "-" else json_out
-        check_out_files({"--json": json_path, "-o": out})
-        if report is not None:
-            check_out_dir(report, "--report")
+        check_outputs(
+            {"--json": json_path, "-o": out},
+            {"--bench-result": bench_result, "--profile": profile, "--policy": policy},
+            out_dirs={"--report": (report, ("report.md", "validate.json", "cdf_*.png"))},
+        )
         console = Console(stderr=True)
         run = load_bench_run(
             require_file(bench_result, "given to --bench-result"), bench_format,
@@ -146,15 +147,15 @@ def register(app: typer.Typer) -> None:
                        f"validate --calibrate against {bench_result.name}",
             )
         writers: list[tuple[Path, Callable[[], None]]] = []
-        if files is not None:
-            assert report is not None
-            writers.append((report, lambda: V.write_report(report, files)))
         if json_path is not None:
             writers.append((json_path, lambda: write_text_atomic(
                 json_path, V.summary_json_text(summary))))
         if profile_text is not None:
             assert out is not None
             writers.append((out, lambda: write_text_atomic(out, profile_text)))
+        if files is not None:  # last: a folder's commit cannot be undone
+            assert report is not None
+            writers.append((report, lambda: V.write_report(report, files)))
         write_all_or_none(writers)
         if json_out is not None and str(json_out) == "-":
             sys.stdout.write(V.summary_json_text(summary))

@@ -21,6 +21,7 @@ from servetune.cli.trace_cmd import (
     stats_table,
 )
 from servetune.errors import ServetuneError
+from servetune.io import check_outputs
 from servetune.workloads.stats import trace_stats
 
 if TYPE_CHECKING:
@@ -121,6 +122,7 @@ def register(app: typer.Typer) -> None:
                     f"--rate-windows must be auto, none or a number of seconds (got "
                     f"{rate_windows!r})"
                 ) from None
+        check_outputs({"-o/--output": output}, {"TRACE": trace_path})
         trace = load_trace_cli(trace_path, trace_format, columns, arrival_unit, on_bad_row)
         workload = fit_workload(
             trace,

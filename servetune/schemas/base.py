@@ -11,11 +11,13 @@ the same object always gives the same bytes.
 from __future__ import annotations
 
 import os
+import types
+import typing
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 from servetune.errors import ServetuneError
 from servetune.io import decode_text, plain_data, read_bytes, write_text_atomic
@@ -23,10 +25,55 @@ from servetune.io import decode_text, plain_data, read_bytes, write_text_atomic
 API_VERSION = "servetune/v1"
 
 
+def _accepts_bool(annotation: Any) -> bool:
+    """Whether a field's type admits a boolean anywhere (``bool``, ``Any``, a ``Literal``
+    of one, a union or container holding one); a model type checks its own fields."""
+    if annotation is bool or annotation is Any:
+        return True
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return any(isinstance(a, bool) for a in typing.get_args(annotation))
+    if origin is typing.Annotated:
+        return _accepts_bool(typing.get_args(annotation)[0])
+    args = typing.get_args(annotation)
+    if origin is None:  # a plain type: only an untyped container may hold a boolean
+        return annotation in (dict, list, tuple, set, frozenset, object)
+    if not args:
+        return True
+    if origin in (typing.Union, types.UnionType) or origin in (list, tuple, set, frozenset,
+                                                                 dict):
+        return any(_accepts_bool(a) for a in args if a is not Ellipsis)
+    return True  # an unfamiliar generic: let pydantic decide
+
+
+def _find_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return True
+    if isinstance(value, list | tuple):
+        return any(_find_bool(v) for v in value)
+    if isinstance(value, dict):
+        return any(_find_bool(v) for v in value.values())
+    return False
+
+
 class Strict(BaseModel):
-    """A nested section: unknown keys are errors, values are validated on assignment."""
+    """A nested section: unknown keys are errors, values are validated on assignment, and
+    a boolean is never taken for a number (pydantic's lax mode reads ``true`` as 1)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name is None or not _find_bool(value):
+            return value
+        field = cls.model_fields.get(info.field_name)
+        if field is not None and not _accepts_bool(field.annotation):
+            raise ValueError("a boolean (true/false) is not allowed here; give a number or "
+                             "the value the field documents")
+        return value
 
 
 class Document(Strict):
@@ -72,10 +119,49 @@ def _read_yaml(path: Path) -> Any:
     return parse_yaml_text(text, str(path))
 
 
+def _key_text(node: yaml.Node, key: Any) -> Any:
+    """A key as the file writes it (``on``, not ``True``)."""
+    return node.value if isinstance(node, yaml.ScalarNode) else key
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error (the
+    plain loader keeps the last value silently). Keys merged in with ``<<`` may still be
+    overridden, as YAML intends."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, yaml.Node] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: the constructor reports it
+                    continue
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None, None,
+                        f"duplicate key {_key_text(key_node, key)!r} (first given on line "
+                        f"{first.start_mark.line + 1}); give each key once",
+                        key_node.start_mark,
+                    )
+                seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` with duplicate keys as errors (:class:`UniqueKeyLoader`): every
+    YAML servetune reads goes through this."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def parse_yaml_text(text: str, source: str) -> Any:
-    """Parse YAML text, turning parser errors into one-line ServetuneErrors."""
+    """Parse YAML text, turning parser errors (and duplicate keys) into one-line
+    ServetuneErrors naming the file, the line and the key."""
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -30,6 +30,8 @@ DEFAULT_MAX_SIMULATIONS = 20_000
 # current policy), because the answer then depends on the machine's speed. The shipped
 # examples take seconds, so it never fires on them even on a slow machine.
 DEFAULT_TIME_LIMIT_S = 600.0
+# Requests per simulation when neither the flags nor the job file say.
+DEFAULT_REQUESTS = 3000
 
 
 class OptimizeJob(Document):
@@ -53,7 +55,8 @@ class OptimizeJob(Document):
     )
     seed: int = Field(0, ge=0, description="seed of the workload sample and of random methods")
     requests: int = Field(
-        3000, ge=50, le=1_000_000, description="requests per simulation (a sample, not the hour)"
+        DEFAULT_REQUESTS, ge=50, le=1_000_000,
+        description="requests per simulation (a sample, not the hour)",
     )
     engine: Literal[ENGINE_NAMES] = "vllm"  # type: ignore[valid-type]
     output: str | None = Field(None, description="policy YAML to write (-o overrides)")

@@ -139,8 +139,16 @@ def is_parquet_path(path: str | os.PathLike[str]) -> bool:
     return Path(path).suffix.lower() in (".parquet", ".pq")
 
 
+RECORD_SUFFIXES = (".csv", ".parquet", ".pq")
+
+
 def check_records_path(path: str | os.PathLike[str]) -> None:
-    """Fail early (before a long run) when Parquet is asked for without pyarrow."""
+    """Fail early (before a long run) when the path's extension names no records format
+    (``out.xlsx``), or Parquet is asked for without pyarrow."""
+    if Path(path).suffix.lower() not in RECORD_SUFFIXES:
+        raise ServetuneError(
+            f"--records {path}: the extension names the format: give a .csv or .parquet path"
+        )
     if is_parquet_path(path):
         try:  # lazy: pyarrow is optional (only Parquet output needs it)
             import pyarrow  # noqa: F401

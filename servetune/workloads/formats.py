@@ -102,6 +102,17 @@ def parse_columns(spec: str | Mapping[str, str] | None) -> dict[str, str] | None
             )
         if not col:
             raise ServetuneError(f"argument `columns`: role {role!r} has no column name")
+        if role in mapping:
+            raise ServetuneError(
+                f"argument `columns`: role {role!r} is given twice ({mapping[role]!r} and "
+                f"{col!r}); give each role once"
+            )
+        taken = [r for r, c in mapping.items() if c == col]
+        if taken:
+            raise ServetuneError(
+                f"argument `columns`: column {col!r} is mapped to both {taken[0]!r} and "
+                f"{role!r}; map each column to one role"
+            )
         mapping[role] = col
     missing = [r for r in REQUIRED_ROLES if r not in mapping]
     if missing:

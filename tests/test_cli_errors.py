@@ -1,0 +1,123 @@
+"""Framework usage errors and Ctrl-C are one stderr line each (exit 2 and 130), never a
+rich box or a traceback; an interrupted run keeps the previous outputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from servetune.cli import app
+
+REPO = Path(__file__).resolve().parents[1]
+TRACE = REPO / "configs" / "examples" / "azure-conv-synthetic.csv"
+POLICY = REPO / "configs" / "policies" / "vllm-serve-defaults.yaml"
+PROFILE = REPO / "gpu_profiles" / "h200-llama-3.1-8b.yaml"
+
+runner = CliRunner()
+
+
+def _one_line(args: list[str], code: int = 2, progress: bool = False) -> str:
+    """The one line a run printed (after its ``servetune:`` progress lines, if any)."""
+    result = runner.invoke(app, [str(a) for a in args])
+    assert result.exit_code == code, result.output
+    lines = result.output.strip().splitlines()
+    if progress:
+        lines = lines[-1:] if all(ln.startswith("servetune: ") for ln in lines) else lines
+    assert len(lines) == 1, result.output
+    assert "Traceback" not in result.output and "╭" not in result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["simulate", "--bogus"], "No such option: --bogus"),
+    (["simulate"], "Missing option '--profile'"),
+    (["trace", "stats"], "Missing argument"),
+    (["nosuch"], "No such command 'nosuch'"),
+    (["simulate", "--profile", "x", "--policy", "y", "--requests", "abc"],
+     "Invalid value for '--requests'"),
+    (["place", "--jobs", "j", "--plan", "p", "--forecast", "f", "-o", "o", "--levels", "1"],
+     "Invalid value for '--levels'"),
+    (["workload", "fit", "x.csv", "-o"], "requires an argument"),
+])
+def test_framework_errors_are_one_line(args, expected):
+    line = _one_line(args)
+    assert line.startswith("servetune: error: ") and expected in line
+    assert "--help" in line
+
+
+def test_unreadable_input_is_one_line(tmp_path):
+    line = _one_line(["trace", "stats", tmp_path / "missing.csv"])
+    assert line.startswith("servetune: error: ") and "file not found" in line
+    line = _one_line(["trace", "stats", tmp_path])
+    assert "directory" in line
+
+
+def test_console_script_prints_one_line():
+    """The installed entry point (not CliRunner) behaves the same."""
+    proc = subprocess.run([sys.executable, "-c", "from servetune.cli import main; main()",
+                           "simulate", "--nope"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "servetune: error: No such option: --nope (Possible options: --columns, --records) "
+        "(see servetune simulate --help)"
+    ] or (len(proc.stderr.strip().splitlines()) == 1 and "No such option" in proc.stderr)
+
+
+def test_interrupt_in_a_command_is_one_line_and_exit_130(tmp_path, monkeypatch):
+    import servetune.cli.export_cmd as export_cmd
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_cmd, "export_policy", interrupted)
+    out = tmp_path / "vllm.yaml"
+    out.write_text("previous\n")
+    line = _one_line(["export", "--policy", POLICY, "--engine", "vllm", "-o", out], 130)
+    assert line == "servetune: interrupted; previous outputs kept"
+    assert out.read_text() == "previous\n"
+
+
+def test_interrupt_while_writing_keeps_every_previous_output(tmp_path, monkeypatch):
+    """simulate writes --json, then --records: an interrupt while the records are written
+    puts the previous --json back, so the set on disk is the previous one."""
+    from servetune.sim.api import SimResult
+
+    def interrupted(self, path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SimResult, "write_records", interrupted)
+    trace = tmp_path / "t.csv"
+    shutil.copy(TRACE, trace)
+    js, rec = tmp_path / "s.json", tmp_path / "r.csv"
+    js.write_text("previous json\n")
+    rec.write_text("previous records\n")
+    line = _one_line(["simulate", "--trace", trace, "--profile", PROFILE, "--policy", POLICY,
+                      "--requests", "200", "--json", js, "--records", rec], 130)
+    assert line == "servetune: interrupted; previous outputs kept"
+    assert js.read_text() == "previous json\n"
+    assert rec.read_text() == "previous records\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.csv", "s.json", "t.csv"]
+
+
+def test_interrupt_in_nightly_keeps_the_previous_outputs(tmp_path, monkeypatch):
+    import servetune.apps.nightly as nightly
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nightly, "optimize_policy", interrupted)
+    out = tmp_path / "nightly"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"previous": True}))
+    line = _one_line(["nightly", "--trace", TRACE, "--profile", PROFILE, "--slo",
+                      REPO / "configs" / "slos" / "mlperf-llama-3.1-8b-server.yaml",
+                      "--current", POLICY, "--out-dir", out], 130, progress=True)
+    assert line == "servetune: interrupted; previous outputs kept"
+    assert json.loads((out / "summary.json").read_text()) == {"previous": True}
+    assert [p.name for p in out.iterdir()] == ["summary.json"]
