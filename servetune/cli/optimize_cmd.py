@@ -2,8 +2,10 @@
 baseline), validated in the simulator, written as a policy YAML with provenance.
 
 Either name the inputs with flags, or give one OptimizeJob file whose relative paths
-resolve against its own folder. Exit 3 when no policy in the space meets the SLOs, with
-the binding condition, the best value reachable and what would help (also in --json).
+resolve against its own folder, or a shipped job's name (``servetune optimize quickstart``:
+``configs/jobs/quickstart.yaml``, found in the package data of an installed wheel). Exit 3
+when no policy in the space meets the SLOs, with the binding condition, the best value
+reachable and what would help (also in --json).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from servetune.schemas.job import (
     METHODS_IN_WORDS,
     OptimizeJob,
 )
+from servetune.shipped_data import shipped_job, shipped_job_names
 
 if TYPE_CHECKING:
     from servetune.apps.optimize import OptimizeResult
@@ -36,7 +39,8 @@ EXAMPLE = (
     "Example: servetune optimize --workload configs/workloads/azure-conv-2023.yaml "
     "--profile gpu_profiles/h200-llama-3.1-8b.yaml --slo "
     "configs/slos/mlperf-llama-3.1-8b-server.yaml -o policy.yaml   |   "
-    "servetune optimize configs/jobs/quickstart.yaml -o policy.yaml"
+    "servetune optimize configs/jobs/quickstart.yaml -o policy.yaml   |   "
+    "servetune optimize quickstart -o policy.yaml (a shipped job, by name)"
 )
 
 
@@ -92,6 +96,20 @@ def run_optimize(
     )
 
 
+def _job_file(job: Path) -> Path:
+    """The job file: ``job`` itself when it exists, else the shipped job of that bare name
+    (``quickstart``), else a one-line error that lists the shipped jobs for a bare name."""
+    if job.exists():
+        return _file(job, "JOB")
+    shipped = shipped_job(str(job))
+    if shipped is not None:
+        return shipped
+    if job.parent == Path(".") and job.suffix not in (".yaml", ".yml"):
+        names = ", ".join(shipped_job_names()) or "none"
+        raise ServetuneError(f"{job}: no such file or shipped job (shipped: {names})")
+    return _file(job, "JOB")
+
+
 def _resolve(base: Path, value: str | None) -> Path | None:
     if value is None:
         return None
@@ -117,7 +135,9 @@ def register(app: typer.Typer) -> None:
     @app.command("optimize", help="Choose the scheduling policy that maximises goodput at "
                  "the SLOs (MILP + CP-SAT, validated in the simulator). " + EXAMPLE)
     def optimize_command(
-        job: Path | None = typer.Argument(None, help="an OptimizeJob YAML naming all inputs"),
+        job: Path | None = typer.Argument(
+            None, help="an OptimizeJob YAML naming all inputs, or a shipped job's name "
+            "(quickstart)"),
         trace: Path | None = typer.Option(None, "--trace", help="request trace file"),
         workload: Path | None = typer.Option(None, "--workload", help="Workload YAML"),
         profile: str | None = typer.Option(None, "--profile", help="Profile YAML or name"),
@@ -153,7 +173,8 @@ def register(app: typer.Typer) -> None:
                     "give either a job file or --trace/--workload/--profile/--slo/--space, "
                     "not both"
                 )
-            doc = load_document(_file(job, "JOB"), OptimizeJob)
+            job = _job_file(job)
+            doc = load_document(job, OptimizeJob)
             base = job.resolve().parent
             trace = _resolve(base, doc.trace)
             workload = _resolve(base, doc.workload)

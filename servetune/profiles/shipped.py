@@ -1,4 +1,5 @@
-"""Loading GPU profiles (from a path, or by name from the shipped ``gpu_profiles/``),
+"""Loading GPU profiles (from a path, or by name from the shipped ``gpu_profiles/``: where
+that lives is :mod:`servetune.shipped_data`'s to know),
 checking that one leaves a KV pool, and summarising one (``servetune profile show``)."""
 
 from __future__ import annotations
@@ -11,24 +12,22 @@ from servetune.errors import ServetuneError
 from servetune.profiles.steptime import prefill_attn_pairs
 from servetune.schemas.base import load_document
 from servetune.schemas.profile import Profile
+from servetune.shipped_data import profiles_dir, shipped_profile, shipped_profile_names
 
-SHIPPED_DIR = Path(__file__).resolve().parents[2] / "gpu_profiles"
+#: The shipped profiles' folder (package data of a wheel, or the checkout's gpu_profiles/).
+SHIPPED_DIR = profiles_dir()
 
 
 def shipped_profiles() -> list[str]:
-    """Names (file stems) of the profiles shipped in ``gpu_profiles/``."""
-    if not SHIPPED_DIR.is_dir():
-        return []
-    return sorted(p.stem for p in SHIPPED_DIR.glob("*.yaml"))
+    """Names (file stems) of the shipped profiles."""
+    return shipped_profile_names()
 
 
 def shipped_or_path(value: str) -> str:
     """A bare shipped-profile name (``h200-llama-3.1-8b``) as its file's path; anything
     else unchanged."""
-    shipped = SHIPPED_DIR / f"{value}.yaml"
-    if not Path(value).exists() and "/" not in value and shipped.is_file():
-        return str(shipped)
-    return value
+    shipped = shipped_profile(value)
+    return str(shipped) if shipped is not None else value
 
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
@@ -36,8 +35,8 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
     existing file resolves to the shipped profile of that name."""
     p = Path(path)
     if not p.exists() and p.parent == Path(".") and p.suffix not in (".yaml", ".yml"):
-        shipped = SHIPPED_DIR / f"{p.name}.yaml"
-        if shipped.is_file():
+        shipped = shipped_profile(str(p))
+        if shipped is not None:
             p = shipped
         else:
             names = ", ".join(shipped_profiles()) or "none"
