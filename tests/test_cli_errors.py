@@ -121,3 +121,17 @@ def test_interrupt_in_nightly_keeps_the_previous_outputs(tmp_path, monkeypatch):
     assert line == "servetune: interrupted; previous outputs kept"
     assert json.loads((out / "summary.json").read_text()) == {"previous": True}
     assert [p.name for p in out.iterdir()] == ["summary.json"]
+
+
+def test_a_reader_that_goes_away_gets_no_traceback():
+    """`servetune profile show ... | head`: the pipe closes before the output is written;
+    click stops with exit 1 and no message (a traceback here was a bug)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from servetune.cli import main; main()", "profile", "show",
+         "h200-llama-3.1-8b"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait() in (0, 1)
+    assert "Traceback" not in err

@@ -126,7 +126,7 @@ class _ErrorsAsLines(TyperGroup):
         except click_exceptions.ClickException as err:
             typer.echo(usage_line(err), err=True)
             sys.exit(EXIT_USER_ERROR)
-        except (click_exceptions.Abort, KeyboardInterrupt):
+        except (typer.Abort, KeyboardInterrupt):
             typer.echo(INTERRUPTED_LINE, err=True)
             sys.exit(EXIT_INTERRUPTED)
         except ServetuneError as err:  # raised outside a command (e.g. in a callback)
