@@ -563,17 +563,26 @@ def _screen(
             log(f"screen: {_short(unique[j])} simulated {_verdict(est)} "
                 f"({len(est.points)} simulations)")
     if screened:
-        evaluated.extend(screened)
-        best = max((e for e in evaluated if e.goodput.passed),
-                   key=lambda e: (e.goodput.rate_per_s, -e.index))
-        iterations.append({
-            "iteration": len(iterations) + 1,
-            "screen": True,
-            "candidates": [e.as_dict() for e in screened],
-            "best_simulated_rate_per_s": best.goodput.rate_per_s,
-            "best_knobs": best.knobs.as_dotted(),
-        })
+        _log_stage(evaluated, iterations, screened, "screen")
     return stop
+
+
+def _log_stage(
+    evaluated: list[Evaluated], iterations: list[dict[str, Any]], found: list[Evaluated],
+    stage: str,
+) -> None:
+    """Add a stage's candidates (``screen``, ``local_search``) to those evaluated, and an
+    iteration record of them with the best simulated so far."""
+    evaluated.extend(found)
+    best = max((e for e in evaluated if e.goodput.passed),
+               key=lambda e: (e.goodput.rate_per_s, -e.index))
+    iterations.append({
+        "iteration": len(iterations) + 1,
+        stage: True,
+        "candidates": [e.as_dict() for e in found],
+        "best_simulated_rate_per_s": best.goodput.rate_per_s,
+        "best_knobs": best.knobs.as_dotted(),
+    })
 
 
 def _bracket(est: GoodputResult[SimPoint]) -> tuple[float, float | None]:
@@ -747,16 +756,7 @@ def _local_search(
         if stop or not moved or sim.simulations - started >= max_sims:
             break
     if found:
-        evaluated.extend(found)
-        best = max((e for e in evaluated if e.goodput.passed),
-                   key=lambda e: (e.goodput.rate_per_s, -e.index))
-        iterations.append({
-            "iteration": len(iterations) + 1,
-            "local_search": True,
-            "candidates": [e.as_dict() for e in found],
-            "best_simulated_rate_per_s": best.goodput.rate_per_s,
-            "best_knobs": best.knobs.as_dotted(),
-        })
+        _log_stage(evaluated, iterations, found, "local_search")
     return stop, moves
 
 
