@@ -352,6 +352,7 @@ def test_an_answer_on_the_edge_of_the_space_widens_it():
     grown = [e for e in edges if e["widened"]]
     assert [e["beyond"] for e in grown] == [16, 32, 64][:MAX_WIDENINGS]
     assert all(e["knob"] == "batching.max_num_seqs" and e["side"] == "high" for e in grown)
+    assert [e["round"] for e in grown] == list(range(1, len(grown) + 1))
     assert wide.policy.batching.max_num_seqs == grown[-1]["beyond"]
     assert wide.summary["goodput_rate_per_s"] > 1.5 * kept.summary["goodput_rate_per_s"]
     assert [e["beyond"] for e in wide.policy.metadata["space_edges"]] == [

@@ -383,9 +383,10 @@ def _search_beyond_edges(run: SearchInputs, loop: LoopResult) -> tuple[LoopResul
     simulation at the answer's goodput plus 1%, as the loop bounds candidates); where that
     does better, widen the space there and run the loop again on the widened space, up to
     ``MAX_WIDENINGS`` times. Returns the loop result over everything simulated, and one
-    record per edge tried (``widened``: whether the space grew there)."""
+    record per edge tried in each round (the answer of that round, its other knobs as
+    they were; ``widened``: whether the space grew there)."""
     records: list[dict] = []
-    for _ in range(MAX_WIDENINGS):
+    for round_ in range(1, MAX_WIDENINGS + 1):
         best = loop.best
         if best is None or loop.stopped_by in (STOP_TIME_LIMIT, STOP_SIMULATIONS):
             break
@@ -404,7 +405,8 @@ def _search_beyond_edges(run: SearchInputs, loop: LoopResult) -> tuple[LoopResul
                                rel_tol=run.rel_tol, prune_at=bar)
             tried.append(Evaluated(best.index, neighbour, 0.0, None, est,
                                    run.make_policy(neighbour), label="edge"))
-            records.append({"knob": path, "side": side, "value": chosen, "beyond": beyond,
+            records.append({"round": round_, "knob": path, "side": side, "value": chosen,
+                            "beyond": beyond,
                             "simulated_rate_per_s": est.rate_per_s if est.passed else None,
                             "widened": bool(est.passed)})
             run.say(f"edge: {path} = {chosen} is the {'smallest' if side == 'low' else 'largest'}"
