@@ -72,3 +72,6 @@ def test_bad_arguments():
     with pytest.raises(ServetuneError, match="argument `n_seeds`"):
         seeds_for(0)
     assert seeds_for(3, 5) == (5, 6, 7)
+    assert len(seeds_for(1000)) == 1000
+    with pytest.raises(ServetuneError, match="between 1 and 1000"):
+        seeds_for(1_000_000_000)  # refused before anything is built (it once took 24 GB)

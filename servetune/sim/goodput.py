@@ -80,8 +80,16 @@ def goodput_search(
                    min_scale=min_scale, max_scale=max_scale)
 
 
+# Each seed is a whole simulation at every rate the search tries; more than this many is
+# a mistake, not a measurement (and a billion of them would not fit in memory).
+MAX_SEEDS = 1000
+
+
 def seeds_for(n_seeds: int, first: int = 0) -> Sequence[int]:
-    """``n_seeds`` consecutive seeds from ``first``."""
-    if n_seeds < 1:
-        raise ServetuneError(f"argument `n_seeds` must be >= 1 (got {n_seeds})")
+    """``n_seeds`` consecutive seeds from ``first`` (1 to ``MAX_SEEDS`` of them)."""
+    if not 1 <= n_seeds <= MAX_SEEDS:
+        raise ServetuneError(
+            f"argument `n_seeds` must be between 1 and {MAX_SEEDS} (got {n_seeds}); every "
+            "seed is a whole simulation at each rate the goodput search tries"
+        )
     return tuple(range(first, first + n_seeds))
