@@ -357,3 +357,20 @@ def test_an_answer_on_the_edge_of_the_space_widens_it():
     assert wide.summary["goodput_rate_per_s"] > 1.5 * kept.summary["goodput_rate_per_s"]
     assert [e["beyond"] for e in wide.policy.metadata["space_edges"]] == [
         e["beyond"] for e in edges]
+
+
+def test_progress_lines_do_not_wrap_when_piped(tmp_path):
+    """Piped to a file or grep, each progress message stays on one line (rich wrapped them
+    at 80 columns before)."""
+    import subprocess
+    import sys
+
+    args = [a for a in _args(tmp_path, "p.yaml") if a != "--quiet"]
+    proc = subprocess.run(
+        [sys.executable, "-c", "from servetune.cli import main; main()", *args],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines and all(ln.startswith(("optimize:", "wrote ")) for ln in lines), lines
+    assert any(len(ln) > 80 for ln in lines)  # long messages exist and were not wrapped

@@ -164,7 +164,7 @@ def register(app: typer.Typer) -> None:
         json_out: Path | None = typer.Option(None, "--json", help="summary JSON to write"),
         quiet: bool = typer.Option(False, "--quiet", help="no progress lines"),
     ) -> None:
-        console = Console(stderr=True)
+        console = Console(stderr=True, soft_wrap=True)  # one line per message, piped or not
         trace_format = None
         engine = "vllm"
         if job is not None:

@@ -291,7 +291,7 @@ def register(app: typer.Typer) -> None:
         source, pol, prof, slo_set = load_inputs(
             trace, workload, profile, policy, slo, engine, options
         )
-        console = Console(stderr=True)
+        console = Console(stderr=True, soft_wrap=True)  # one line per message, piped or not
         expected = _expected_requests(source, requests)
         show = expected >= PROGRESS_MIN_REQUESTS or (
             reference and expected >= REFERENCE_PROGRESS_MIN_REQUESTS
@@ -375,7 +375,7 @@ def register(app: typer.Typer) -> None:
             trace, workload, profile, policy, slo, engine, options
         )
         assert slo_set is not None
-        console = Console(stderr=True)
+        console = Console(stderr=True, soft_wrap=True)  # one line per message, piped or not
 
         def on_point(point: dict[str, Any]) -> None:
             verdict = "meets" if point["meets_slo"] else "misses"

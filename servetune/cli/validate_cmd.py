@@ -117,7 +117,7 @@ def register(app: typer.Typer) -> None:
             {"--bench-result": bench_result, "--profile": profile, "--policy": policy},
             out_dirs={"--report": (report, ("report.md", "validate.json", "cdf_*.png"))},
         )
-        console = Console(stderr=True)
+        console = Console(stderr=True, soft_wrap=True)  # one line per message, piped or not
         run = load_bench_run(
             require_file(bench_result, "given to --bench-result"), bench_format,
             max_concurrency,
