@@ -391,6 +391,13 @@ def test_report_command(tiny, first_run):
     # the knob table carries the fluid model's reasons (goodput and binding condition)
     assert summary["changes"][0]["reason"].startswith("model:")
     assert "limited by" in (rep / "report.md").read_text()
+    assert "servetune: " in res2.output  # progress lines by default
+    quiet = runner.invoke(app, ["report", "--trace", str(tiny / "trace.csv"), "--profile",
+                                str(tiny / "profile.yaml"), "--slo", str(SLO), "--current",
+                                str(tiny / "poor.yaml"), "--new", str(out / "policy.yaml"),
+                                "--out-dir", str(tiny / "report-q"), "-q"])
+    assert quiet.exit_code == 0, quiet.output
+    assert "servetune: " not in quiet.output
 
 
 def test_new_policy_reexports_without_profile(tiny, first_run):

@@ -103,6 +103,7 @@ def register(app: typer.Typer) -> None:
             f"({', '.join(ENGINE_NAMES)}); each engine in --engines is gated under its own.",
         ),
         as_json: bool = typer.Option(False, "--json", help="Print summary.json to stdout."),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
     ) -> None:
         # lazy: the pipeline imports pyomo (0.3 s) that `servetune --help` should not pay
         from servetune.apps.nightly import run_nightly
@@ -116,7 +117,7 @@ def register(app: typer.Typer) -> None:
             trace, profile, slo, current, out_dir, engines=engines, min_gain=min_gain,
             space_path=space, time_limit_s=time_limit, max_simulations=max_simulations,
             seed=seed, sim_engine=sim_engine,
-            progress=_progress,
+            progress=None if quiet else _progress,
         )
         if as_json:
             typer.echo(json.dumps(outcome.summary, indent=2))
@@ -138,12 +139,13 @@ def register(app: typer.Typer) -> None:
         out_dir: Path = typer.Option(..., "--out-dir", help="Where the report goes."),
         engine: str = typer.Option("vllm", "--engine", help="Engine model to simulate."),
         as_json: bool = typer.Option(False, "--json", help="Print summary.json to stdout."),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
     ) -> None:
         # lazy: the pipeline imports pyomo (0.3 s) that `servetune --help` should not pay
         from servetune.apps.nightly import run_report
 
         outcome = run_report(trace, profile, slo, current, new, out_dir, engine=engine,
-                             progress=_progress)
+                             progress=None if quiet else _progress)
         if as_json:
             typer.echo(json.dumps(outcome.summary, indent=2))
         else:

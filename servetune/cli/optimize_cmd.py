@@ -162,7 +162,7 @@ def register(app: typer.Typer) -> None:
         ),
         output: Path | None = typer.Option(None, "-o", "--output", help="policy YAML to write"),
         json_out: Path | None = typer.Option(None, "--json", help="summary JSON to write"),
-        quiet: bool = typer.Option(False, "--quiet", help="no progress lines"),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress lines"),
     ) -> None:
         console = Console(stderr=True, soft_wrap=True)  # one line per message, piped or not
         trace_format = None
