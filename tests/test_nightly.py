@@ -400,6 +400,40 @@ def test_report_command(tiny, first_run):
     assert "servetune: " not in quiet.output
 
 
+def test_report_reads_a_generic_csv_trace_with_columns(tiny, first_run):
+    """The same requests as a generic CSV (seconds, other column names): with --columns
+    the report compares the same two policies on the same trace, so the goodputs agree."""
+    from datetime import datetime
+
+    out, _ = first_run
+    rows = (tiny / "trace.csv").read_text().splitlines()[1:]
+    t0 = datetime.fromisoformat(rows[0].split(",")[0][:26])
+    generic = ["t,p,o"] + [
+        f"{(datetime.fromisoformat(r.split(',')[0][:26]) - t0).total_seconds():.6f},"
+        f"{r.split(',')[1]},{r.split(',')[2]}" for r in rows]
+    (tiny / "generic.csv").write_text("\n".join(generic) + "\n")
+
+    def report(trace: str, folder: str, *extra: str):
+        res = runner.invoke(app, ["report", "--trace", str(tiny / trace), "--profile",
+                                  str(tiny / "profile.yaml"), "--slo", str(SLO), "--current",
+                                  str(tiny / "poor.yaml"), "--new", str(out / "policy.yaml"),
+                                  "--out-dir", str(tiny / folder), "-q", *extra])
+        assert res.exit_code == 0, res.output
+        return json.loads((tiny / folder / "summary.json").read_text())
+
+    azure = report("trace.csv", "rep-azure")
+    generic_run = report("generic.csv", "rep-generic", "--columns",
+                         "arrival=t,prompt=p,output=o")
+    for policy in ("current", "new"):
+        assert generic_run[policy]["goodput_rate_per_s"] == pytest.approx(
+            azure[policy]["goodput_rate_per_s"], rel=1e-6)
+    bad = runner.invoke(app, ["report", "--trace", str(tiny / "generic.csv"), "--profile",
+                              str(tiny / "profile.yaml"), "--slo", str(SLO), "--current",
+                              str(tiny / "poor.yaml"), "--new", str(out / "policy.yaml"),
+                              "--out-dir", str(tiny / "rep-bad")])
+    assert bad.exit_code == 2 and "columns" in bad.output
+
+
 def test_new_policy_reexports_without_profile(tiny, first_run):
     """policy.yaml carries the profile's memory figures, TensorRT-LLM's conversion included."""
     out, res = first_run

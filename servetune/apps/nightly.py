@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -251,9 +251,12 @@ def parse_engines(engines: str | Sequence[str]) -> list[str]:
 
 
 def load_inputs(
-    trace_path: Path, profile_path: Path, slo_path: Path
+    trace_path: Path, profile_path: Path, slo_path: Path,
+    trace_read: Mapping[str, Any] | None = None,
 ) -> tuple[Trace, Profile, SLOSet]:
-    trace = load_trace(trace_path)
+    """The trace (read with ``trace_read``: load_trace's ``fmt``, ``columns``,
+    ``arrival_unit``, ``on_bad_row``), the profile and the SLO set."""
+    trace = load_trace(trace_path, **dict(trace_read or {}))
     if len(trace) < MIN_TRACE_REQUESTS:
         raise ServetuneError(
             f"{trace_path}: only {len(trace)} requests; comparing policies needs at least "
@@ -433,6 +436,7 @@ def run_nightly(
     sim_engine: str = "vllm",
     stress: Sequence[float] = DEFAULT_STRESS,
     progress: Progress | None = None,
+    trace_read: Mapping[str, Any] | None = None,
 ) -> NightlyOutcome:
     """The whole job (module docstring). Returns the exit code and what was written."""
     if not (isinstance(min_gain, int | float) and math.isfinite(min_gain) and min_gain >= 0):
@@ -450,7 +454,7 @@ def run_nightly(
         "current_path": current_path, "space_path": space_path})
 
     _say(progress, f"loading {trace_path.name}, {profile_path.name}, {slo_path.name}")
-    trace, profile, slo = load_inputs(trace_path, profile_path, slo_path)
+    trace, profile, slo = load_inputs(trace_path, profile_path, slo_path, trace_read)
     current = load_document(current_path, Policy)
     space = None
     if space_path is not None:
@@ -692,6 +696,7 @@ def run_report(
     *,
     engine: str = "vllm",
     progress: Progress | None = None,
+    trace_read: Mapping[str, Any] | None = None,
 ) -> ReportOutcome:
     """``servetune report``: compare two given policies on a trace (steps 3 and 5 of the
     module docstring, without the optimizer or a decision) and write the report."""
@@ -701,7 +706,7 @@ def run_report(
     _check_out_dir(Path(out_dir), [], {
         "trace_path": trace_path, "profile_path": profile_path, "slo_path": slo_path,
         "current_path": current_path, "new_path": new_path})
-    trace, profile, slo = load_inputs(trace_path, profile_path, slo_path)
+    trace, profile, slo = load_inputs(trace_path, profile_path, slo_path, trace_read)
     current = load_document(current_path, Policy)
     new = load_document(new_path, Policy)
     _say(progress, "simulating both policies (trace, +20%, +50%, goodput)")

@@ -7,6 +7,12 @@ from pathlib import Path
 
 import typer
 
+from servetune.cli.trace_cmd import (
+    ArrivalUnitOption,
+    ColumnsOption,
+    OnBadRowOption,
+    TraceFormatOption,
+)
 from servetune.engines import ENGINE_NAMES
 
 
@@ -66,6 +72,14 @@ def _progress(text: str) -> None:
     typer.echo(f"servetune: {text}", err=True)
 
 
+def _trace_read(trace_format: str | None, columns: str | None, arrival_unit: str | None,
+                on_bad_row: str) -> dict[str, object]:
+    """How to read --trace: the options of ``servetune trace stats``, as load_trace takes
+    them (a generic CSV or JSONL trace needs --columns)."""
+    return {"fmt": trace_format, "columns": columns, "arrival_unit": arrival_unit,
+            "on_bad_row": on_bad_row}
+
+
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the top-level app."""
 
@@ -104,6 +118,10 @@ def register(app: typer.Typer) -> None:
         ),
         as_json: bool = typer.Option(False, "--json", help="Print summary.json to stdout."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
+        trace_format: TraceFormatOption = None,
+        columns: ColumnsOption = None,
+        arrival_unit: ArrivalUnitOption = None,
+        on_bad_row: OnBadRowOption = "error",
     ) -> None:
         # lazy: the pipeline imports pyomo (0.3 s) that `servetune --help` should not pay
         from servetune.apps.nightly import run_nightly
@@ -118,6 +136,7 @@ def register(app: typer.Typer) -> None:
             space_path=space, time_limit_s=time_limit, max_simulations=max_simulations,
             seed=seed, sim_engine=sim_engine,
             progress=None if quiet else _progress,
+            trace_read=_trace_read(trace_format, columns, arrival_unit, on_bad_row),
         )
         if as_json:
             typer.echo(json.dumps(outcome.summary, indent=2))
@@ -140,12 +159,18 @@ def register(app: typer.Typer) -> None:
         engine: str = typer.Option("vllm", "--engine", help="Engine model to simulate."),
         as_json: bool = typer.Option(False, "--json", help="Print summary.json to stdout."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
+        trace_format: TraceFormatOption = None,
+        columns: ColumnsOption = None,
+        arrival_unit: ArrivalUnitOption = None,
+        on_bad_row: OnBadRowOption = "error",
     ) -> None:
         # lazy: the pipeline imports pyomo (0.3 s) that `servetune --help` should not pay
         from servetune.apps.nightly import run_report
 
         outcome = run_report(trace, profile, slo, current, new, out_dir, engine=engine,
-                             progress=None if quiet else _progress)
+                             progress=None if quiet else _progress,
+                             trace_read=_trace_read(trace_format, columns, arrival_unit,
+                                                    on_bad_row))
         if as_json:
             typer.echo(json.dumps(outcome.summary, indent=2))
         else:
