@@ -374,3 +374,31 @@ def test_progress_lines_do_not_wrap_when_piped(tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert lines and all(ln.startswith(("optimize:", "wrote ")) for ln in lines), lines
     assert any(len(ln) > 80 for ln in lines)  # long messages exist and were not wrapped
+
+
+def test_a_generic_csv_trace_is_read_with_columns(tmp_path):
+    """`optimize --trace generic.csv --columns ...` reads the same requests as the Azure
+    file they came from, so it chooses the same policy with the same goodput."""
+    from datetime import datetime
+
+    rows = (REPO / "configs/examples/azure-conv-synthetic.csv").read_text().splitlines()[1:401]
+    t0 = datetime.fromisoformat(rows[0].split(",")[0][:26])
+    generic = tmp_path / "generic.csv"
+    generic.write_text("t,p,o\n" + "".join(
+        f"{(datetime.fromisoformat(r.split(',')[0][:26]) - t0).total_seconds():.6f},"
+        f"{r.split(',')[1]},{r.split(',')[2]}\n" for r in rows))
+    azure = tmp_path / "azure.csv"
+    azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+
+    def run(trace: Path, out: str, *extra: str) -> dict:
+        res = _run(["optimize", "--trace", str(trace), "--profile", str(PROFILE), "--slo",
+                    str(SLO), "--space", str(_space(tmp_path)), "--requests", "300", "-q",
+                    "-o", str(tmp_path / out), "--json", str(tmp_path / f"{out}.json"),
+                    *extra])
+        assert res.exit_code == 0, res.output
+        return json.loads((tmp_path / f"{out}.json").read_text())
+
+    a = run(azure, "a.yaml")
+    g = run(generic, "g.yaml", "--columns", "arrival=t,prompt=p,output=o")
+    assert g["policy"] == a["policy"]
+    assert g["goodput_rate_per_s"] == pytest.approx(a["goodput_rate_per_s"], rel=1e-6)

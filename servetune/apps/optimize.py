@@ -858,15 +858,17 @@ def optimize_files(
     slo: Path,
     space: Path | None,
     trace_format: str | None = None,
+    columns: str | None = None,
     **kwargs: Any,
 ) -> OptimizeResult:
     """:func:`optimize` on input files: loads them (a trace, or else a workload; a profile
-    path or shipped name; the SLO set; the search space, or the default one), records
+    path or shipped name; the SLO set; the search space, or the default one; a trace read
+    as ``trace_format`` with ``columns`` when given), records
     each file's name and sha256 as the policy's provenance, and passes ``kwargs`` on."""
     inputs: dict[str, Any] = {}
     source: Trace | Workload
     if trace is not None:
-        source = load_trace(trace, trace_format)
+        source = load_trace(trace, trace_format, columns=columns)
         inputs["trace"] = {"file": trace.name, "sha256": sha256_file(trace)}
     else:
         assert workload is not None

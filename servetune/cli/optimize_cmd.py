@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.console import Console
 
+from servetune.cli.trace_cmd import ColumnsOption, TraceFormatOption
 from servetune.errors import InfeasibleError, ServetuneError
 from servetune.io import check_outputs, require_file, write_text_atomic
 from servetune.knobs import summary_text
@@ -63,6 +64,7 @@ def run_optimize(
     trace_format: str | None = None,
     progress: Callable[[str], None] | None = None,
     max_simulations: int = DEFAULT_MAX_SIMULATIONS,
+    columns: str | None = None,
 ) -> OptimizeResult:
     """Check the options, then :func:`~servetune.apps.optimize.optimize_files`."""
     if (trace is None) == (workload is None):
@@ -91,7 +93,8 @@ def run_optimize(
 
     return optimize_files(
         trace=trace, workload=workload, profile=profile, slo=slo, space=space,
-        trace_format=trace_format, method=method, time_limit_s=time_limit_s, seed=seed,
+        trace_format=trace_format, columns=columns, method=method, time_limit_s=time_limit_s,
+        seed=seed,
         n_requests=requests, engine=engine, progress=progress, max_simulations=max_simulations,
     )
 
@@ -163,9 +166,10 @@ def register(app: typer.Typer) -> None:
         output: Path | None = typer.Option(None, "-o", "--output", help="policy YAML to write"),
         json_out: Path | None = typer.Option(None, "--json", help="summary JSON to write"),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress lines"),
+        trace_format: TraceFormatOption = None,
+        columns: ColumnsOption = None,
     ) -> None:
         console = Console(stderr=True, soft_wrap=True)  # one line per message, piped or not
-        trace_format = None
         engine = "vllm"
         if job is not None:
             if trace or workload or profile or slo or space:
@@ -189,7 +193,7 @@ def register(app: typer.Typer) -> None:
             requests = requests if requests is not None else doc.requests
             output = output or _resolve(base, doc.output)
             json_out = json_out or _resolve(base, doc.summary_json)
-            trace_format = doc.trace_format
+            trace_format = trace_format or doc.trace_format
             engine = doc.engine
         if profile is None or slo is None:
             raise ServetuneError("give --profile and --slo (or a job file); see --help")
@@ -213,7 +217,7 @@ def register(app: typer.Typer) -> None:
                                  else max_simulations),
                 seed=0 if seed is None else seed,
                 requests=DEFAULT_REQUESTS if requests is None else requests, engine=engine,
-                trace_format=trace_format, progress=say,
+                trace_format=trace_format, columns=columns, progress=say,
             )
         except InfeasibleError as err:
             if json_out is not None:
