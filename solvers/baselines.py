@@ -33,12 +33,12 @@ from servetune.engines import GpuFacts, engine
 from servetune.models.fluid import Knobs
 from servetune.solvers.loop import (
     STOP_EXHAUSTED,
-    STOP_SIMULATIONS,
     STOP_TIME_LIMIT,
     Evaluated,
     Simulator,
     find_goodput,
     refine_goodput,
+    work_stop,
 )
 
 
@@ -116,11 +116,10 @@ def grid_search(
     out = []
     stopped_by = STOP_EXHAUSTED
     for i, k in enumerate(points):
-        if budget is not None and sim.simulations - start >= budget:
-            stopped_by = STOP_SIMULATIONS
-            break
-        if deadline is not None and time.perf_counter() > deadline:
-            stopped_by = STOP_TIME_LIMIT
+        stop = work_stop(budget is not None and sim.simulations - start >= budget,
+                         deadline is not None and time.perf_counter() > deadline)
+        if stop:
+            stopped_by = stop
             break
         out.append(_evaluate(i, k, make_policy, sim, "grid", rel_tol))
         if progress:
@@ -146,11 +145,10 @@ def random_search(
     out = []
     stopped_by = STOP_EXHAUSTED
     for i in order:
-        if sim.simulations - start >= budget:
-            stopped_by = STOP_SIMULATIONS
-            break
-        if deadline is not None and time.perf_counter() > deadline:
-            stopped_by = STOP_TIME_LIMIT
+        stop = work_stop(sim.simulations - start >= budget,
+                         deadline is not None and time.perf_counter() > deadline)
+        if stop:
+            stopped_by = stop
             break
         out.append(_evaluate(int(i), points[int(i)], make_policy, sim, "random", rel_tol))
     return BaselineResult("random", _refined(out, sim), out, sim.simulations - start,
@@ -194,11 +192,10 @@ def optuna_search(
     trials = 0
     stopped_by = STOP_EXHAUSTED  # TPE stopped proposing new points
     while trials < 20 * max(budget, 1):
-        if sim.simulations - start >= budget:
-            stopped_by = STOP_SIMULATIONS
-            break
-        if deadline is not None and time.perf_counter() > deadline:
-            stopped_by = STOP_TIME_LIMIT
+        stop = work_stop(sim.simulations - start >= budget,
+                         deadline is not None and time.perf_counter() > deadline)
+        if stop:
+            stopped_by = stop
             break
         trials += 1
         trial = study.ask()

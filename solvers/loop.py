@@ -501,6 +501,14 @@ def search(
     )
 
 
+def work_stop(budget_spent: bool, out_of_time: bool) -> str:
+    """Why no new candidate may start: the work budget (``STOP_SIMULATIONS``), else the
+    wall-clock safety stop (``STOP_TIME_LIMIT``), else "" (go on)."""
+    if budget_spent:
+        return STOP_SIMULATIONS
+    return STOP_TIME_LIMIT if out_of_time else ""
+
+
 def _stopped_by(stops: set[str], converged: bool) -> str:
     """Why the search ended: the safety stop above all (the answer then depends on the
     machine), then the simulation budget, then convergence or the iteration limit."""
@@ -545,11 +553,8 @@ def _screen(
     screened: list[Evaluated] = []
     stop = ""
     for rate, j in order:
-        if budget_spent():
-            stop = STOP_SIMULATIONS
-            break
-        if out_of_time():
-            stop = STOP_TIME_LIMIT
+        stop = work_stop(budget_spent(), out_of_time())
+        if stop:
             break
         leader = _incumbent(evaluated + screened, sim, refine_tol,
                             refined if refined is not None else set())
@@ -733,11 +738,8 @@ def _local_search(
         for j in neighbours:
             if known_below(j, bar):
                 continue
-            if budget_spent():
-                stop = STOP_SIMULATIONS
-                break
-            if out_of_time():
-                stop = STOP_TIME_LIMIT
+            stop = work_stop(budget_spent(), out_of_time())
+            if stop:
                 break
             if sim.simulations - started >= max_sims:
                 break
