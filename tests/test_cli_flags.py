@@ -121,6 +121,9 @@ def test_the_hint_names_only_the_value_given_after_json() -> None:
     assert "--json-out stray" in line
     line = _error_line(_sim_args("stray", "--json"))
     assert "unexpected extra argument" in line and "--json-out" not in line
+    # `trace stats` always had the flag (and has no --json-out): no hint
+    line = _error_line(["trace", "stats", str(TRACE), "--json", "x.json"])
+    assert "unexpected extra argument" in line and "--json-out" not in line
 
 
 # ----------------------------------------------------------------------- --json output

@@ -92,14 +92,17 @@ def usage_line(err: click_exceptions.ClickException, argv: Sequence[str] = ()) -
     message = " ".join(err.format_message().split())
     ctx = getattr(err, "ctx", None)
     hint = f" (see {ctx.command_path if ctx is not None else 'servetune'} --help)"
-    return f"servetune: error: {message}{_old_form(message, argv)}{hint}"
+    return f"servetune: error: {message}{_old_form(message, ctx, argv)}{hint}"
 
 
-def _old_form(message: str, argv: Sequence[str]) -> str:
+def _old_form(message: str, ctx: Any, argv: Sequence[str]) -> str:
     """``: <what to type instead>`` when the extra argument click refused is the value of
-    ``--json PATH`` (the form before --json became a flag), else nothing."""
+    ``--json PATH`` given to a command that takes --json-out (the form before --json
+    became a flag), else nothing."""
     extra = _EXTRA_ARGUMENTS.search(message)
-    if extra is None:
+    if extra is None or ctx is None:
+        return ""
+    if not any("--json-out" in getattr(p, "opts", ()) for p in ctx.command.params):
         return ""
     for flag, value in pairwise(argv):
         if flag == "--json" and value in extra[1].split():

@@ -126,12 +126,13 @@ def register(app: typer.Typer) -> None:
             {"--bench-result": bench_result, "--profile": profile, "--policy": policy},
             out_dirs={"--report": (report, ("report.md", "validate.json", "cdf_*.png"))},
         )
-        console = Console(stderr=True, soft_wrap=True, quiet=quiet)  # one line per message
+        # one line per message, piped or not; under -q no status, notes or compile notice
+        console = Console(stderr=True, soft_wrap=True, quiet=quiet)
         say = console_say(console)
         run = load_bench_run(
             require_file(bench_result, "given to --bench-result"), bench_format,
             max_concurrency,
-            on_notice=None if quiet else lambda n: say(f"note: {n}"),
+            on_notice=lambda n: say(f"note: {n}"),
         )
         prof = load_profile(profile)
         require_kv_pool(prof, profile)
