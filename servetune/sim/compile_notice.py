@@ -16,8 +16,9 @@ from contextlib import contextmanager
 from typing import Any
 
 # Wall-clock seconds of the first compile of run_kernel and reject_at_arrival, measured
-# on the development machine (2 shared cores): a small `servetune simulate` with
-# NUMBA_CACHE_DIR an empty folder took 49-53 s, a second run with that folder 4.3-4.4 s.
+# on the development machine (2 cores shared with other jobs): a 200-request `servetune
+# simulate` with NUMBA_CACHE_DIR an empty folder took 53, 53 and 66 s, the same run with
+# that folder filled 4.4-5.2 s; so the compile is 48-61 s, rounded to the typical 50.
 COMPILE_SECONDS = 50
 NOTICE = f"compiling the simulator once, about {COMPILE_SECONDS} s (cached afterwards)"
 
