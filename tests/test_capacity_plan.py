@@ -150,7 +150,7 @@ def test_plan_json_report_and_growth(inputs, tmp_path: Path) -> None:
         assert (tmp_path / "rep" / png).stat().st_size > 1000
     r = runner.invoke(app, _plan_args(inputs, tmp_path / "p.yaml", "--json"))
     assert r.exit_code == 0
-    assert json.loads(r.output)["kind"] == "CapacityPlan"
+    assert json.loads(r.stdout)["kind"] == "CapacityPlan"
 
 
 def test_count_limit_too_low_exits_3(inputs, tmp_path: Path) -> None:

@@ -71,7 +71,7 @@ def test_slow_machine_gives_byte_identical_policy(tmp_path, monkeypatch, method)
         slow_down(m)
         # 5 s more per simulation: the old 60 s wall budget would have cut this search.
         slow = runner.invoke(app, _optimize_args(tmp_path, "slow.yaml", "--method", method,
-                                                 "--json", str(tmp_path / "slow.json")))
+                                                 "--json-out", str(tmp_path / "slow.json")))
     assert slow.exit_code == 0, slow.output
     summary = json.loads((tmp_path / "slow.json").read_text())
     assert summary["wall_s"] > 60  # it did look slow to the budget checks
@@ -94,7 +94,7 @@ def test_simulation_budget_stops_the_search_deterministically(tmp_path, monkeypa
 def test_safety_stop_is_recorded_in_the_policy(tmp_path, monkeypatch):
     slow_down(monkeypatch)
     res = runner.invoke(app, _optimize_args(tmp_path, "p.yaml", "--time-limit", "20",
-                                            "--json", str(tmp_path / "p.json")))
+                                            "--json-out", str(tmp_path / "p.json")))
     assert res.exit_code == 0, res.output
     assert _metadata(tmp_path / "p.yaml")["stopped_by"] == "time_limit"
     summary = json.loads((tmp_path / "p.json").read_text())

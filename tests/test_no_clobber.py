@@ -54,11 +54,11 @@ def _refused(args: list[str], victim: Path) -> str:
 def test_simulate_refuses_each_output_that_is_an_input(files):
     base = ["simulate", "--trace", files["trace"], "--profile", files["profile"],
             "--policy", files["policy"]]
-    line = _refused([*base, "--json", files["trace"]], files["trace"])
-    assert "--json" in line and "--trace" in line and "destroy the input" in line
+    line = _refused([*base, "--json-out", files["trace"]], files["trace"])
+    assert "--json-out" in line and "--trace" in line and "destroy the input" in line
     line = _refused([*base, "--records", files["trace"]], files["trace"])
     assert "--records" in line
-    line = _refused([*base, "--json", files["policy"]], files["policy"])
+    line = _refused([*base, "--json-out", files["policy"]], files["policy"])
     assert "--policy" in line
     line = _refused([*base, "--steps", files["profile"]], files["profile"])
     assert "--profile" in line
@@ -69,16 +69,16 @@ def test_simulate_refuses_a_hard_link_and_a_symlink_to_an_input(files, tmp_path)
             "--policy", files["policy"]]
     hard = tmp_path / "hard.json"
     os.link(files["trace"], hard)
-    _refused([*base, "--json", hard], files["trace"])
+    _refused([*base, "--json-out", hard], files["trace"])
     soft = tmp_path / "soft.json"
     soft.symlink_to(files["policy"])
-    _refused([*base, "--json", soft], files["policy"])
+    _refused([*base, "--json-out", soft], files["policy"])
     assert soft.is_symlink()
 
 
 def test_goodput_refuses_an_input_as_json(files):
     _refused(["goodput", "--workload", files["workload"], "--profile", files["profile"],
-              "--policy", files["policy"], "--slo", files["slo"], "--json", files["slo"]],
+              "--policy", files["policy"], "--slo", files["slo"], "--json-out", files["slo"]],
              files["slo"])
 
 
@@ -97,7 +97,7 @@ def test_optimize_refuses_its_workload_and_job(files, tmp_path):
     _refused(["optimize", "--workload", files["workload"], "--profile", files["profile"],
               "--slo", files["slo"], "-o", files["workload"]], files["workload"])
     _refused(["optimize", "--workload", files["workload"], "--profile", files["profile"],
-              "--slo", files["slo"], "-o", tmp_path / "p.yaml", "--json", files["slo"]],
+              "--slo", files["slo"], "-o", tmp_path / "p.yaml", "--json-out", files["slo"]],
              files["slo"])
 
 
@@ -122,7 +122,7 @@ def test_validate_refuses_its_inputs(files, tmp_path):
     bench = tmp_path / "r.json"
     bench.write_text("{}")
     _refused(["validate", "--bench-result", bench, "--profile", files["profile"], "--policy",
-              files["policy"], "--json", bench], bench)
+              files["policy"], "--json-out", bench], bench)
 
 
 def test_nightly_refuses_an_input_among_the_files_it_writes(files, tmp_path):

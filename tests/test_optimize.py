@@ -54,7 +54,7 @@ def _args(tmp_path: Path, out: str, *extra: str) -> list[str]:
 
 
 def test_same_inputs_and_seed_give_identical_policy_bytes(tmp_path):
-    a = _run(_args(tmp_path, "a.yaml", "--json", str(tmp_path / "a.json")))
+    a = _run(_args(tmp_path, "a.yaml", "--json-out", str(tmp_path / "a.json")))
     assert a.exit_code == 0, a.output
     b = _run(_args(tmp_path, "b.yaml"))
     assert b.exit_code == 0, b.output
@@ -101,7 +101,7 @@ def test_infeasible_slo_exits_3_naming_the_binding_constraint(tmp_path):
         "apiVersion: servetune/v1\nkind: SLOSet\nname: tight\nclasses:\n"
         "  default: {ttft_s: 2.0, tpot_s: 0.002, percentile: 99}\n"
     )
-    args = _args(tmp_path, "never.yaml", "--json", str(tmp_path / "s.json"))
+    args = _args(tmp_path, "never.yaml", "--json-out", str(tmp_path / "s.json"))
     args[args.index(str(SLO))] = str(slo)
     res = _run(args)
     assert res.exit_code == 3
@@ -393,7 +393,7 @@ def test_a_generic_csv_trace_is_read_with_columns(tmp_path):
     def run(trace: Path, out: str, *extra: str) -> dict:
         res = _run(["optimize", "--trace", str(trace), "--profile", str(PROFILE), "--slo",
                     str(SLO), "--space", str(_space(tmp_path)), "--requests", "300", "-q",
-                    "-o", str(tmp_path / out), "--json", str(tmp_path / f"{out}.json"),
+                    "-o", str(tmp_path / out), "--json-out", str(tmp_path / f"{out}.json"),
                     *extra])
         assert res.exit_code == 0, res.output
         return json.loads((tmp_path / f"{out}.json").read_text())

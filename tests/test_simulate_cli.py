@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from servetune.cli import app
+from servetune.sim.compile_notice import NOTICE
 
 runner = CliRunner()
 
@@ -71,7 +72,8 @@ def base_args(files, source="trace"):
 
 def one_error_line(result, code=2):
     assert result.exit_code == code, result.output
-    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    # a cold numba cache adds the compile notice before the first simulation
+    lines = [ln for ln in result.output.splitlines() if ln.strip() and NOTICE not in ln]
     assert len(lines) == 1 and lines[0].startswith("servetune: error:"), result.output
     assert "Traceback" not in result.output
     return lines[0]
@@ -109,7 +111,7 @@ def test_unknown_engine(files):
 def test_simulate_writes_all_outputs(files, tmp_path):
     out = {k: tmp_path / f"out.{k}" for k in ("json", "csv", "jsonl", "trace.json")}
     args = base_args(files) + [
-        "--slo", str(files["slo"]), "--json", str(out["json"]), "--records", str(out["csv"]),
+        "--slo", str(files["slo"]), "--json-out", str(out["json"]), "--records", str(out["csv"]),
         "--steps", str(out["jsonl"]), "--timeline", str(out["trace.json"]),
         "--timeline-window", "1:4",
     ]
@@ -131,7 +133,7 @@ def test_simulate_writes_all_outputs(files, tmp_path):
 
 def test_requests_and_rate_scale(files, tmp_path):
     out = tmp_path / "s.json"
-    args = base_args(files) + ["--requests", "10", "--rate-scale", "2", "--json", str(out)]
+    args = base_args(files) + ["--requests", "10", "--rate-scale", "2", "--json-out", str(out)]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["requests"] == 10
@@ -147,7 +149,7 @@ def test_same_inputs_same_records(files, tmp_path):
 def test_goodput_command(files, tmp_path):
     out = tmp_path / "g.json"
     args = ["goodput", "--trace", str(files["trace"]), "--profile", str(files["profile"]),
-            "--policy", str(files["policy"]), "--slo", str(files["slo"]), "--json", str(out),
+            "--policy", str(files["policy"]), "--slo", str(files["slo"]), "--json-out", str(out),
             "--tolerance", "0.05"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -180,7 +182,7 @@ def test_parquet_without_pyarrow_fails_before_writing_anything(files, tmp_path):
     else:
         pytest.skip("pyarrow is installed")
     out = tmp_path / "out"
-    args = base_args(files) + ["--json", str(out / "s.json"),
+    args = base_args(files) + ["--json-out", str(out / "s.json"),
                                "--records", str(out / "r.parquet")]
     assert "pyarrow" in one_error_line(runner.invoke(app, args))
     assert not out.exists()
@@ -208,7 +210,7 @@ def test_simulate_a_workload_with_progress(files, tmp_path, monkeypatch):
     files["workload"] = two_class_workload(tmp_path)
     out = tmp_path / "s.json"
     args = base_args(files, "workload") + ["--requests", "200", "--seed", "4",
-                                           "--json", str(out)]
+                                           "--json-out", str(out)]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     summary = json.loads(out.read_text())
@@ -242,7 +244,7 @@ def test_generic_csv_trace_with_a_column_mapping(files, tmp_path):
 @pytest.mark.parametrize("bad", ["steps-dir", "timeline-unwritable", "same-file"])
 def test_an_output_error_leaves_no_output_behind(files, tmp_path, bad):
     out_json, records = tmp_path / "s.json", tmp_path / "r.csv"
-    args = base_args(files) + ["--json", str(out_json), "--records", str(records)]
+    args = base_args(files) + ["--json-out", str(out_json), "--records", str(records)]
     if bad == "steps-dir":
         (tmp_path / "d").mkdir()
         args += ["--steps", str(tmp_path / "d")]

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from servetune.cli.options import JsonOption, print_json
 from servetune.errors import ServetuneError
 from servetune.export import ENGINES, export_policy
 from servetune.io import check_outputs, write_text_atomic
@@ -40,10 +41,7 @@ def register(app: typer.Typer) -> None:
         output: Path | None = typer.Option(
             None, "-o", "--output", help="Write the config here (atomically); default: stdout."
         ),
-        as_json: bool = typer.Option(
-            False, "--json",
-            help="Print {engine, file, settings, unsupported, notes} as JSON instead.",
-        ),
+        as_json: JsonOption = False,
     ) -> None:
         """Write POLICY as ENGINE's config file, and list what the engine cannot express.
 
@@ -66,7 +64,7 @@ def register(app: typer.Typer) -> None:
         if output is not None:
             write_text_atomic(output, result.text)
         if as_json:
-            typer.echo(json.dumps({
+            print_json(json.dumps({
                 "engine": result.engine,
                 "file": str(output) if output is not None else None,
                 "settings": result.settings,
@@ -76,7 +74,7 @@ def register(app: typer.Typer) -> None:
                 "notes": result.notes,
                 "warnings": result.warnings,
                 "requires": result.requires,
-            }, indent=2))
+            }, indent=2) + "\n")
             return
         if output is None:
             typer.echo(result.text, nl=False)

@@ -7,11 +7,16 @@ from pathlib import Path
 
 import typer
 
-from servetune.cli.trace_cmd import (
+from servetune.cli.options import (
     ArrivalUnitOption,
     ColumnsOption,
+    JsonOption,
     OnBadRowOption,
+    QuietOption,
     TraceFormatOption,
+    compile_notice,
+    note_line,
+    print_json,
 )
 from servetune.engines import ENGINE_NAMES
 
@@ -68,10 +73,6 @@ Example:
 ])
 
 
-def _progress(text: str) -> None:
-    typer.echo(f"servetune: {text}", err=True)
-
-
 def _trace_read(trace_format: str | None, columns: str | None, arrival_unit: str | None,
                 on_bad_row: str) -> dict[str, object]:
     """How to read --trace: the options of ``servetune trace stats``, as load_trace takes
@@ -116,8 +117,8 @@ def register(app: typer.Typer) -> None:
             help="Engine scheduler model to optimize under "
             f"({', '.join(ENGINE_NAMES)}); each engine in --engines is gated under its own.",
         ),
-        as_json: bool = typer.Option(False, "--json", help="Print summary.json to stdout."),
-        quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
+        as_json: JsonOption = False,
+        quiet: QuietOption = False,
         trace_format: TraceFormatOption = None,
         columns: ColumnsOption = None,
         arrival_unit: ArrivalUnitOption = None,
@@ -131,15 +132,16 @@ def register(app: typer.Typer) -> None:
         preload_cpsat()  # OR-Tools and matplotlib imported before the work begins
         pyplot()
 
-        outcome = run_nightly(
-            trace, profile, slo, current, out_dir, engines=engines, min_gain=min_gain,
-            space_path=space, time_limit_s=time_limit, max_simulations=max_simulations,
-            seed=seed, sim_engine=sim_engine,
-            progress=None if quiet else _progress,
-            trace_read=_trace_read(trace_format, columns, arrival_unit, on_bad_row),
-        )
+        with compile_notice(quiet):
+            outcome = run_nightly(
+                trace, profile, slo, current, out_dir, engines=engines, min_gain=min_gain,
+                space_path=space, time_limit_s=time_limit, max_simulations=max_simulations,
+                seed=seed, sim_engine=sim_engine,
+                progress=None if quiet else note_line,
+                trace_read=_trace_read(trace_format, columns, arrival_unit, on_bad_row),
+            )
         if as_json:
-            typer.echo(json.dumps(outcome.summary, indent=2))
+            print_json(json.dumps(outcome.summary, indent=2) + "\n")
         else:
             typer.echo(outcome.summary.get("verdict", outcome.status))
             for reason in outcome.summary.get("reasons", []):
@@ -157,8 +159,8 @@ def register(app: typer.Typer) -> None:
         new: Path = typer.Option(..., "--new", help="Proposed policy."),
         out_dir: Path = typer.Option(..., "--out-dir", help="Where the report goes."),
         engine: str = typer.Option("vllm", "--engine", help="Engine model to simulate."),
-        as_json: bool = typer.Option(False, "--json", help="Print summary.json to stdout."),
-        quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
+        as_json: JsonOption = False,
+        quiet: QuietOption = False,
         trace_format: TraceFormatOption = None,
         columns: ColumnsOption = None,
         arrival_unit: ArrivalUnitOption = None,
@@ -167,12 +169,13 @@ def register(app: typer.Typer) -> None:
         # lazy: the pipeline imports pyomo (0.3 s) that `servetune --help` should not pay
         from servetune.apps.nightly import run_report
 
-        outcome = run_report(trace, profile, slo, current, new, out_dir, engine=engine,
-                             progress=None if quiet else _progress,
-                             trace_read=_trace_read(trace_format, columns, arrival_unit,
-                                                    on_bad_row))
+        with compile_notice(quiet):
+            outcome = run_report(trace, profile, slo, current, new, out_dir, engine=engine,
+                                 progress=None if quiet else note_line,
+                                 trace_read=_trace_read(trace_format, columns, arrival_unit,
+                                                        on_bad_row))
         if as_json:
-            typer.echo(json.dumps(outcome.summary, indent=2))
+            print_json(json.dumps(outcome.summary, indent=2) + "\n")
         else:
             typer.echo(outcome.headline)
             for path in outcome.files:

@@ -5,7 +5,7 @@ Either name the inputs with flags, or give one OptimizeJob file whose relative p
 resolve against its own folder, or a shipped job's name (``servetune optimize quickstart``:
 ``configs/jobs/quickstart.yaml``, found in the package data of an installed wheel). Exit 3
 when no policy in the space meets the SLOs, with the binding condition, the best value
-reachable and what would help (also in --json).
+reachable and what would help (also in the --json / --json-out summary).
 """
 
 from __future__ import annotations
@@ -13,12 +13,22 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
 
-from servetune.cli.trace_cmd import ColumnsOption, TraceFormatOption
+from servetune.cli.options import (
+    ColumnsOption,
+    JsonOption,
+    JsonOutOption,
+    JsonTarget,
+    QuietOption,
+    TraceFormatOption,
+    compile_notice,
+    old_json_hint,
+    print_json,
+)
 from servetune.errors import InfeasibleError, ServetuneError
 from servetune.io import check_outputs, require_file, write_text_atomic
 from servetune.knobs import summary_text
@@ -99,6 +109,15 @@ def run_optimize(
     )
 
 
+def _emit_json(to: JsonTarget, summary: dict[str, Any]) -> None:
+    """The run's summary (or, when infeasible, what binds) to --json-out and/or stdout."""
+    text = json.dumps(summary, indent=2, default=str) + "\n"
+    if to.file is not None:
+        write_text_atomic(to.file, text)
+    if to.stdout:
+        print_json(text)
+
+
 def _job_file(job: Path) -> Path:
     """The job file: ``job`` itself when it exists, else the shipped job of that bare name
     (``quickstart``), else a one-line error that lists the shipped jobs for a bare name."""
@@ -164,13 +183,17 @@ def register(app: typer.Typer) -> None:
             "rates where they would span less than the TTFT target / 3%)"
         ),
         output: Path | None = typer.Option(None, "-o", "--output", help="policy YAML to write"),
-        json_out: Path | None = typer.Option(None, "--json", help="summary JSON to write"),
-        quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress lines"),
+        as_json: JsonOption = False,
+        json_out: JsonOutOption = None,
+        quiet: QuietOption = False,
         trace_format: TraceFormatOption = None,
         columns: ColumnsOption = None,
     ) -> None:
         console = Console(stderr=True, soft_wrap=True)  # one line per message, piped or not
         engine = "vllm"
+        if as_json and job is not None and job.suffix == ".json":
+            # `--json s.json` from before --json was a flag: s.json was taken for JOB
+            raise ServetuneError(f"{old_json_hint(str(job))} (a job file is YAML)")
         if job is not None:
             if trace or workload or profile or slo or space:
                 raise ServetuneError(
@@ -200,7 +223,8 @@ def register(app: typer.Typer) -> None:
         if output is None:
             raise ServetuneError("give -o POLICY.yaml (where to write the chosen policy)")
 
-        check_outputs({"-o/--output": output, "--json": json_out},
+        json_to = JsonTarget.of(as_json, json_out)
+        check_outputs({"-o/--output": output, "--json-out": json_to.file},
                       {"JOB": job, "--trace": trace, "--workload": workload, "--profile": profile,
                        "--slo": slo, "--space": space})
 
@@ -209,24 +233,24 @@ def register(app: typer.Typer) -> None:
                 console.print(f"[dim]optimize:[/dim] {msg}", highlight=False)
 
         try:
-            result = run_optimize(
-                trace=trace, workload=workload, profile=profile, slo=slo, space=space,
-                method=method or "milp",
-                time_limit_s=DEFAULT_TIME_LIMIT_S if time_limit is None else time_limit,
-                max_simulations=(DEFAULT_MAX_SIMULATIONS if max_simulations is None
-                                 else max_simulations),
-                seed=0 if seed is None else seed,
-                requests=DEFAULT_REQUESTS if requests is None else requests, engine=engine,
-                trace_format=trace_format, columns=columns, progress=say,
-            )
+            with compile_notice(quiet, say):
+                result = run_optimize(
+                    trace=trace, workload=workload, profile=profile, slo=slo, space=space,
+                    method=method or "milp",
+                    time_limit_s=DEFAULT_TIME_LIMIT_S if time_limit is None else time_limit,
+                    max_simulations=(DEFAULT_MAX_SIMULATIONS if max_simulations is None
+                                     else max_simulations),
+                    seed=0 if seed is None else seed,
+                    requests=DEFAULT_REQUESTS if requests is None else requests,
+                    engine=engine, trace_format=trace_format, columns=columns, progress=say,
+                )
         except InfeasibleError as err:
-            if json_out is not None:
-                summary = err.details.get("summary", {"status": "infeasible"})
-                write_text_atomic(json_out, json.dumps(summary, indent=2, default=str) + "\n")
+            _emit_json(json_to, err.details.get("summary", {"status": "infeasible"}))
             raise
         write_text_atomic(output, result.policy_yaml)
-        if json_out is not None:
-            write_text_atomic(json_out, json.dumps(result.summary, indent=2, default=str) + "\n")
+        _emit_json(json_to, result.summary)
+        if json_to.stdout:
+            return
         s = result.summary
         defaults = s.get("defaults_goodput_rate_per_s")
         gain = (

@@ -14,6 +14,13 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from servetune.cli.options import (
+    JsonOption,
+    QuietOption,
+    compile_notice,
+    note_line,
+    print_json,
+)
 from servetune.engines import ENGINE_NAMES
 from servetune.errors import ServetuneError
 from servetune.io import check_outputs, require_file, write_text_atomic
@@ -77,16 +84,6 @@ def _ints(text: str, option: str) -> list[int]:
         raise ServetuneError(f"{option}: give comma-separated integers (got {text!r})") from None
 
 
-def _progress(quiet: bool):
-    if quiet:
-        return None
-
-    def say(msg: str) -> None:
-        typer.echo(msg, err=True)
-
-    return say
-
-
 def _plan_lines(plan: CapacityPlan) -> list[str]:
     cost = plan.cost
     peak = {t: max(v) for t, v in plan.gpus.items() if max(v) > 0}
@@ -135,7 +132,7 @@ def register(app: typer.Typer) -> None:
         fleet: Path = typer.Option(..., "--fleet", help="Fleet YAML (GPU types and prices)."),
         slo: Path = typer.Option(..., "--slo", help="SLO set YAML."),
         output: Path = typer.Option(..., "-o", "--output", help="Plan YAML to write."),
-        json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+        as_json: JsonOption = False,
         report: Path | None = typer.Option(None, "--report", help="Folder for plots."),
         growth: str | None = typer.Option(
             None, "--growth",
@@ -162,7 +159,7 @@ def register(app: typer.Typer) -> None:
             None, "--model", help="Which model's profiles to use (overrides the fleet's)."
         ),
         seed: int = typer.Option(0, "--seed"),
-        quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
+        quiet: QuietOption = False,
     ) -> None:
         for p, opt in ((workload, "--workload"), (forecast, "--forecast"), (fleet, "--fleet"),
                        (slo, "--slo")):
@@ -188,18 +185,19 @@ def register(app: typer.Typer) -> None:
         from servetune.apps.plan import run_plan
         from servetune.apps.plan_report import plan_json_text, write_plan_report
 
-        run = run_plan(
-            workload, forecast, fleet, slo, out_path=output, sweep=sweep, cache_dir=cache_dir,
-            engine=engine, method=method, prompt_edges=_ints(prompt_edges, "--prompt-edges"),
-            output_edges=_ints(output_edges, "--output-edges"), budget=budget, seed=seed,
-            model=model,
-            progress=_progress(quiet or json_out),
-        )
+        with compile_notice(quiet):
+            run = run_plan(
+                workload, forecast, fleet, slo, out_path=output, sweep=sweep,
+                cache_dir=cache_dir, engine=engine, method=method,
+                prompt_edges=_ints(prompt_edges, "--prompt-edges"),
+                output_edges=_ints(output_edges, "--output-edges"), budget=budget, seed=seed,
+                model=model, progress=None if quiet else note_line,
+            )
         save_document(run.plan, output)
         if report is not None:
             write_plan_report(run.plan, report)
-        if json_out:
-            typer.echo(plan_json_text(run.plan))
+        if as_json:
+            print_json(plan_json_text(run.plan) + "\n")
         else:
             for line in _plan_lines(run.plan):
                 typer.echo(line)
@@ -211,13 +209,13 @@ def register(app: typer.Typer) -> None:
         plan: Path = typer.Option(..., "--plan", help="Plan YAML from `servetune plan`."),
         forecast: Path = typer.Option(..., "--forecast", help="Forecast YAML."),
         output: Path = typer.Option(..., "-o", "--output", help="Schedule YAML to write."),
-        json_out: bool = typer.Option(False, "--json", help="Print the schedule as JSON."),
+        as_json: JsonOption = False,
         report: Path | None = typer.Option(None, "--report", help="Folder for plots."),
         cache_dir: Path | None = typer.Option(None, "--cache-dir", help="Spare-capacity cache."),
         levels: int = typer.Option(5, "--levels", min=2, max=9,
                                    help="Interactive load levels measured per GPU type."),
         seed: int = typer.Option(0, "--seed"),
-        quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
+        quiet: QuietOption = False,
     ) -> None:
         for p, opt in ((jobs, "--jobs"), (plan, "--plan"), (forecast, "--forecast")):
             require_file(p, f"given to {opt}")
@@ -230,13 +228,14 @@ def register(app: typer.Typer) -> None:
 
         preload_cpsat()  # placement solves CP-SAT: import OR-Tools before the work
 
-        run = run_place(jobs, plan, forecast, out_path=output, cache_dir=cache_dir,
-                        levels=levels, seed=seed, progress=_progress(quiet or json_out))
+        with compile_notice(quiet):
+            run = run_place(jobs, plan, forecast, out_path=output, cache_dir=cache_dir,
+                            levels=levels, seed=seed, progress=None if quiet else note_line)
         write_text_atomic(output, dump_yaml(run.schedule))
         if report is not None:
             write_schedule_report(run.schedule, report)
-        if json_out:
-            typer.echo(json.dumps(run.schedule, indent=2))
+        if as_json:
+            print_json(json.dumps(run.schedule, indent=2) + "\n")
             return
         s = run.schedule["summary"]
         typer.echo(f"scheduled {s['scheduled']} of {s['jobs']} jobs, value "

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from servetune.cli.options import JsonOption, QuietOption, print_json
 from servetune.cli.root import new_group
 from servetune.io import check_outputs
 from servetune.schemas.base import save_document
@@ -121,7 +122,7 @@ def register(app: typer.Typer) -> None:
         model: str | None = typer.Option(None, "--model",
                                          help="Only rows of this model (default: the "
                                               "profile's model if present, else all)."),
-        as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+        as_json: JsonOption = False,
     ) -> None:
         """Compare a profile's step times with measured whole steps."""
         # lazy: the fitting code imports HiGHS (20 ms) that every other command would pay
@@ -130,7 +131,7 @@ def register(app: typer.Typer) -> None:
 
         report = check_profile(load_profile(profile_path), measured, model)
         if as_json:
-            typer.echo(json.dumps(report, indent=2))
+            print_json(json.dumps(report, indent=2) + "\n")
             return
         typer.echo(f"{'line':>5} {'decode':>6} {'context':>7} {'prefill':>7} "
                    f"{'measured_ms':>11} {'predicted_ms':>12} {'error':>7}")
@@ -144,7 +145,7 @@ def register(app: typer.Typer) -> None:
     @group.command("show", epilog="Example: servetune profile show h200-llama-3.1-8b --json")
     def show_cmd(
         profile_path: Path = typer.Argument(..., help="Profile YAML or shipped profile name."),
-        as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+        as_json: JsonOption = False,
     ) -> None:
         """Print a profile's memory, KV pool and step times at a few shapes."""
         # lazy: the Profile schema adds 20 ms to every command's start-up
@@ -153,7 +154,7 @@ def register(app: typer.Typer) -> None:
         profile = load_profile(profile_path)
         data = profile_summary(profile)
         if as_json:
-            typer.echo(json.dumps(data, indent=2))
+            print_json(json.dumps(data, indent=2) + "\n")
             return
         typer.echo(f"{data['name']} ({data['calibration']}; TP {data['tensor_parallel']})")
         typer.echo(f"source: {data['source']}")
@@ -188,6 +189,7 @@ def register(app: typer.Typer) -> None:
                                    help="Also time whole CUDA-graph steps."),
         budget_s: float = typer.Option(600.0, "--budget-s", min=1.0,
                                        help="Stop starting new timings after this long."),
+        quiet: QuietOption = False,
     ) -> None:
         """Time per-operation kernels and whole steps on this machine's CUDA GPU (needs the
         ``gpu`` extra: torch)."""
@@ -195,7 +197,7 @@ def register(app: typer.Typer) -> None:
         from servetune.profiles.measure import measure
 
         written = measure(output, models=model, whole_steps=steps, budget_s=budget_s,
-                          log=lambda m: typer.echo(m, err=True))
+                          log=(lambda m: None) if quiet else lambda m: typer.echo(m, err=True))
         typer.echo(f"wrote {', '.join(str(p) for p in written)}")
 
     app.add_typer(group, name="profile")

@@ -8,8 +8,10 @@ exit code; never a traceback. The command modules build their groups with
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 import typer
@@ -21,6 +23,7 @@ except ImportError:  # pragma: no cover - older typer on click
     from click import exceptions as click_exceptions  # type: ignore[no-redef]
 
 from servetune import __version__
+from servetune.cli.options import old_json_hint
 from servetune.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, ServetuneError
 
 INTERRUPTED_LINE = "servetune: interrupted; previous outputs kept"
@@ -78,13 +81,33 @@ def error_line(err: ServetuneError, command: str | None = None) -> str:
     return f"servetune: error: {err.message_for(COMMAND_FLAGS.get(command, ARGUMENT_FLAGS))}"
 
 
-def usage_line(err: click_exceptions.ClickException) -> str:
+# click's "Got unexpected extra argument(s) (a b)"; older clicks say argument / arguments
+_EXTRA_ARGUMENTS = re.compile(r"unexpected extra argument(?:s|\(s\))? \((.*)\)")
+
+
+def usage_line(err: click_exceptions.ClickException, argv: Sequence[str] = ()) -> str:
     """One stderr line for a framework (typer/click) error: an unknown or missing option,
-    a value of the wrong type, ...; with the command whose ``--help`` lists the options."""
+    a value of the wrong type, ...; with the command whose ``--help`` lists the options.
+    ``argv`` (the command line) lets it say what to type instead of an old form."""
     message = " ".join(err.format_message().split())
     ctx = getattr(err, "ctx", None)
     hint = f" (see {ctx.command_path if ctx is not None else 'servetune'} --help)"
-    return f"servetune: error: {message}{hint}"
+    return f"servetune: error: {message}{_old_form(message, ctx, argv)}{hint}"
+
+
+def _old_form(message: str, ctx: Any, argv: Sequence[str]) -> str:
+    """``: <what to type instead>`` when the extra argument click refused is the value of
+    ``--json PATH`` given to a command that takes --json-out (the form before --json
+    became a flag), else nothing."""
+    extra = _EXTRA_ARGUMENTS.search(message)
+    if extra is None or ctx is None:
+        return ""
+    if not any("--json-out" in getattr(p, "opts", ()) for p in ctx.command.params):
+        return ""
+    for flag, value in pairwise(argv):
+        if flag == "--json" and value in extra[1].split():
+            return f": {old_json_hint(value)}"
+    return ""
 
 
 class _ErrorsAsLines(TyperGroup):
@@ -116,6 +139,7 @@ class _ErrorsAsLines(TyperGroup):
     ) -> Any:
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        argv = list(args) if args is not None else sys.argv[1:]
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click_exceptions.NoArgsIsHelpError as err:  # `servetune` alone: the help
@@ -124,7 +148,7 @@ class _ErrorsAsLines(TyperGroup):
                 typer.echo(text, err=True)
             sys.exit(EXIT_USER_ERROR)
         except click_exceptions.ClickException as err:
-            typer.echo(usage_line(err), err=True)
+            typer.echo(usage_line(err, argv), err=True)
             sys.exit(EXIT_USER_ERROR)
         except (typer.Abort, KeyboardInterrupt):
             typer.echo(INTERRUPTED_LINE, err=True)

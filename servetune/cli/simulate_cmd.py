@@ -20,13 +20,20 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from servetune.cli.trace_cmd import (
+from servetune.cli.options import (
     ArrivalUnitOption,
     ColumnsOption,
+    JsonOption,
+    JsonOutOption,
+    JsonTarget,
     OnBadRowOption,
+    QuietOption,
     TraceFormatOption,
-    load_trace_cli,
+    compile_notice,
+    console_say,
+    print_json,
 )
+from servetune.cli.trace_cmd import load_trace_cli
 from servetune.engines import ENGINE_NAMES
 from servetune.errors import InfeasibleError, ServetuneError
 from servetune.io import check_outputs, require_file, write_all_or_none, write_text_atomic
@@ -38,6 +45,7 @@ from servetune.workloads.trace import Trace
 if TYPE_CHECKING:
     from servetune.schemas.profile import Profile
     from servetune.schemas.workload import Workload
+    from servetune.sim.goodput import GoodputResult
 
 ENGINE_CHOICES = ENGINE_NAMES
 # Runs with at least this many requests (or any reference-mode run over REFERENCE_PROGRESS)
@@ -59,12 +67,14 @@ def _need_file(path: Path, option: str) -> Path:
 
 @dataclass(frozen=True)
 class TraceOptions:
-    """How to read --trace (the same options as ``servetune trace stats``)."""
+    """How to read --trace (the same options as ``servetune trace stats``), and whether
+    to keep its notes and progress off stderr (-q)."""
 
     trace_format: str | None = None
     columns: str | None = None
     arrival_unit: str | None = None
     on_bad_row: str = "error"
+    quiet: bool = False
 
     @property
     def given(self) -> bool:
@@ -82,7 +92,7 @@ def load_source(
     if trace is not None:
         return load_trace_cli(
             _need_file(trace, "--trace"), options.trace_format, options.columns,
-            options.arrival_unit, options.on_bad_row,
+            options.arrival_unit, options.on_bad_row, options.quiet,
         )
     if options.given:
         raise ServetuneError(
@@ -210,8 +220,8 @@ class _Progress:
         self.progress.update(self.task, completed=int(done))
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
+def _json_text(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2, allow_nan=False) + "\n"
 
 
 # Options both commands take (parameter annotations).
@@ -251,7 +261,9 @@ def register(app: typer.Typer) -> None:
             False, "--reference", help="step-by-step reference mode (slow; for checking)"
         ),
         slo: Path | None = typer.Option(None, "--slo", help="SLO set YAML: attainment, verdict"),
-        json_out: Path | None = typer.Option(None, "--json", help="write the summary JSON here"),
+        as_json: JsonOption = False,
+        json_out: JsonOutOption = None,
+        quiet: QuietOption = False,
         records: Path | None = typer.Option(
             None, "--records", help="per-request records (.csv, or .parquet with pyarrow)"
         ),
@@ -271,7 +283,7 @@ def register(app: typer.Typer) -> None:
 
         Example: servetune simulate --trace ../shared/traces/AzureLLMInferenceTrace_conv.csv
         --profile h200-llama-3.1-8b --policy configs/policies/vllm-serve-defaults.yaml
-        --slo configs/slos/mlperf-llama-3.1-8b-server.yaml --json out.json
+        --slo configs/slos/mlperf-llama-3.1-8b-server.yaml --json-out out.json
         --timeline t.json --timeline-window 600:660   (open t.json in ui.perfetto.dev)
         """
         # lazy: the simulator package adds 35 ms to every command's start-up
@@ -282,52 +294,58 @@ def register(app: typer.Typer) -> None:
         window = parse_window(timeline_window) if timeline_window is not None else None
         if window is not None and timeline is None:
             raise ServetuneError("--timeline-window needs --timeline T.json")
-        check_outputs({"--json": json_out, "--records": records, "--steps": steps,
+        json_to = JsonTarget.of(as_json, json_out)
+        check_outputs({"--json-out": json_to.file, "--records": records, "--steps": steps,
                        "--timeline": timeline},
                       _inputs(trace, workload, profile, policy, slo))
         if records is not None:
             check_records_path(records)
-        options = TraceOptions(trace_format, columns, arrival_unit, on_bad_row)
+        options = TraceOptions(trace_format, columns, arrival_unit, on_bad_row, quiet)
         source, pol, prof, slo_set = load_inputs(
             trace, workload, profile, policy, slo, engine, options
         )
         console = Console(stderr=True, soft_wrap=True)  # one line per message, piped or not
         expected = _expected_requests(source, requests)
-        show = expected >= PROGRESS_MIN_REQUESTS or (
+        show = not quiet and (expected >= PROGRESS_MIN_REQUESTS or (
             reference and expected >= REFERENCE_PROGRESS_MIN_REQUESTS
-        )
+        ))
         kwargs = dict(
             engine=engine, reference=reference, seed=seed, n_requests=requests,
             duration_s=duration, rate_scale=rate_scale,
             step_log=steps is not None or timeline is not None,
         )
-        if show:
-            with _Progress(console, expected, "simulating") as bar:
-                result = simulate(source, pol, prof, progress=bar, **kwargs)
-        else:
-            result = simulate(source, pol, prof, **kwargs)
+        with compile_notice(quiet, console_say(console)):
+            if show:
+                with _Progress(console, expected, "simulating") as bar:
+                    result = simulate(source, pol, prof, progress=bar, **kwargs)
+            else:
+                result = simulate(source, pol, prof, **kwargs)
         summary = result.summary(slo_set)
         meets = result.meets_slo(slo_set) if slo_set is not None else None
         writers: list[tuple[Path, Callable[[], None]]] = []
-        if json_out is not None:  # per-class verdicts are in per_class
-            writers.append((json_out, lambda: _write_json(json_out, summary)))
+        file = json_to.file
+        if file is not None:  # per-class verdicts are in per_class
+            writers.append((file, lambda: write_text_atomic(file, _json_text(summary))))
         if records is not None:
             writers.append((records, lambda: result.write_records(records)))
         if steps is not None:
             writers.append((steps, lambda: result.write_steps(steps)))
         if timeline is not None:
             writers.append((timeline, lambda: result.write_timeline(timeline, window)))
-        if steps is not None or timeline is not None:
+        if not quiet and (steps is not None or timeline is not None):
             with console.status("writing the step log / timeline"):
                 write_all_or_none(writers)
         else:
             write_all_or_none(writers)
         end_s = float(result.output.sim_end_s)
-        if window is not None and window[0] >= end_s:
+        if not quiet and window is not None and window[0] >= end_s:
             console.print(
                 f"servetune: note: --timeline-window starts at {window[0]:g} s, after the run "
                 f"ended ({end_s:.1f} s): the timeline has no steps", highlight=False,
             )
+        if json_to.stdout:
+            print_json(_json_text(summary))
+            return
         out = Console(file=sys.stdout, width=100)
         title = f"{pol.name} on {prof.name} ({engine}{', reference' if reference else ''})"
         out.print(summary_table(summary, title))
@@ -349,7 +367,9 @@ def register(app: typer.Typer) -> None:
         duration: DurationOption = None,
         reference: bool = typer.Option(False, "--reference", help="step-by-step reference mode"),
         rel_tol: float = typer.Option(0.02, "--tolerance", help="relative bisection tolerance"),
-        json_out: Path | None = typer.Option(None, "--json", help="write the result JSON here"),
+        as_json: JsonOption = False,
+        json_out: JsonOutOption = None,
+        quiet: QuietOption = False,
         trace_format: TraceFormatOption = None,
         columns: ColumnsOption = None,
         arrival_unit: ArrivalUnitOption = None,
@@ -360,7 +380,7 @@ def register(app: typer.Typer) -> None:
         Example: servetune goodput --workload configs/workloads/azure-conv-2023.yaml
         --requests 5000 --seeds 3 --profile h200-llama-3.1-8b
         --policy configs/policies/vllm-serve-defaults.yaml
-        --slo configs/slos/mlperf-llama-3.1-8b-interactive.yaml --json goodput.json
+        --slo configs/slos/mlperf-llama-3.1-8b-interactive.yaml --json-out goodput.json
         """
         # lazy: the simulator package adds 35 ms to every command's start-up
         from servetune.sim import goodput
@@ -369,8 +389,10 @@ def register(app: typer.Typer) -> None:
         seed_list = seeds_for(seeds, seed)
         if not rel_tol > 0:
             raise ServetuneError(f"--tolerance must be > 0 (got {rel_tol})")
-        check_outputs({"--json": json_out}, _inputs(trace, workload, profile, policy, slo))
-        options = TraceOptions(trace_format, columns, arrival_unit, on_bad_row)
+        json_to = JsonTarget.of(as_json, json_out)
+        check_outputs({"--json-out": json_to.file},
+                      _inputs(trace, workload, profile, policy, slo))
+        options = TraceOptions(trace_format, columns, arrival_unit, on_bad_row, quiet)
         source, pol, prof, slo_set = load_inputs(
             trace, workload, profile, policy, slo, engine, options
         )
@@ -378,33 +400,31 @@ def register(app: typer.Typer) -> None:
         console = Console(stderr=True, soft_wrap=True)  # one line per message, piped or not
 
         def on_point(point: dict[str, Any]) -> None:
+            if quiet:
+                return
             verdict = "meets" if point["meets_slo"] else "misses"
             console.print(
                 f"rate scale {point['rate_scale']:.4g}: {verdict} SLO "
                 f"(attainment {_fmt(point['attainment'], 100, 2)}%)"
             )
 
-        result = goodput(
-            source, pol, prof, slo_set, engine=engine, seeds=seed_list, n_requests=requests,
-            duration_s=duration, reference=reference, rel_tol=rel_tol, on_point=on_point,
-        )
+        with compile_notice(quiet, console_say(console)):
+            result = goodput(
+                source, pol, prof, slo_set, engine=engine, seeds=seed_list,
+                n_requests=requests, duration_s=duration, reference=reference,
+                rel_tol=rel_tol, on_point=on_point,
+            )
         data = {
             "policy": pol.name, "profile": prof.name, "slo": slo_set.name, "engine": engine,
             "seeds": list(seed_list), **result.to_dict(),
         }
-        if json_out is not None:
-            _write_json(json_out, data)
-        table = Table(title=f"goodput of {pol.name} on {prof.name} ({engine})",
-                      title_justify="left")
-        for col in ("rate scale", "rate (req/s)", "meets SLO", "attainment"):
-            table.add_column(col, justify="right")
-        for p in sorted(result.points, key=lambda p: p["rate_scale"]):
-            table.add_row(
-                f"{p['rate_scale']:.4g}", f"{p['rate_per_s']:.3f}",
-                "yes" if p["meets_slo"] else "no", _fmt(p["attainment"], 100, 2) + "%",
-            )
+        if json_to.file is not None:
+            write_text_atomic(json_to.file, _json_text(data))
         out = Console(file=sys.stdout, width=100)
-        out.print(table)
+        if json_to.stdout:
+            print_json(_json_text(data))
+        else:
+            out.print(_points_table(result, pol, prof, engine))
         if result.rate_scale == 0.0:
             raise InfeasibleError(
                 f"no rate scale down to 1/1024 meets {slo_set.name!r} with policy {pol.name!r}; "
@@ -412,7 +432,22 @@ def register(app: typer.Typer) -> None:
             )
         for warning in result.warnings:
             console.print(f"warning: {warning}")
-        out.print(
-            f"goodput: rate scale {result.rate_scale:.4g} = {result.rate_per_s:.3f} req/s"
-            + ("" if result.bracketed else " (search hit the scale limit)")
+        if not json_to.stdout:
+            out.print(
+                f"goodput: rate scale {result.rate_scale:.4g} = {result.rate_per_s:.3f} req/s"
+                + ("" if result.bracketed else " (search hit the scale limit)")
+            )
+
+
+def _points_table(result: GoodputResult, pol: Policy, prof: Profile, engine: str) -> Table:
+    """The goodput search's points, by rate scale."""
+    table = Table(title=f"goodput of {pol.name} on {prof.name} ({engine})",
+                  title_justify="left")
+    for col in ("rate scale", "rate (req/s)", "meets SLO", "attainment"):
+        table.add_column(col, justify="right")
+    for p in sorted(result.points, key=lambda p: p["rate_scale"]):
+        table.add_row(
+            f"{p['rate_scale']:.4g}", f"{p['rate_per_s']:.3f}",
+            "yes" if p["meets_slo"] else "no", _fmt(p["attainment"], 100, 2) + "%",
         )
+    return table

@@ -7,13 +7,23 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 from rich.table import Table
 
+from servetune.cli.options import (
+    ArrivalUnitOption,
+    ColumnsOption,
+    JsonOption,
+    OnBadRowOption,
+    QuietOption,
+    TraceFormatOption,
+    note_line,
+    print_json,
+)
 from servetune.cli.root import new_group
 from servetune.workloads.stats import per_class_stats, trace_stats
 from servetune.workloads.trace import Trace
@@ -21,34 +31,14 @@ from servetune.workloads.trace import Trace
 # Files at least this large show a progress bar while they load.
 PROGRESS_MIN_BYTES = 64 << 20
 
-TRACE_FORMAT_HELP = (
-    "Force the format: azure, burstgpt, mooncake, vllm-bench, csv, jsonl "
-    "(default: detected from the header or first record)."
-)
-COLUMNS_HELP = (
-    "Column mapping for csv/jsonl: arrival=COL,prompt=COL,output=COL"
-    "[,class=COL,priority=COL,max_tokens=COL]."
-)
-ARRIVAL_UNIT_HELP = (
-    "Unit of the mapped arrival column: s, ms, us, ns or datetime "
-    "(default: s for numbers, datetime for text)."
-)
-ON_BAD_ROW_HELP = "error (default): stop at the first bad row; skip: drop bad rows and count them."
-
-# The options every command that reads a trace file takes (use as parameter annotations).
-TraceFormatOption = Annotated[
-    str | None, typer.Option("--trace-format", help=TRACE_FORMAT_HELP)
-]
-ColumnsOption = Annotated[str | None, typer.Option("--columns", help=COLUMNS_HELP)]
-ArrivalUnitOption = Annotated[
-    str | None, typer.Option("--arrival-unit", help=ARRIVAL_UNIT_HELP)
-]
-OnBadRowOption = Annotated[str, typer.Option("--on-bad-row", help=ON_BAD_ROW_HELP)]
-
 
 @contextmanager
-def load_progress(path: Path) -> Iterator[Callable[[int, int], None] | None]:
-    """A progress callback (bytes read of total) for large files, drawn on stderr."""
+def load_progress(path: Path, quiet: bool = False) -> Iterator[Callable[[int, int], None] | None]:
+    """A progress callback (bytes read of total) for large files, drawn on stderr; none
+    under -q."""
+    if quiet:
+        yield None
+        return
     try:
         size = os.path.getsize(path)
     except OSError:
@@ -78,12 +68,14 @@ def load_trace_cli(
     columns: str | None,
     arrival_unit: str | None,
     on_bad_row: str,
+    quiet: bool = False,
 ) -> Trace:
-    """Load a trace for a command, with a progress bar for large files and notices on stderr."""
+    """Load a trace for a command, with a progress bar for large files and notes on stderr
+    (neither under -q)."""
     # lazy: the trace readers cost 10 ms that every other command would pay at start-up
     from servetune.workloads.formats import load_trace
 
-    with load_progress(path) as progress:
+    with load_progress(path, quiet) as progress:
         trace = load_trace(
             path,
             fmt=trace_format,
@@ -92,8 +84,9 @@ def load_trace_cli(
             arrival_unit=arrival_unit,
             progress=progress,
         )
-    for notice in trace.notices:
-        typer.echo(f"servetune: note: {path}: {notice}", err=True)
+    if not quiet:
+        for notice in trace.notices:
+            note_line(f"note: {path}: {notice}")
     return trace
 
 
@@ -125,17 +118,18 @@ def register(app: typer.Typer) -> None:
     )
     def stats(
         file: Path = typer.Argument(..., help="Trace file (optionally .gz)."),
-        as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+        as_json: JsonOption = False,
+        quiet: QuietOption = False,
         trace_format: TraceFormatOption = None,
         columns: ColumnsOption = None,
         arrival_unit: ArrivalUnitOption = None,
         on_bad_row: OnBadRowOption = "error",
     ) -> None:
         """Request count, span, mean rate, burstiness and prompt/output length statistics."""
-        trace = load_trace_cli(file, trace_format, columns, arrival_unit, on_bad_row)
+        trace = load_trace_cli(file, trace_format, columns, arrival_unit, on_bad_row, quiet)
         result = trace_stats(trace)
         if as_json:
-            typer.echo(json.dumps(result))
+            print_json(json.dumps(result) + "\n")
             return
         console = Console()
         console.print(stats_table(result, str(file)))

@@ -14,6 +14,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from servetune.cli.options import (
+    JsonOption,
+    JsonOutOption,
+    JsonTarget,
+    QuietOption,
+    compile_notice,
+    console_say,
+    print_json,
+)
 from servetune.cli.simulate_cmd import EngineOption, PolicyOption, ProfileOption
 from servetune.engines import ENGINE_NAMES
 from servetune.errors import ServetuneError
@@ -80,9 +89,9 @@ def register(app: typer.Typer) -> None:
         report: Path | None = typer.Option(
             None, "--report", help="folder for report.md, CDF plots and validate.json"
         ),
-        json_out: Path | None = typer.Option(
-            None, "--json", help="write the summary JSON here ('-' for stdout)"
-        ),
+        as_json: JsonOption = False,
+        json_out: JsonOutOption = None,
+        quiet: QuietOption = False,
         calibrate: bool = typer.Option(
             False, "--calibrate",
             help="fit host_s_per_step, host_s_per_seq and gpu_time_scale to the run",
@@ -111,30 +120,34 @@ def register(app: typer.Typer) -> None:
             raise ServetuneError("--calibrate needs -o P2.yaml (where the corrected profile goes)")
         if out is not None and not calibrate:
             raise ServetuneError("-o writes the corrected profile; give it with --calibrate")
-        json_path = None if json_out is None or str(json_out) == "-" else json_out
+        json_to = JsonTarget.of(as_json, json_out)
         check_outputs(
-            {"--json": json_path, "-o": out},
+            {"--json-out": json_to.file, "-o": out},
             {"--bench-result": bench_result, "--profile": profile, "--policy": policy},
             out_dirs={"--report": (report, ("report.md", "validate.json", "cdf_*.png"))},
         )
-        console = Console(stderr=True, soft_wrap=True)  # one line per message, piped or not
+        # one line per message, piped or not; under -q no status, notes or compile notice
+        console = Console(stderr=True, soft_wrap=True, quiet=quiet)
+        say = console_say(console)
         run = load_bench_run(
             require_file(bench_result, "given to --bench-result"), bench_format,
             max_concurrency,
-            on_notice=lambda n: console.print(f"servetune: note: {n}", highlight=False),
+            on_notice=lambda n: say(f"note: {n}"),
         )
         prof = load_profile(profile)
         require_kv_pool(prof, profile)
         pol = load_document(require_file(policy, "given to --policy"), Policy)
-        with console.status(f"replaying {len(run):,} requests"):
-            rep = V.replay(run, pol, prof, engine=engine)
-        cal = None
-        if calibrate:
-            with console.status("calibrating") as status:
-                cal = V.calibrate(
-                    run, pol, prof, engine=engine, baseline=rep,
-                    progress=lambda r, c: status.update(f"calibrating: round {r}, cost {c:.4g}"),
-                )
+        with compile_notice(quiet, say):
+            with console.status(f"replaying {len(run):,} requests"):
+                rep = V.replay(run, pol, prof, engine=engine)
+            cal = None
+            if calibrate:
+                with console.status("calibrating") as status:
+                    cal = V.calibrate(
+                        run, pol, prof, engine=engine, baseline=rep,
+                        progress=lambda r, c: status.update(
+                            f"calibrating: round {r}, cost {c:.4g}"),
+                    )
         summary = V.validation_summary(run, rep, profile=prof, policy=pol, engine=engine,
                                        cal=cal)
         # build everything first, then write: no partial output on an error
@@ -147,6 +160,7 @@ def register(app: typer.Typer) -> None:
                        f"validate --calibrate against {bench_result.name}",
             )
         writers: list[tuple[Path, Callable[[], None]]] = []
+        json_path = json_to.file
         if json_path is not None:
             writers.append((json_path, lambda: write_text_atomic(
                 json_path, V.summary_json_text(summary))))
@@ -157,8 +171,8 @@ def register(app: typer.Typer) -> None:
             assert report is not None
             writers.append((report, lambda: V.write_report(report, files)))
         write_all_or_none(writers)
-        if json_out is not None and str(json_out) == "-":
-            sys.stdout.write(V.summary_json_text(summary))
+        if json_to.stdout:
+            print_json(V.summary_json_text(summary))
             return
         stdout = Console(file=sys.stdout, width=120)
         stdout.print(comparison_table(summary["comparison"],

@@ -11,15 +11,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from servetune.cli.root import new_group
-from servetune.cli.trace_cmd import (
+from servetune.cli.options import (
     ArrivalUnitOption,
     ColumnsOption,
+    JsonOption,
     OnBadRowOption,
+    QuietOption,
     TraceFormatOption,
-    load_trace_cli,
-    stats_table,
+    print_json,
 )
+from servetune.cli.root import new_group
+from servetune.cli.trace_cmd import load_trace_cli, stats_table
 from servetune.errors import ServetuneError
 from servetune.io import check_outputs
 from servetune.workloads.stats import trace_stats
@@ -98,6 +100,7 @@ def register(app: typer.Typer) -> None:
             "when the gap CV is over 2, else gamma or poisson), modulated, poisson, gamma or "
             "empirical."
         ),
+        quiet: QuietOption = False,
         trace_format: TraceFormatOption = None,
         columns: ColumnsOption = None,
         arrival_unit: ArrivalUnitOption = None,
@@ -123,7 +126,7 @@ def register(app: typer.Typer) -> None:
                     f"{rate_windows!r})"
                 ) from None
         check_outputs({"-o/--output": output}, {"TRACE": trace_path})
-        trace = load_trace_cli(trace_path, trace_format, columns, arrival_unit, on_bad_row)
+        trace = load_trace_cli(trace_path, trace_format, columns, arrival_unit, on_bad_row, quiet)
         workload = fit_workload(
             trace,
             split=None if split_by == "none" else split_by,
@@ -138,7 +141,8 @@ def register(app: typer.Typer) -> None:
             f"{trace.duration_s:.1f} s (split: {split_by})."
         )
         save_workload(workload, output, header=header)
-        Console(stderr=True).print(class_table(workload, f"wrote {output}"))
+        if not quiet:
+            Console(stderr=True).print(class_table(workload, f"wrote {output}"))
 
     @group.command(
         "show",
@@ -154,7 +158,7 @@ def register(app: typer.Typer) -> None:
         rate_scale: float = typer.Option(
             1.0, "--rate-scale", help="Multiply every rate of the --sample."
         ),
-        as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+        as_json: JsonOption = False,
     ) -> None:
         """Show a workload's classes, or sample it and show the sample's statistics."""
         # lazy: as in class_table
@@ -169,7 +173,7 @@ def register(app: typer.Typer) -> None:
             )
         if sample is None:
             if as_json:
-                typer.echo(json.dumps(class_stats_json(workload)))
+                print_json(json.dumps(class_stats_json(workload)) + "\n")
             else:
                 console.print(class_table(workload, f"{workload.name} ({path})"))
             return
@@ -178,7 +182,7 @@ def register(app: typer.Typer) -> None:
         trace = sample_trace(workload, n_requests=sample, seed=seed, rate_scale=rate_scale)
         result = trace_stats(trace)
         if as_json:
-            typer.echo(json.dumps(result))
+            print_json(json.dumps(result) + "\n")
         else:
             console.print(stats_table(result, f"{workload.name}: {sample:,} sampled, seed {seed}"))
 

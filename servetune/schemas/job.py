@@ -60,7 +60,9 @@ class OptimizeJob(Document):
     )
     engine: Literal[ENGINE_NAMES] = "vllm"  # type: ignore[valid-type]
     output: str | None = Field(None, description="policy YAML to write (-o overrides)")
-    summary_json: str | None = Field(None, description="summary JSON to write (--json overrides)")
+    summary_json: str | None = Field(
+        None, description="summary JSON to write (--json-out overrides)"
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> OptimizeJob:

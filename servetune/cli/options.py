@@ -1,0 +1,106 @@
+"""The options several commands share, defined once, and how a command honours them.
+
+- How to read a trace file: ``--trace-format``, ``--columns``, ``--arrival-unit``,
+  ``--on-bad-row`` (every command that reads a trace).
+- ``--json``: a flag everywhere: print the result as JSON on stdout, and nothing else
+  there; ``--json-out PATH``: write it to a file (``-``: stdout, the same as ``--json``),
+  on the commands that can write their JSON to a file.
+- ``-q/--quiet``: nothing on stderr but warnings and errors (no progress lines, no
+  notes), on every command that prints progress or notes there.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from servetune.io import STDOUT
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+TRACE_FORMAT_HELP = (
+    "Force the format: azure, burstgpt, mooncake, vllm-bench, csv, jsonl "
+    "(default: detected from the header or first record)."
+)
+COLUMNS_HELP = (
+    "Column mapping for csv/jsonl: arrival=COL,prompt=COL,output=COL"
+    "[,class=COL,priority=COL,max_tokens=COL]."
+)
+ARRIVAL_UNIT_HELP = (
+    "Unit of the mapped arrival column: s, ms, us, ns or datetime "
+    "(default: s for numbers, datetime for text)."
+)
+ON_BAD_ROW_HELP = "error (default): stop at the first bad row; skip: drop bad rows and count them."
+JSON_HELP = "Print the result as JSON on stdout, and nothing else there."
+JSON_OUT_HELP = "Write the result as JSON to this file ('-': stdout, the same as --json)."
+QUIET_HELP = "Nothing on stderr but warnings and errors (no progress lines, no notes)."
+
+# The options every command that reads a trace file takes (use as parameter annotations).
+TraceFormatOption = Annotated[
+    str | None, typer.Option("--trace-format", help=TRACE_FORMAT_HELP)
+]
+ColumnsOption = Annotated[str | None, typer.Option("--columns", help=COLUMNS_HELP)]
+ArrivalUnitOption = Annotated[
+    str | None, typer.Option("--arrival-unit", help=ARRIVAL_UNIT_HELP)
+]
+OnBadRowOption = Annotated[str, typer.Option("--on-bad-row", help=ON_BAD_ROW_HELP)]
+
+JsonOption = Annotated[bool, typer.Option("--json", help=JSON_HELP)]
+JsonOutOption = Annotated[
+    Path | None, typer.Option("--json-out", metavar="PATH", help=JSON_OUT_HELP)
+]
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)]
+
+
+@dataclass(frozen=True)
+class JsonTarget:
+    """Where a command's result JSON goes, from ``--json`` and ``--json-out``."""
+
+    stdout: bool  # --json, or --json-out -
+    file: Path | None  # --json-out PATH
+
+    @classmethod
+    def of(cls, as_json: bool, json_out: Path | None) -> JsonTarget:
+        to_stdout = json_out is not None and str(json_out) == STDOUT
+        return cls(as_json or to_stdout, None if json_out is None or to_stdout else json_out)
+
+
+def print_json(text: str) -> None:
+    """A result's JSON text (ending in a newline) on stdout."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def note_line(text: str) -> None:
+    """One ``servetune: ...`` line on stderr (a progress line or a note)."""
+    typer.echo(f"servetune: {text}", err=True)
+
+
+def console_say(console: Console) -> Callable[[str], None]:
+    """:func:`note_line` through a rich console (one that may be drawing a progress bar)."""
+    return lambda text: console.print(f"servetune: {text}", highlight=False)
+
+
+def compile_notice(
+    quiet: bool, say: Callable[[str], None] = note_line
+) -> AbstractContextManager[None]:
+    """Around a command's simulations: the first time numba compiles the simulator (a cold
+    cache), one line on stderr saying so and how long it takes; nothing under -q."""
+    # lazy: the simulator package adds 35 ms to every command's start-up
+    from servetune.sim.compile_notice import compile_notice as notice
+
+    return notice(None if quiet else say)
+
+
+def old_json_hint(value: str) -> str:
+    """What to type instead of ``--json VALUE`` (before --json became a flag)."""
+    if value == STDOUT:
+        return "`--json` takes no value now (it prints the JSON on stdout): drop the -"
+    return f"`--json` is a flag now (JSON on stdout); to write a file use --json-out {value}"
