@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -333,6 +334,9 @@ def test_cli_fit_summary_and_forced_bootstrap_error(tmp_path):
     assert result.exit_code == 0, result.output
     assert "arrivals: block bootstrap: 30 blocks of 60 s in 6 strata" in result.output
     assert load_workload(out).block_bootstrap is not None
+    shown = runner.invoke(app, ["workload", "show", str(out), "--json"])
+    assert json.loads(shown.stdout)["arrival_model"] == (
+        "block bootstrap: 30 blocks of 60 s in 6 strata")
     short = tmp_path / "short.csv"
     short.write_text("ts,in,out\n0,10,1\n100,10,1\n200,10,2\n")
     bad = runner.invoke(app, ["workload", "fit", str(short), "--columns",

@@ -61,7 +61,9 @@ requests in block ``b``), its arrival ``offset_s`` from its block's start, its c
 ``prompt_tokens`` and ``output_tokens``. A sample lays the strata out in order, each
 one's blocks in a random order, each block at its own length with its requests at their
 offsets, and repeats that with a new order per cycle of ``span_s`` seconds. The classes'
-own fields stay: the optimizer's models read them.
+own fields stay: the optimizer's models read them. While the section is there, a sample
+comes from it alone (a rate scale still compresses its times): to sample edited class
+rates or lengths, remove it.
 """
 
 from __future__ import annotations

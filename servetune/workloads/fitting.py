@@ -934,7 +934,8 @@ def variance_time_windows(span_s: float) -> list[float]:
 
 def bootstrap_evidence(trace: Trace, parametric: Workload, block_s: float,
                        stratum_s: float) -> dict[str, Any]:
-    """What ``auto`` decides the bootstrap on (see the module docstring): whether a class
+    """What ``auto`` decides the bootstrap on (see the module docstring), given the
+    ``parametric`` fit (its classes; a bootstrap section is ignored): whether a class
     is Markov-modulated (the burst test fired); the variance-time curves of the trace and
     of the parametric fit (median of VT_SEEDS seeded samples of as many requests) and
     the worst excess of |log ratio| over its band; the longest prompts' counts per
@@ -942,6 +943,7 @@ def bootstrap_evidence(trace: Trace, parametric: Workload, block_s: float,
     t = trace.arrival_s
     span = trace.duration_s
     n = len(trace)
+    parametric = parametric.model_copy(update={"block_bootstrap": None})
     samples = [sample_trace(parametric, n_requests=n, seed=s).arrival_s
                for s in range(VT_SEEDS)]
     curve = []
