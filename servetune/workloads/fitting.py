@@ -994,10 +994,17 @@ def _block_bootstrap(trace: Trace, parametric: Workload, class_index: np.ndarray
     stratum_s = bootstrap_stratum_s(span, block_s, rate_windows_s)
     if stratum_s is None:
         if force:
+            if rate_windows_s is None or rate_windows_s == "none":
+                strata = f"one stratum, the trace's {span:g} s"
+            elif rate_windows_s == "auto":
+                k = max(SLOW_MIN_WINDOWS, math.ceil(span / SLOW_WINDOW_S))
+                strata = f"the trace's {k} slow windows of {span / k:.4g} s"
+            else:
+                strata = f"argument `rate_windows_s` {float(rate_windows_s):g} s"
             raise ServetuneError(
                 f"{trace.source or 'trace'}: a block bootstrap needs strata of at least 2 "
-                f"blocks of {block_s:g} s; the trace spans {span:g} s (use argument "
-                "`arrival_process` auto or parametric, or a shorter `block_s`)")
+                f"blocks of {block_s:g} s (here: {strata}); use argument `arrival_process` "
+                "auto or parametric, or longer argument `rate_windows_s`")
         return None
     if not force and not _bootstrap_chosen(
             bootstrap_evidence(trace, parametric, block_s, stratum_s)):
