@@ -6,13 +6,14 @@ long-context trace) and SLO set, a stretch of the trace (the whole trace by defa
 its first ``--requests`` rows) is fitted (``fit_workload``, ``arrival_process="auto"``)
 and compared two ways: "before" = the stationary fit (``rate_windows_s=None``: bursts and
 length copula, no slow rate profile or length drift: the fit before the two-timescale
-model) and "after" = today's ``auto`` fit. ``--fits auto`` runs the new fit only; the
-table then takes "before" from an earlier run's JSON (``--before``, its "auto" column,
-matched by trace, SLO and policy). A short stretch is a poor judge: p99 TTFT over 3000 requests is
-set by ~30 requests, i.e. by one or two bursts, so the default is the whole trace (8,818,
-19,365 and 3,993 rows). Two policies are measured, on the H200
-Llama-3.1-8B profile: the vLLM engine defaults and the policy ``optimize`` chooses given
-the stretch itself (default space, seed 0). Goodput is the same search on every side
+model) and "after" = today's ``auto`` fit (the block bootstrap where its rule fires, else
+the parametric classes; the rule's evidence is recorded per trace). ``--fits auto`` runs
+the new fit only; the table then takes "before" from an earlier run's JSON (``--before``,
+its "auto" column, matched by trace, SLO and policy). A short stretch is a poor judge:
+p99 TTFT over 3000 requests is set by ~30 requests, i.e. by one or two bursts, so the
+default is the whole trace (8,818, 19,365 and 3,993 rows). Two policies are measured, on
+the H200 Llama-3.1-8B profile: the vLLM engine defaults and the policy ``optimize`` chooses
+given the stretch itself (default space, seed 0). Goodput is the same search on every side
 (``TraceSimulator`` on exactly that many requests, no longer samples;
 ``find_goodput`` from rate scale 1, factor 2, 2% tolerance): (a) replaying the stretch
 time-scaled, (b) on a sample of the same size from each fitted workload (seeds
@@ -24,7 +25,7 @@ Usage: python benchmarks/trace_fidelity.py [--out benchmarks/trace_fidelity.json
        [--cases code,conv,long] [--requests 0 (whole trace)] [--seeds 0,1,2,3]
        [--fits stationary,auto]
        python benchmarks/trace_fidelity.py --table benchmarks/trace_fidelity.json
-       [--before benchmarks/trace_fidelity_stationary.json]
+       [--before benchmarks/trace_fidelity_two_timescale.json]
 """
 
 from __future__ import annotations
@@ -81,7 +82,12 @@ def main() -> None:
     from servetune.schemas.space import apply_knobs
     from servetune.solvers import baselines
     from servetune.solvers.loop import find_goodput
-    from servetune.workloads.fitting import fit_workload, sample_trace
+    from servetune.workloads.fitting import (
+        bootstrap_evidence,
+        bootstrap_stratum_s,
+        fit_workload,
+        sample_trace,
+    )
     from servetune.workloads.formats import load_trace
 
     profile = load_profile(REPO / "gpu_profiles" / "h200-llama-3.1-8b.yaml")
@@ -107,6 +113,10 @@ def main() -> None:
                   "auto": fit_workload(stretch)}
         fitted = {f: fitted[f] for f in fits}
         models = {f: _describe(w) for f, w in fitted.items()}
+        # what auto decided the bootstrap on (counts and lengths, no goodput)
+        stratum = bootstrap_stratum_s(stretch.duration_s, 60.0)
+        evidence = None if stratum is None else _evidence(bootstrap_evidence(
+            stretch, fit_workload(stretch, arrival_process="parametric"), 60.0, stratum))
         samples = {f: [sample_trace(w, n_requests=len(stretch), seed=s) for s in seeds]
                    for f, w in fitted.items()}
         for sname in slo_names:
@@ -129,6 +139,7 @@ def main() -> None:
                 case = {"trace": key, "file": fname, "requests": len(stretch),
                         "span_s": stretch.duration_s, "slo": sname, "policy": pname,
                         "optimize_wall_s": opt_s if pname == "chosen" else None,
+                        "bootstrap_evidence": evidence,
                         "trace_goodput": goodput(stretch, policy, slo)}
                 for f in fits:
                     g = [goodput(s, policy, slo) for s in samples[f]]
@@ -146,7 +157,22 @@ def main() -> None:
                  "date": time.strftime("%Y-%m-%d"), "seeds": seeds, "cases": rows}, indent=1))
 
 
+def _evidence(ev: dict) -> dict:
+    worst = max(ev["variance_time"], key=lambda c: c["excess"])
+    return {"modulated": ev["modulated"],
+            "variance_time_worst": {k: round(v, 3) for k, v in worst.items()},
+            "variance_time_misfit": ev["variance_time_misfit"],
+            "top_prompts": ev["top_prompts"],
+            "top_prompt_chi2": round(ev["top_prompt_chi2"], 2),
+            "top_prompt_limit": round(ev["top_prompt_limit"], 2),
+            "top_prompts_clustered": ev["top_prompts_clustered"]}
+
+
 def _describe(workload) -> str:
+    boot = workload.block_bootstrap
+    if boot is not None:
+        return (f"block bootstrap, {len(boot.block_counts)} x {boot.block_s:g} s blocks in "
+                f"{boot.n_strata} x {boot.stratum_s:g} s strata")
     cls = workload.classes["default"]
     a = cls.arrival
     text = a.process if a.process == "poisson" else f"{a.process} CV {a.interarrival_cv:.2f}"

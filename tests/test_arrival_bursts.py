@@ -49,7 +49,7 @@ def _poisson(seed: int = 0, n: int = 4000, rate: float = 3.0) -> np.ndarray:
 
 def test_two_level_switching_keeps_the_count_dispersion():
     trace = _trace(_two_level())
-    auto = fit_workload(trace)
+    auto = fit_workload(trace, arrival_process="parametric")
     renewal = fit_workload(trace, arrival_process="renewal")
     assert auto.classes["default"].arrival.modulation is not None
     want = {w: dispersion(window_counts(trace.arrival_s, w)) for w in (10.0, 40.0)}
@@ -65,7 +65,7 @@ def test_two_level_switching_keeps_the_count_dispersion():
 
 def test_class_stats_reads_the_gaps_overall_cv_and_mean_rate():
     trace = _trace(_two_level(1))
-    w = fit_workload(trace)
+    w = fit_workload(trace, arrival_process="parametric")
     s = class_stats(w)[0]
     gaps = np.diff(trace.arrival_s)
     assert s.rate_per_s == pytest.approx((len(trace) - 1) / trace.duration_s)
@@ -82,7 +82,7 @@ def test_auto_keeps_the_renewal_fit_on_a_poisson_trace(seed):
 
 
 def test_round_trip_and_determinism(tmp_path):
-    w = fit_workload(_trace(_two_level(2)), name="bursts")
+    w = fit_workload(_trace(_two_level(2)), name="bursts", arrival_process="parametric")
     path = tmp_path / "w.yaml"
     save_workload(w, path)
     back = load_workload(path)
@@ -105,7 +105,7 @@ def test_shorter_sample_is_a_prefix(short, extra, seed):
     np.testing.assert_array_equal(a.prompt_tokens, b.prompt_tokens[:short])
 
 
-_BURSTS = fit_workload(_trace(_two_level(4)), name="bursts")
+_BURSTS = fit_workload(_trace(_two_level(4)), name="bursts", arrival_process="parametric")
 
 
 def test_rate_scale_compresses_time():

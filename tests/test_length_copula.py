@@ -148,7 +148,7 @@ def test_mooncake_long_context_prompts_come_with_short_outputs():
     assert r is not None and -0.6 < r < -0.45
     # auto also fits the length drift (prompts grow, outputs shrink over the trace); the
     # copula's r is then the within-window part of the dependence
-    auto = fit_workload(trace)
+    auto = fit_workload(trace, arrival_process="parametric")
     assert auto.classes["default"].length_shift is not None
     r_within = auto.classes["default"].prompt_output_correlation
     assert r_within is not None and r < r_within < -0.3

@@ -72,7 +72,7 @@ def _window_means(trace: Trace, w: float, k: int) -> np.ndarray:
 
 
 RAMP = _trace(_ramp_with_bursts())
-RAMP_FIT = fit_workload(RAMP, name="ramp")
+RAMP_FIT = fit_workload(RAMP, name="ramp", arrival_process="parametric")
 
 
 def test_ramp_with_bursts_fits_both_timescales():
@@ -89,7 +89,7 @@ def test_ramp_with_bursts_fits_both_timescales():
 
 
 def test_ramp_sample_reproduces_profile_and_burst_dispersion():
-    stationary = fit_workload(RAMP, rate_windows_s=None)
+    stationary = fit_workload(RAMP, rate_windows_s=None, arrival_process="parametric")
     want_profile = window_counts(RAMP.arrival_s, 300.0)
     fast = RAMP_FIT.classes["default"].arrival.modulation.window_s
     want_fast = dispersion(window_counts(RAMP.arrival_s, fast))
@@ -112,7 +112,7 @@ def test_ramp_sample_reproduces_profile_and_burst_dispersion():
 
 def test_length_shift_recovered_per_window():
     trace = _drifting_lengths()
-    w = fit_workload(trace)
+    w = fit_workload(trace, arrival_process="parametric")
     cls = w.classes["default"]
     assert cls.arrival.windows is not None
     assert len(set(cls.arrival.windows.rate_multipliers)) == 1  # no rate drift: flat
@@ -156,7 +156,7 @@ def test_fixed_and_none_windows():
 
 
 def test_yaml_round_trip(tmp_path):
-    w = fit_workload(_drifting_lengths(), name="drift")
+    w = fit_workload(_drifting_lengths(), name="drift", arrival_process="parametric")
     for workload in (RAMP_FIT, w):
         path = tmp_path / f"{workload.name}.yaml"
         save_workload(workload, path)
@@ -164,7 +164,7 @@ def test_yaml_round_trip(tmp_path):
 
 
 def test_deterministic_and_rate_scale_compresses_the_profile():
-    w = fit_workload(_drifting_lengths())
+    w = fit_workload(_drifting_lengths(), arrival_process="parametric")
     for workload in (RAMP_FIT, w):
         a = sample_trace(workload, n_requests=4000, seed=7)
         b = sample_trace(workload, n_requests=4000, seed=7)
@@ -176,7 +176,7 @@ def test_deterministic_and_rate_scale_compresses_the_profile():
         np.testing.assert_array_equal(fast.output_tokens, a.output_tokens)
 
 
-DRIFT_FIT = fit_workload(_drifting_lengths(), name="drift")
+DRIFT_FIT = fit_workload(_drifting_lengths(), name="drift", arrival_process="parametric")
 
 
 @settings(max_examples=10, deadline=None)
@@ -242,7 +242,8 @@ def test_cli_rate_windows_option(tmp_path):
         f"{t:.4f},{p},{o}" for t, p, o in zip(RAMP.arrival_s, RAMP.prompt_tokens,
                                               RAMP.output_tokens, strict=True)) + "\n")
     runner = CliRunner()
-    base = ["workload", "fit", str(src), "--columns", "arrival=ts,prompt=in,output=out"]
+    base = ["workload", "fit", str(src), "--columns", "arrival=ts,prompt=in,output=out",
+            "--arrival", "parametric"]
     for setting, has_windows in (("auto", True), ("none", False), ("600", True)):
         out = tmp_path / f"{setting}.yaml"
         result = runner.invoke(app, [*base, "-o", str(out), "--rate-windows", setting])

@@ -52,12 +52,16 @@ def _cls(rate: float, cv: float = 1.0, priority: int = 0, windows=None, prompt=(
 # ----------------------------------------------------------------------------- real traces
 
 
+@pytest.mark.parametrize("process", ["auto", "parametric"])
 @pytest.mark.parametrize("name", ["AzureLLMInferenceTrace_conv.csv",
                                   "AzureLLMInferenceTrace_code.csv"])
-def test_fit_then_sample_matches_trace(name):
+def test_fit_then_sample_matches_trace(name, process):
     trace = load_trace(shared_file("traces", name))
     want = trace_stats(trace)
-    workload = fit_workload(trace)
+    workload = fit_workload(trace, arrival_process=process)
+    # auto chooses the block bootstrap on both traces (bursts on code, the longest prompts
+    # clustered in time on conv), which keeps the trace's own lengths and gaps
+    assert (workload.block_bootstrap is not None) == (process == "auto")
     n = 200_000
     got = trace_stats(sample_trace(workload, n_requests=n, seed=7))
     assert got["requests"] == n
@@ -78,9 +82,10 @@ def test_fit_then_sample_matches_trace(name):
     assert _rel(got["interarrival_cv"], want["interarrival_cv"]) < (0.15 if modulated else 0.1)
 
 
-def test_conv_acceptance_rate_per_hour_and_class_stats():
+@pytest.mark.parametrize("process", ["auto", "parametric"])
+def test_conv_acceptance_rate_per_hour_and_class_stats(process):
     trace = load_trace(shared_file("traces", "AzureLLMInferenceTrace_conv.csv"))
-    workload = fit_workload(trace, rate_windows_s=300)
+    workload = fit_workload(trace, rate_windows_s=300, arrival_process=process)
     stats = class_stats(workload)[0]
     want = trace_stats(trace)
     assert stats.rate_per_s == pytest.approx(want["rate_per_s"])
@@ -280,8 +285,10 @@ def test_fit_rejections():
 def test_cli_fit_then_show_sample(tmp_path):
     path = shared_file("traces", "AzureLLMInferenceTrace_conv.csv")
     out = tmp_path / "conv.yaml"
-    result = runner.invoke(app, ["workload", "fit", str(path), "-o", str(out)])
+    result = runner.invoke(app, ["workload", "fit", str(path), "-o", str(out), "--arrival",
+                                 "parametric"])
     assert result.exit_code == 0, result.output
+    assert "arrivals: parametric (per class)" in result.output
     assert load_workload(out).classes["default"].arrival.rate_per_s == pytest.approx(5.5301, 1e-4)
     shown = runner.invoke(app, ["workload", "show", str(out), "--sample", "200000", "--seed",
                                 "1", "--json"])

@@ -95,10 +95,12 @@ def register(app: typer.Typer) -> None:
         ),
         name: str | None = typer.Option(None, "--name", help="Workload name (default: file stem)."),
         arrival: str = typer.Option(
-            "auto", "--arrival", help="Arrival process: auto (a Markov-modulated rate when "
-            "windowed counts show sustained bursts, else renewal), renewal (empirical gaps "
-            "when the gap CV is over 2, else gamma or poisson), modulated, poisson, gamma or "
-            "empirical."
+            "auto", "--arrival", help="Arrival process: auto (bootstrap when the parametric "
+            "fit misses the trace's bursts or where its longest prompts fall, else "
+            "parametric), bootstrap (the trace's own requests in 60 s blocks, shuffled within "
+            "its slow windows), parametric (a Markov-modulated rate when windowed counts show "
+            "sustained bursts, else renewal), renewal (empirical gaps when the gap CV is over "
+            "2, else gamma or poisson), modulated, poisson, gamma or empirical."
         ),
         quiet: QuietOption = False,
         trace_format: TraceFormatOption = None,
@@ -108,7 +110,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Fit a Workload to a trace: classes, arrival process, length distributions."""
         # lazy: as in class_table
-        from servetune.workloads.fitting import fit_workload, save_workload
+        from servetune.workloads.fitting import arrival_model, fit_workload, save_workload
 
         if split_by not in SPLITS:
             raise ServetuneError(
@@ -143,6 +145,7 @@ def register(app: typer.Typer) -> None:
         save_workload(workload, output, header=header)
         if not quiet:
             Console(stderr=True).print(class_table(workload, f"wrote {output}"))
+            Console(stderr=True).print(f"arrivals: {arrival_model(workload)}")
 
     @group.command(
         "show",

@@ -49,6 +49,21 @@ the class index a sampled trace uses) has
   while window ``i``'s lengths sit d_i standard deviations (in normal scores) higher.
 
 A class's share of traffic is its rate over the sum of rates (``class_stats``).
+
+Optional ``block_bootstrap`` (workload level, written by ``servetune workload fit`` when a
+trace's bursts or the placement of its longest prompts do not fit the classes' parametric
+model): the trace's own requests, to be resampled instead of drawn from the classes. The
+trace's span ``span_s`` is cut into blocks of ``block_s`` seconds from its first arrival
+(the last block keeps its own, shorter length), consecutive groups of ``stratum_s /
+block_s`` blocks form the strata, and per request, in block order (``block_counts[b]``
+requests in block ``b``), its arrival ``offset_s`` from its block's start, its class
+(``class_index``, a position in ``classes``; needed with more than one class) and its
+``prompt_tokens`` and ``output_tokens``. A sample lays the strata out in order, each
+one's blocks in a random order, each block at its own length with its requests at their
+offsets, and repeats that with a new order per cycle of ``span_s`` seconds. The classes'
+own fields stay: the optimizer's models read them. While the section is there, a sample
+comes from it alone (a rate scale still compresses its times): to sample edited class
+rates or lengths, remove it.
 """
 
 from __future__ import annotations
@@ -454,6 +469,115 @@ class WorkloadClass(Strict):
         return self
 
 
+class BlockBootstrap(Strict):
+    """A trace's requests in fixed time blocks, resampled block by block within strata
+    (see the module docstring)."""
+
+    block_s: float = Field(gt=0, description="length of each block, seconds (the last block: "
+                           "what span_s leaves)")
+    stratum_s: float = Field(gt=0, description="length of each stratum, a whole number of "
+                             "blocks; blocks move only within their stratum")
+    span_s: float = Field(gt=0, description="one cycle: the blocks' total length (the fitted "
+                          "trace's span), seconds")
+    block_counts: list[int] = Field(
+        min_length=1, description="requests in each block, in time order; their sum is the "
+        "number of requests")
+    offset_s: list[float] = Field(
+        description="per request (in block order): arrival, seconds from its block's start")
+    class_index: list[int] | None = Field(
+        None, description="per request: its class, a position in classes (0 = the first); "
+        "may be left out when there is one class")
+    prompt_tokens: list[int] = Field(description="per request: prompt tokens, >= 1")
+    output_tokens: list[int] = Field(description="per request: output tokens, >= 1")
+
+    @field_validator("block_s", "stratum_s", "span_s")
+    @classmethod
+    def _finite_seconds(cls, x: float) -> float:
+        if not math.isfinite(x):
+            raise ValueError("must be a finite number of seconds")
+        return x
+
+    @field_validator("block_counts")
+    @classmethod
+    def _counts(cls, c: list[int]) -> list[int]:
+        bad = _first(np.asarray(c) < 0)
+        if bad is not None:
+            raise ValueError(f"block_counts[{bad}] is {c[bad]}; counts must be >= 0")
+        return c
+
+    @field_validator("offset_s")
+    @classmethod
+    def _offsets(cls, x: list[float]) -> list[float]:
+        bad = _first(~(np.asarray(x, dtype=np.float64) >= 0))  # NaN too
+        if bad is not None:
+            raise ValueError(f"offset_s[{bad}] is {x[bad]}; offsets must be seconds >= 0")
+        return x
+
+    @field_validator("prompt_tokens", "output_tokens")
+    @classmethod
+    def _tokens(cls, v: list[int]) -> list[int]:
+        a = np.asarray(v, dtype=np.int64)
+        bad = _first((a < 1) | (a > MAX_TOKENS_BOUND))
+        if bad is not None:
+            raise ValueError(f"entry {bad} is {v[bad]}; token counts must be from 1 to "
+                             f"{MAX_TOKENS_BOUND:,}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BlockBootstrap:
+        per = self.stratum_s / self.block_s
+        if not (round(per) >= 1 and abs(per - round(per)) <= 1e-6 * per):
+            raise ValueError(
+                f"stratum_s {self.stratum_s:g} s must be a whole number of "
+                f"blocks of block_s {self.block_s:g} s")
+        nb = len(self.block_counts)
+        if not ((nb - 1) * self.block_s < self.span_s <= nb * self.block_s * (1 + 1e-9)):
+            want = max(1, math.ceil(self.span_s / self.block_s - 1e-9))
+            raise ValueError(
+                f"block_counts has {nb} blocks but span_s {self.span_s:g} s "
+                f"in blocks of {self.block_s:g} s makes {want}; give one count per block")
+        n = sum(self.block_counts)
+        for what in ("offset_s", "class_index", "prompt_tokens", "output_tokens"):
+            got = getattr(self, what)
+            if got is not None and len(got) != n:
+                raise ValueError(
+                    f"{what} has {len(got)} entries but block_counts add up "
+                    f"to {n} requests; give one entry per request")
+        length = self.block_lengths()
+        block = np.repeat(np.arange(nb), self.block_counts)
+        over = _first(np.asarray(self.offset_s, dtype=np.float64) > length[block] + 1e-6)
+        if over is not None:
+            raise ValueError(
+                f"offset_s[{over}] is {self.offset_s[over]:g} s, beyond the "
+                f"{length[block[over]]:g} s of its block {block[over]}; offsets are seconds "
+                "from the start of the request's block")
+        return self
+
+    @property
+    def n_requests(self) -> int:
+        return len(self.offset_s)
+
+    @property
+    def blocks_per_stratum(self) -> int:
+        return round(self.stratum_s / self.block_s)
+
+    @property
+    def n_strata(self) -> int:
+        return -(-len(self.block_counts) // self.blocks_per_stratum)
+
+    def block_lengths(self) -> np.ndarray:
+        """Each block's length in seconds: block_s, the last one what span_s leaves."""
+        length = np.full(len(self.block_counts), float(self.block_s))
+        length[-1] = self.span_s - (len(length) - 1) * self.block_s
+        return length
+
+
+def _first(bad: np.ndarray) -> int | None:
+    """The index of the first True, or None."""
+    idx = np.flatnonzero(bad)
+    return int(idx[0]) if len(idx) else None
+
+
 class Workload(Document):
     KIND: ClassVar[str] = "Workload"
     kind: Literal["Workload"] = "Workload"
@@ -463,6 +587,9 @@ class Workload(Document):
         None, gt=0, description="default sampling horizon (the fitted trace's span), seconds"
     )
     classes: dict[str, WorkloadClass] = Field(min_length=1)
+    block_bootstrap: BlockBootstrap | None = Field(
+        None, description="optional: the fitted trace's requests in time blocks; a sample "
+        "resamples them (blocks permuted within strata) instead of drawing from the classes")
 
     @field_validator("duration_s")
     @classmethod
@@ -478,6 +605,25 @@ class Workload(Document):
             if not name or not name.strip():
                 raise ValueError("class names must be non-empty")
         return classes
+
+    @model_validator(mode="after")
+    def _bootstrap_classes(self) -> Workload:
+        boot = self.block_bootstrap
+        if boot is None:
+            return self
+        k = len(self.classes)
+        if boot.class_index is None:
+            if k > 1:
+                raise ValueError(
+                    f"block_bootstrap.class_index is missing: the workload has {k} classes; "
+                    "give each request's class (0 = the first)")
+            return self
+        bad = _first((np.asarray(boot.class_index) < 0) | (np.asarray(boot.class_index) >= k))
+        if bad is not None:
+            raise ValueError(
+                f"block_bootstrap.class_index[{bad}] is {boot.class_index[bad]}; the workload "
+                f"has {k} class{'es' if k > 1 else ''} (0..{k - 1})")
+        return self
 
     @property
     def class_names(self) -> tuple[str, ...]:

@@ -94,6 +94,47 @@ by prompt-length quantile bands). Per class:
   goodput on it was 1.7x the replay's (median of 3 seeds; 1.1x with the copula,
   benchmarks/RESULTS.md "Trace fidelity"). One number, and the marginals
   (all that the optimizer's models read) stay exactly the fitted ones.
+- arrivals, non-parametric (``Workload.block_bootstrap``, all classes together; module
+  :mod:`servetune.workloads.bootstrap`): a window-stratified block bootstrap of the
+  trace's request sequence. The span is cut into blocks of ``block_s`` (default 60 s)
+  from the first arrival; consecutive blocks form strata, the slow windows rounded to
+  whole blocks (``auto``: the windows above, 300 s on the Azure traces, 180 s on
+  Mooncake; a fixed ``rate_windows_s``: its length; none: one stratum); every request is
+  stored (offset in its block, class, prompt and output tokens: ~4 numbers a request). A
+  sample permutes the blocks within each stratum, so each stratum keeps exactly its
+  requests (the slow profile, its length mix, where its longest prompts are) and each
+  block its bursts and its (time, prompt, output) triples. Why 60 s: the bursts are
+  shorter (Azure code, the bursty trace: autocorrelation of 1-s counts 0.39 at 5 s, 0.26
+  at 10 s, under 0.05 from 20 s) and 60-s blocks keep the variance-time curve (index of
+  dispersion of counts in windows of 1-300 s, median of 8 samples) within 14% (code) and
+  12% (conv) of the trace's at every window, where 30-s blocks lose up to 39% at 2
+  minutes; a 5-minute stratum still has 5 blocks (120 orders). What it loses: the
+  correlation across block boundaries inside a stratum (the 1-2-minute swings), and it
+  makes no traffic the trace never had (no new bursts or lengths). The classes stay
+  fitted as above: the optimizer's models and ``class_stats`` read them, and the sample's
+  class rates and lengths over a cycle are the trace's. ``auto`` decides from counts and
+  lengths only (the rule was fixed before any goodput run), when every stratum but the
+  last has >= 2 blocks, on any of:
+  (1) a class is Markov-modulated (the burst test above fired: on the Azure code trace
+  the chain over the slow profile counted the 5-10-minute variance twice and missed the
+  bursts' shape, benchmarks/RESULTS.md);
+  (2) the variance-time curve of the parametric fit (dispersion D of counts in windows
+  w = 1 s, 2 s, ... up to span / 20; median of VT_SEEDS samples of as many requests)
+  leaves the trace's band: |ln(D_fit / D_trace)| > ln 1.5 + 3 sqrt(4 / (k - 1)) at some
+  w with k windows. Why 1.5: in heavy traffic a queue's delay grows as (D + c_s^2) rho /
+  (1 - rho), so at a fixed delay (the SLO) and load ~0.8, a 1.5x error in D moves the
+  load that meets it by ~10%, the acceptance band; the second term is 3 standard errors
+  of the log ratio of two dispersion estimates (sqrt(2 / (k - 1)) each, Poisson counts);
+  (3) the longest prompts cluster in time: the requests at or above the 99th-percentile
+  prompt (at least 10), counted per stratum, against a binomial with each stratum's share
+  of requests: chi^2 more than 3 SDs (sqrt(2 df)) above df. A length shift moves a
+  window's mean, not the few longest prompts that set p99 TTFT (Mooncake).
+  Otherwise the parametric fit stays. ``arrival_process="bootstrap"`` forces the bootstrap
+  (an error when the strata are too short), ``parametric`` (what ``auto`` chose before)
+  or any single process keeps the classes only. Size: over MAX_BOOTSTRAP_REQUESTS
+  (200,000) requests, every k-th stratum is kept (the smallest k that fits: a systematic
+  sample of whole blocks evenly over the trace, so a day cycles through a shorter day),
+  its times scaled by one factor so it arrives at the whole trace's mean rate.
 
 Sampling (``sample_trace``): each class is an independent stream, generated in fixed
 chunks of ``CHUNK`` requests from its own seeded generators: unit-mean exponential,
@@ -114,6 +155,12 @@ with a length shift the scores are d_i + a z for the window i of the arrival tim
 rate scale 1).
 Streams are merged by arrival time. Because each stream does not depend on how much is
 drawn, a shorter sample is a prefix of a longer one with the same seed.
+A workload with a ``block_bootstrap`` is sampled from it instead (all classes at once):
+cycle c (``span_s`` seconds) lays out the strata in order, each stratum's blocks in an
+order drawn from a generator seeded by (seed, c), each block taking its own length with
+its requests at their offsets and keeping their class and lengths; ``rate_scale`` s
+divides the times by s. Cycles do not depend on how many are drawn: the prefix property
+holds.
 """
 
 from __future__ import annotations
@@ -134,6 +181,7 @@ from servetune.io import write_text_atomic
 from servetune.schemas.base import format_validation_error, load_document
 from servetune.schemas.workload import (
     Arrival,
+    BlockBootstrap,
     GapDistribution,
     LengthDistribution,
     LengthShift,
@@ -143,6 +191,8 @@ from servetune.schemas.workload import (
     WorkloadClass,
     knot_moments,
 )
+from servetune.workloads import bootstrap
+from servetune.workloads.bootstrap import BLOCK_S
 from servetune.workloads.stats import gap_cv
 from servetune.workloads.trace import Trace, from_arrays
 
@@ -150,7 +200,8 @@ POISSON_CV_TOLERANCE = 0.01
 EMPIRICAL_CV_THRESHOLD = 2.0
 MIN_EMPIRICAL_GAPS = 100  # fewer gaps make knots that are mostly interpolation noise
 RATE_WINDOWS = ("auto", "none")
-ARRIVAL_PROCESSES = ("auto", "renewal", "modulated", "poisson", "gamma", "empirical")
+ARRIVAL_PROCESSES = ("auto", "bootstrap", "parametric", "renewal", "modulated", "poisson",
+                     "gamma", "empirical")
 # Markov modulation (see the module docstring)
 MOD_ARRIVALS_PER_WINDOW = 10.0  # the window holds this many arrivals at the mean rate ...
 MOD_MIN_WINDOW_S, MOD_MAX_WINDOW_S = 1.0, 60.0  # ... within these bounds
@@ -172,6 +223,15 @@ SLOW_MIN_WINDOW_S = 120.0  # ... and none are shorter than 2 minutes ...
 SLOW_FAST_RATIO = 10.0  # ... or than 10 of the burst modulation's windows
 SLOW_SIGMAS = 3.0  # the windowed counts' dispersion is this many SEs above Poisson's
 SHIFT_SIGMAS = 3.0  # a length shift is fitted when its chi-square is this many SDs out
+# Block bootstrap: when auto chooses it (see the module docstring)
+VT_MIN_WINDOW_S = 1.0  # the variance-time curve from 1 s windows ...
+VT_MIN_WINDOWS = 20  # ... doubling while the trace holds this many
+VT_SEEDS = 4  # samples of the parametric fit (the median dispersion per window)
+VT_FACTOR = 1.5  # a dispersion off by this factor moves goodput ~10% at load 0.8
+VT_SIGMAS = 3.0  # ... beyond this many standard errors of the two estimates
+TOP_PROMPT_SHARE = 0.01  # the longest 1% of prompts ...
+TOP_MIN_REQUESTS = 10  # ... when there are at least this many of them
+TOP_SIGMAS = 3.0  # their counts per stratum over-dispersed by this many SDs
 CHUNK = 65536
 DEFAULT_DURATION_S = 3600.0
 MAX_RATE_WINDOWS = 100_000
@@ -299,6 +359,7 @@ def class_stats_json(workload: Workload) -> dict[str, Any]:
         "source": workload.source,
         "duration_s": workload.duration_s,
         "rate_per_s": workload.total_rate_per_s,
+        "arrival_model": arrival_model(workload),
         "classes": classes,
     }
 
@@ -758,17 +819,22 @@ def fit_workload(
     name: str = "workload",
     source: str = "",
     arrival_process: str = "auto",
+    block_s: float = BLOCK_S,
 ) -> Workload:
     """Fit a Workload to ``trace`` (see the module docstring for the method).
     ``rate_windows_s``: "auto" (a slow rate profile and length drift where significant),
     None or "none" (stationary), or a window length in seconds (always a profile).
-    ``arrival_process``: auto (modulated when bursty, else renewal), renewal, modulated,
-    poisson, gamma or empirical."""
+    ``arrival_process``: auto (the block bootstrap when the parametric fit misses the
+    trace's bursts or long-prompt placement, else parametric), bootstrap, parametric
+    (modulated when bursty, else renewal), renewal, modulated, poisson, gamma or
+    empirical. ``block_s``: the bootstrap's block length, seconds."""
     if arrival_process not in ARRIVAL_PROCESSES:
         raise ServetuneError(
             f"argument `arrival_process` must be one of {', '.join(ARRIVAL_PROCESSES)} "
             f"(got {arrival_process!r})"
         )
+    if not (isinstance(block_s, int | float) and 0 < block_s < math.inf):
+        raise ServetuneError(f"argument `block_s` must be > 0 seconds (got {block_s})")
     if isinstance(rate_windows_s, str) and rate_windows_s not in RATE_WINDOWS:
         raise ServetuneError(
             f"argument `rate_windows_s` must be auto, none or a window length in seconds "
@@ -794,8 +860,13 @@ def fit_workload(
             f"{MAX_RATE_WINDOWS:,} (a longer window)"
         )
     classes: dict[str, WorkloadClass] = {}
+    class_index = np.zeros(n, dtype=np.int32)
+    # the classes keep their parametric fit under the bootstrap (the models read it)
+    class_process = ("auto" if arrival_process in ("auto", "bootstrap", "parametric")
+                     else arrival_process)
     try:
         for cname, idx, prio in _split_indices(trace, split, bands):
+            class_index[idx] = len(classes)
             arrivals = trace.arrival_s[idx]
             prompt, output = trace.prompt_tokens[idx], trace.output_tokens[idx]
             multipliers, window_s, shift = _slow_windows(
@@ -808,19 +879,150 @@ def fit_workload(
                 priority=prio,
                 arrival=_fit_arrival(
                     arrivals, overall_rate * len(idx) / n, multipliers, window_s,
-                    arrival_process,
+                    class_process,
                 ),
                 length_shift=shift,
                 prompt_tokens=_fit_lengths(prompt),
                 output_tokens=_fit_lengths(output),
                 prompt_output_correlation=r,
             )
-        return Workload(name=name, source=source, duration_s=round(span, 6), classes=classes)
+        workload = Workload(name=name, source=source, duration_s=round(span, 6),
+                            classes=classes)
+        if arrival_process not in ("auto", "bootstrap"):
+            return workload
+        boot = _block_bootstrap(trace, workload, class_index if len(classes) > 1 else None,
+                                rate_windows_s, float(block_s),
+                                force=arrival_process == "bootstrap")
+        if boot is None:
+            return workload
+        return Workload(name=name, source=source, duration_s=round(span, 6),
+                        classes=classes, block_bootstrap=boot)
     except ValidationError as err:
         where = trace.source or "trace"
         raise ServetuneError(
             format_validation_error(err, f"{where}: cannot fit a workload")
         ) from None
+
+
+# ----------------------------------------------------------------------------- bootstrap
+
+
+def bootstrap_stratum_s(span_s: float, block_s: float,
+                        rate_windows_s: float | str | None = "auto") -> float | None:
+    """The bootstrap's stratum: the slow windows (``auto``: max(SLOW_MIN_WINDOWS,
+    ceil(span / 5 min)) equal windows; a number: that window; None/"none": the whole
+    trace) rounded to whole blocks; None when that is fewer than 2 blocks (nothing to
+    permute)."""
+    if rate_windows_s is None or rate_windows_s == "none":
+        per = math.ceil(span_s / block_s)
+    elif rate_windows_s == "auto":
+        window = span_s / max(SLOW_MIN_WINDOWS, math.ceil(span_s / SLOW_WINDOW_S))
+        per = bootstrap.blocks_per_stratum(window, block_s)
+    else:
+        per = bootstrap.blocks_per_stratum(float(rate_windows_s), block_s)
+    return per * block_s if per >= 2 else None
+
+
+def variance_time_windows(span_s: float) -> list[float]:
+    """VT_MIN_WINDOW_S, doubling, while the span holds VT_MIN_WINDOWS of them."""
+    out, w = [], VT_MIN_WINDOW_S
+    while span_s / w >= VT_MIN_WINDOWS:
+        out.append(w)
+        w *= 2.0
+    return out
+
+
+def bootstrap_evidence(trace: Trace, parametric: Workload, block_s: float,
+                       stratum_s: float) -> dict[str, Any]:
+    """What ``auto`` decides the bootstrap on (see the module docstring), given the
+    ``parametric`` fit (its classes; a bootstrap section is ignored): whether a class
+    is Markov-modulated (the burst test fired); the variance-time curves of the trace and
+    of the parametric fit (median of VT_SEEDS seeded samples of as many requests) and
+    the worst excess of |log ratio| over its band; the longest prompts' counts per
+    stratum against a binomial (chi-square and its limit)."""
+    t = trace.arrival_s
+    span = trace.duration_s
+    n = len(trace)
+    parametric = parametric.model_copy(update={"block_bootstrap": None})
+    samples = [sample_trace(parametric, n_requests=n, seed=s).arrival_s
+               for s in range(VT_SEEDS)]
+    curve = []
+    for w in variance_time_windows(span):
+        counts = window_counts(t, w)
+        d_trace = dispersion(counts)
+        d_fit = float(np.median([dispersion(window_counts(a, w)) for a in samples]))
+        band = math.log(VT_FACTOR) + VT_SIGMAS * math.sqrt(4.0 / max(len(counts) - 1, 1))
+        excess = (abs(math.log(d_trace / d_fit)) - band
+                  if d_trace > 0 and d_fit > 0 else -math.inf)
+        curve.append({"window_s": w, "trace": d_trace, "fit": d_fit, "excess": excess})
+    nb = max(1, math.ceil(span / block_s))
+    stratum = (np.minimum((t // block_s).astype(np.int64), nb - 1)
+               // bootstrap.blocks_per_stratum(stratum_s, block_s))
+    prompt = trace.prompt_tokens
+    top = prompt >= np.quantile(prompt, 1.0 - TOP_PROMPT_SHARE)
+    in_stratum = np.bincount(stratum).astype(np.float64)
+    used = in_stratum > 0
+    df = int(used.sum()) - 1
+    chi2, limit = 0.0, math.inf
+    if top.sum() >= TOP_MIN_REQUESTS and df >= 1:
+        expect = top.sum() * in_stratum[used] / n
+        got = np.bincount(stratum[top], minlength=len(in_stratum))[used]
+        chi2 = float(((got - expect) ** 2 / expect).sum())
+        limit = df + TOP_SIGMAS * math.sqrt(2.0 * df)
+    worst = max(curve, key=lambda c: c["excess"], default=None)
+    return {
+        "modulated": any(c.arrival.modulation is not None
+                         for c in parametric.classes.values()),
+        "variance_time": curve,
+        "variance_time_misfit": worst is not None and worst["excess"] > 0,
+        "top_prompts": int(top.sum()),
+        "top_prompt_chi2": chi2,
+        "top_prompt_limit": limit,
+        "top_prompts_clustered": chi2 > limit,
+    }
+
+
+def _bootstrap_chosen(ev: dict[str, Any]) -> bool:
+    return bool(ev["modulated"] or ev["variance_time_misfit"] or ev["top_prompts_clustered"])
+
+
+def _block_bootstrap(trace: Trace, parametric: Workload, class_index: np.ndarray | None,
+                     rate_windows_s: float | str | None, block_s: float,
+                     force: bool) -> BlockBootstrap | None:
+    """The bootstrap section when ``auto`` chooses it (or ``force``), else None."""
+    span = trace.duration_s
+    stratum_s = bootstrap_stratum_s(span, block_s, rate_windows_s)
+    if stratum_s is None:
+        if force:
+            if rate_windows_s is None or rate_windows_s == "none":
+                strata = f"one stratum, the trace's {span:g} s"
+            elif rate_windows_s == "auto":
+                k = max(SLOW_MIN_WINDOWS, math.ceil(span / SLOW_WINDOW_S))
+                strata = f"the trace's {k} slow windows of {span / k:.4g} s"
+            else:
+                strata = f"argument `rate_windows_s` {float(rate_windows_s):g} s"
+            raise ServetuneError(
+                f"{trace.source or 'trace'}: a block bootstrap needs strata of at least 2 "
+                f"blocks of {block_s:g} s (here: {strata}); use argument `arrival_process` "
+                "auto or parametric, or longer argument `rate_windows_s`")
+        return None
+    if not force and not _bootstrap_chosen(
+            bootstrap_evidence(trace, parametric, block_s, stratum_s)):
+        return None
+    boot = bootstrap.fit_block_bootstrap(trace, class_index, block_s, stratum_s)
+    if boot is None and force:
+        raise ServetuneError(
+            f"{trace.source or 'trace'}: one stratum of {stratum_s:g} s holds more than "
+            f"{bootstrap.MAX_BOOTSTRAP_REQUESTS:,} requests, too many to store; use argument "
+            "`arrival_process` auto or parametric")
+    return boot
+
+
+def arrival_model(workload: Workload) -> str:
+    """One line on how a sample's arrivals are made."""
+    if workload.block_bootstrap is not None:
+        return bootstrap.describe(workload.block_bootstrap)
+    return "parametric (per class)"
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -1030,6 +1232,38 @@ def sample_trace(
             f"sampling workload {workload.name!r} would draw about {expected:.3g} requests "
             f"(more than {MAX_SAMPLE_REQUESTS:,}); sample fewer requests or a shorter duration"
         )
+    horizon = math.inf if duration_s is None else float(duration_s)
+    if workload.block_bootstrap is not None:
+        arrival, class_id, prompt, output = bootstrap.sample_blocks(
+            workload.block_bootstrap, seed=seed, n_requests=n_requests, horizon_s=horizon,
+            rate_scale=rate_scale)
+    else:
+        arrival, class_id, prompt, output = _sample_classes(
+            workload, n_requests=n_requests, horizon=horizon, seed=seed,
+            rate_scale=rate_scale)
+    if len(arrival) == 0:
+        raise ServetuneError(
+            f"sampling {duration_s:g} s of workload {workload.name!r} produced no requests; "
+            "sample a longer duration or more requests"
+        )
+    priorities = np.array([c.priority for c in workload.classes.values()], dtype=np.int32)
+    return from_arrays(
+        arrival,
+        prompt,
+        output,
+        class_id=class_id,
+        class_names=workload.class_names,
+        priority=priorities[class_id],
+        source=f"workload:{workload.name} seed={seed}",
+    )
+
+
+def _sample_classes(
+    workload: Workload, *, n_requests: int | None, horizon: float, seed: int,
+    rate_scale: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(arrival, class index, prompt, output) from the classes' own streams, merged in
+    time order: the first ``n_requests`` (None: all) up to ``horizon`` seconds."""
     root = np.random.SeedSequence(int(seed) & 0xFFFFFFFFFFFFFFFF)
     streams = [
         _ClassStream(cls, s, rate_scale)
@@ -1038,8 +1272,7 @@ def sample_trace(
     ]
     for s in streams:
         s.extend()
-    horizon = math.inf if duration_s is None else float(duration_s)
-    if duration_s is not None:
+    if math.isfinite(horizon):
         for s in streams:
             while s.last_s < horizon:
                 s.extend()
@@ -1060,24 +1293,10 @@ def sample_trace(
     class_id = np.concatenate(
         [np.full(len(p[0]), k, dtype=np.int32) for k, p in enumerate(parts)]
     )
-    priorities = np.array([c.priority for c in workload.classes.values()], dtype=np.int32)
     order = np.argsort(arrival, kind="stable")
     if n_requests is not None:
         order = order[:n_requests]
-    if len(order) == 0:
-        raise ServetuneError(
-            f"sampling {duration_s:g} s of workload {workload.name!r} produced no requests; "
-            "sample a longer duration or more requests"
-        )
-    return from_arrays(
-        arrival[order],
-        prompt[order],
-        output[order],
-        class_id=class_id[order],
-        class_names=workload.class_names,
-        priority=priorities[class_id[order]],
-        source=f"workload:{workload.name} seed={seed}",
-    )
+    return arrival[order], class_id[order], prompt[order], output[order]
 
 
 # ----------------------------------------------------------------------------- YAML
