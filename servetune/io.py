@@ -60,6 +60,7 @@ Every failure is one :class:`~servetune.errors.ServetuneError` line naming the p
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -464,7 +465,7 @@ PAUSE_ENV = "SERVETUNE_TEST_PAUSE_COMMIT"
 
 _GENERATION_ID = re.compile(r"\d{6,}")
 # a temporary name of ours (or of servetune before output sets): .NAME.<8 random>.tmp
-_STALE_TMP = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+_STALE_TMP = re.compile(r"\.(.+)\.[a-z0-9_]{8}\.tmp")
 
 
 @dataclass
@@ -714,11 +715,14 @@ def _swap_link(out: Path, name: str, target: str) -> None:
         raise
 
 
-def _clean_leftovers(out: Path, current: str | None) -> None:
+def _clean_leftovers(out: Path, current: str | None, patterns: Sequence[str]) -> None:
     """What a killed run left (only under the lock): temporary files and links at the
-    top, and generations never made current (newer than the live one)."""
+    top, of ``current`` or of a name the command owns (``patterns``), and generations
+    never made current (newer than the live one)."""
     for entry in os.scandir(out):
-        if _STALE_TMP.fullmatch(entry.name) and not entry.is_dir(follow_symlinks=False):
+        tmp = _STALE_TMP.fullmatch(entry.name)
+        if tmp and not entry.is_dir(follow_symlinks=False) and (
+                tmp[1] == CURRENT or any(fnmatch(tmp[1], p) for p in patterns)):
             Path(entry.path).unlink(missing_ok=True)
     for gen in _generation_ids(out):
         if current is None or int(gen) > int(current):
@@ -738,8 +742,16 @@ def _commit_generation(out: Path, gen: Path) -> None:
     _swap_link(out, CURRENT, f"{GENERATIONS}/{gen.name}")
 
 
-def _is_current(out: Path, gen: Path) -> bool:
-    return _our_link(out / CURRENT, f"{GENERATIONS}/{gen.name}")
+def _drop_unfinished(out: Path, gen: Path) -> bool:
+    """After an error or interrupt: remove ``gen`` unless it became current (an interrupt
+    can land just after the rename), and ``.generations`` if that leaves it empty; whether
+    it was removed."""
+    if _our_link(out / CURRENT, f"{GENERATIONS}/{gen.name}"):
+        return False
+    shutil.rmtree(gen, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        gen.parent.rmdir()
+    return True
 
 
 def _adopt_legacy(out: Path, live: Path | None, legacy: Sequence[str]) -> Path:
@@ -757,8 +769,7 @@ def _adopt_legacy(out: Path, live: Path | None, legacy: Sequence[str]) -> Path:
         _fsync_dir(gen)
         _commit_generation(out, gen)
     except BaseException:
-        if not _is_current(out, gen):
-            shutil.rmtree(gen, ignore_errors=True)
+        _drop_unfinished(out, gen)
         raise
     _fsync_dir(out)
     for name in legacy:
@@ -816,7 +827,7 @@ def _commit(out: Path, files: Sequence[tuple[str, bytes]], patterns: list[str],
             keep: set[str]) -> list[Path]:
     current = _current_id(out)
     tops = _top_level(out, _owned_present(out, patterns))
-    _clean_leftovers(out, current)
+    _clean_leftovers(out, current, patterns)
     live = None if current is None else out / GENERATIONS / current
     legacy = [name for name, kind in tops.items() if kind == "legacy"]
     if legacy:
@@ -833,16 +844,15 @@ def _commit(out: Path, files: Sequence[tuple[str, bytes]], patterns: list[str],
             _link_into(gen, name, live / name)
         _write_generation(gen, files)
         for name in sorted(names):  # a name new to the folder: its link dangles until the swap
-            if tops.get(name, "missing") == "missing" and not (out / name).is_symlink():
+            if tops[name] == "missing":
                 _pause(f"link {name} -> {CURRENT}/{name}")
                 os.symlink(f"{CURRENT}/{name}", out / name)
                 made.append(out / name)
         _commit_generation(out, gen)
     except BaseException:
-        if not _is_current(out, gen):  # (an interrupt can land just after the rename)
+        if _drop_unfinished(out, gen):
             for link in made:
                 link.unlink(missing_ok=True)
-            shutil.rmtree(gen, ignore_errors=True)
         raise
     _fsync_dir(out)
     live_names = names | set(carried)

@@ -329,6 +329,8 @@ def test_second_run_with_new_policy_keeps_it(tiny, first_run):
     assert json.loads(res2.stdout) == summary  # --json prints the summary, nothing else
     assert summary["status"] == "current_kept" and summary["exit_code"] == 10
     assert (kept / "policy.yaml").read_bytes() == before  # untouched
+    # it is the policy in production, so it stays in the live set, marked as such
+    assert summary["live_policy"]["kept_in_folder"] == ["policy.yaml"]
     assert not (kept / "vllm.yaml").exists()
     assert "Current policy kept" in (kept / "report.md").read_text()
 
