@@ -16,7 +16,8 @@
   :func:`check_outputs` (the one check every command that writes files calls before any
   long work): no output is a folder, a special file (a device, a FIFO) or one of the run's
   own inputs, and no two outputs are the same file; :func:`check_out_file`,
-  :func:`check_out_files` and :func:`check_out_dir` are its parts.
+  :func:`check_out_files`, :func:`check_out_dir` and :func:`check_output_set_folder` (what
+  a commit into an output folder would refuse) are its parts.
 - **Symlinks**: an output *file* that is a symbolic link is written *through* to the
   link's target (the target is replaced atomically; the link stays a link).
 
@@ -26,7 +27,7 @@
     OUT/.generations/000007/      one complete set (policy.yaml, report.md, ...)
     OUT/current -> .generations/000007
     OUT/report.md -> current/report.md      (a relative link per name; readers use these)
-    OUT/.lock                     only while a run holds the folder
+    OUT/.lock                     while a run holds the folder (or a killed one's, unlocked)
 
 A commit writes a new generation folder in full (each file and the folder fsynced), adds
 the links of names new to the folder (they dangle until the next step), then replaces

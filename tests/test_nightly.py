@@ -298,6 +298,7 @@ def test_an_engine_whose_gate_fails_gets_no_config(tiny, monkeypatch):
     report = (out / "report.md").read_text()
     assert "for vllm only" in report and "failed the gate of sglang" in report
     assert "| sglang |" in report and "below the required gain" in report
+    assert "(`poor.yaml`, sha256 " in report and "stays in production on sglang." in report
     assert "not written" in report
     policy = (out / "policy.yaml").read_text()
     assert "not_adopted_on:\n    - sglang" in policy or "not_adopted_on: [sglang]" in policy

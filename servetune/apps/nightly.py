@@ -605,7 +605,7 @@ def run_nightly(
             comp, Verdict(headline, reasons), reasons=opt.reasons, exports=exports,
             inputs=inputs, title="servetune nightly tuning report", summary_extra=summary_extra,
             extra_sections=[("Gate per engine", gate_table(gates)),
-                            *_live_policy_section(live),
+                            *_live_policy_section(live, policy_written=bool(passed)),
                             (MODEL_ERROR_HEADING, model_error_section(opt.info.get("model_error"))),
                             ("Engine defaults on this GPU", defaults_text)],
         )
@@ -681,19 +681,22 @@ def live_policy(out: Path, current_path: Path, current: Policy, engines: Sequenc
             "engines": list(engines), "kept_in_folder": kept}
 
 
-def _live_policy_section(live: dict[str, Any] | None) -> list[tuple[str, str]]:
-    """The report's one sentence on the policy that stays in production."""
+def _live_policy_section(live: dict[str, Any] | None, *, policy_written: bool = False
+                         ) -> list[tuple[str, str]]:
+    """The report's one sentence on the policy that stays in production (and, when this
+    run wrote no policy, on the policy files in the folder)."""
     if live is None:
         return []
-    where = f"on {', '.join(live['engines'])}"
     kept = live["kept_in_folder"]
-    here = (f"this folder's {', '.join(f'`{n}`' for n in kept)} "
-            f"{'are' if len(kept) > 1 else 'is'} that policy's, kept from the run that wrote "
-            "them" if kept else
-            "this folder holds no earlier run's policy or engine config beside this report")
+    many = len(kept) > 1
+    here = ("" if policy_written else
+            f"; this folder's {', '.join(f'`{n}`' for n in kept)} {'are' if many else 'is'} "
+            f"that policy's, kept from the run that wrote {'them' if many else 'it'}" if kept
+            else "; this folder holds no earlier run's policy or engine config beside this "
+            "report")
     return [("Policy in production", (
         f"`{live['name']}` (`{live['file']}`, sha256 {live['sha256'][:16]}) stays in "
-        f"production {where}; {here}."))]
+        f"production on {', '.join(live['engines'])}{here}."))]
 
 
 def _write_outputs(out: Path, policy_text: str, exports: Sequence[ExportResult],
