@@ -32,7 +32,8 @@
 A commit writes a new generation folder in full (each file and the folder fsynced), adds
 the links of names new to the folder (they dangle until the next step), then replaces
 ``current`` with one rename: the commit point. A reader of ``OUT/NAME`` sees the previous
-set or the new one, never a mix, whenever the process dies. Names the command owns that
+set or the new one, never a mix, whenever the process dies (a reader of several files
+that must agree resolves ``OUT/current`` once and reads them there). Names the command owns that
 the new set lacks then leave the folder (their links are removed); files of another
 command's set in the same folder are carried into the new generation (hard links). The
 last :data:`KEEP_GENERATIONS` generations are kept. A killed run's leftovers (temporary
