@@ -7,30 +7,76 @@
   to keep them); :func:`round_floats` rounds to significant digits for provenance;
   :func:`drop_timings` removes wall-clock figures so the same inputs give the same bytes.
 - **Atomic writes**: :func:`write_bytes_atomic` (temporary file beside the target, then a
-  rename) for one file, :func:`commit_files` for a set of files that must appear together,
-  :func:`write_all_or_none` for a set of writers that each stream their own file.
+  rename) for one file, :func:`commit_files` for a folder's set of files that must appear
+  together (below), :func:`write_all_or_none` for a set of writers that each stream their
+  own file.
 - **Reading**: :func:`open_binary`, :func:`read_bytes` and :func:`decode_text` turn a
   missing, unreadable or non-UTF-8 input into one error line naming the file.
 - **Path checks**: :func:`require_file` for an input that must be a readable file;
   :func:`check_outputs` (the one check every command that writes files calls before any
   long work): no output is a folder, a special file (a device, a FIFO) or one of the run's
   own inputs, and no two outputs are the same file; :func:`check_out_file`,
-  :func:`check_out_files` and :func:`check_out_dir` are its parts.
-- **Symlinks**: an output path that is a symbolic link is written *through* to the link's
-  target (the target is replaced atomically; the link stays a link).
+  :func:`check_out_files`, :func:`check_out_dir` and :func:`check_output_set_folder` (what
+  a commit into an output folder would refuse) are its parts.
+- **Symlinks**: an output *file* that is a symbolic link is written *through* to the
+  link's target (the target is replaced atomically; the link stays a link).
+
+**Output sets** (:func:`commit_files`: ``nightly``, ``report``, ``validate --report``,
+``plan``/``place --report``). A folder ``OUT`` holds each run's files as one unit::
+
+    OUT/.generations/000007/      one complete set (policy.yaml, report.md, ...)
+    OUT/current -> .generations/000007
+    OUT/report.md -> current/report.md      (a relative link per name; readers use these)
+    OUT/.lock                     while a run holds the folder (or a killed one's, unlocked)
+
+A commit writes a new generation folder in full (each file and the folder fsynced), adds
+the links of names new to the folder (they dangle until the next step), then replaces
+``current`` with one rename: the commit point. A reader of ``OUT/NAME`` sees the previous
+set or the new one, never a mix, whenever the process dies (a reader of several files
+that must agree resolves ``OUT/current`` once and reads them there). Names the command owns that
+the new set lacks then leave the folder (their links are removed); files of another
+command's set in the same folder are carried into the new generation (hard links). The
+last :data:`KEEP_GENERATIONS` generations are kept. A killed run's leftovers (temporary
+``.NAME.xxxxxxxx.tmp`` files and links, a generation never made current) are removed by
+the next commit, under the lock.
+
+- **Lock**: ``fcntl.flock`` on ``OUT/.lock`` (:func:`output_folder_lock`), non-blocking; the
+  holder writes its pid there and removes the file as it lets go. A second run exits 2
+  with ``OUT: another servetune run (pid N) is writing this folder; ...``. ``nightly``
+  takes it before its long optimization; every commit takes it (or uses the one held).
+- **Old layout**: regular files from servetune before output sets, at names the command
+  owns, first become a generation of their own (hard links) that is made current, then
+  are replaced by links; every step shows a reader the same bytes, and the files stay in
+  the history.
+- **Refused** (exit 2, one line, nothing changed) where going on could lose data or break
+  a reader: ``OUT/current`` or ``OUT/.generations`` that servetune did not make (a user's
+  folder named ``current``), an output name that is a folder, a special file or a link
+  servetune did not make (a link to a deploy location would silently stop being updated);
+  ``OUT`` a file or a dangling link. ``OUT`` may itself be a link to a folder: everything
+  happens in the folder it points to.
+- **Test hook**: :data:`PAUSE_ENV` makes each step that changes what a reader sees sleep
+  (tests kill the process there); unset in production.
 
 Every failure is one :class:`~servetune.errors.ServetuneError` line naming the path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
 import os
+import re
+import secrets
+import shutil
 import stat
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -267,10 +313,12 @@ def check_outputs(
       same inode, symlinks and hard links included;
     - two outputs are the same file;
     - an output folder (``option -> (folder, names it writes)``, names may be
-      ``fnmatch`` patterns) is not a folder, or one of the inputs is a file it would write.
+      ``fnmatch`` patterns) is not a folder, one of the inputs is a file it would write,
+      or its commit would be refused (:func:`check_output_set_folder`).
 
-    An output that is a symlink is written through to its target, so the target is what
-    is compared."""
+    An output file that is a symlink is written through to its target, so the target is
+    what is compared; an input that is one of an output folder's links (last night's
+    ``OUT/policy.yaml``) lives in a generation no commit writes, so it is allowed."""
     ins = _input_paths(inputs or {})
     seen: dict[Path, str] = {}
     for option, raw in outputs.items():
@@ -306,6 +354,7 @@ def check_outputs(
         for name in patterns:
             if not any(ch in name for ch in "*?["):
                 _refuse_special(d / name, option)
+        check_output_set_folder(d, patterns, option)
 
 
 # ----------------------------------------------------------------------- atomic writes
@@ -321,16 +370,13 @@ def _write_target(p: Path) -> Path:
     return p
 
 
-def _stage(folder: Path, name: str, data: bytes, *, sync: bool = False) -> Path:
+def _stage(folder: Path, name: str, data: bytes) -> Path:
     """Write ``data`` to a new temporary file in ``folder`` (the target's own folder, so
-    that the later rename is atomic); with ``sync``, flushed to disk before returning."""
+    that the later rename is atomic)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
-            if sync:
-                fh.flush()
-                os.fsync(fh.fileno())
         os.chmod(tmp, FILE_MODE)  # mkstemp makes 0600; give the usual file mode
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -365,45 +411,18 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
-def commit_files(out_dir: str | os.PathLike[str], files: Sequence[tuple[str, bytes]]
-                 ) -> list[Path]:
-    """Write a set of files so that an interruption leaves the previous set intact.
-
-    Every file is first written in full to a temporary file beside its target; only when
-    all are on disk are they renamed into place, in order (put the file that marks a
-    finished run, ``summary.json``, last). An error or interrupt while staging removes the
-    temporary files and touches no previous output."""
-    out = Path(out_dir)
-    check_out_dir(out, "output folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ServetuneError(f"{out}: cannot create the output folder ({exc.strerror})") from None
-    staged: list[tuple[Path, Path]] = []
-    try:
-        for name, data in files:
-            target = _write_target(out / name)
-            staged.append((_stage(target.parent, name, data, sync=True), target))
-    except BaseException as exc:
-        for tmp, _ in staged:
-            tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise ServetuneError(f"{out}: cannot write ({exc.strerror})") from None
-        raise
-    written = []
-    for tmp, target in staged:
-        os.replace(tmp, target)
-        written.append(target)
-    return written
-
-
 def write_all_or_none(writers: Sequence[tuple[Path, Callable[[], None]]]) -> None:
     """Run each (path, write) in turn, each writing its file atomically; if one fails or
     the run is interrupted, every file written before it is put back as it was (the
     previous file restored from a hard-linked backup, a new file removed), so an error
-    leaves the previous outputs, never a mix (for writers that stream their own file,
-    where :func:`commit_files` would need the bytes in memory). A writer of a folder
-    (a report through :func:`commit_files`) cannot be undone: give it last."""
+    leaves the previous outputs (for writers that stream their own file, where
+    :func:`commit_files` would need the bytes in memory). A writer of a folder (a report
+    through :func:`commit_files`) cannot be undone: give it last.
+
+    Files at separately named paths cannot change in one rename, so this is not one
+    atomic unit: while it runs, and after a SIGKILL (which no handler sees), a reader
+    can find the first files new and the later ones old, and a killed run leaves its
+    ``.NAME.<pid>.bak`` backups. Each file on its own is always whole."""
     backups: list[tuple[Path, Path | None]] = []
     try:
         for path, write in writers:
@@ -433,3 +452,415 @@ def write_all_or_none(writers: Sequence[tuple[Path, Callable[[], None]]]) -> Non
     for _, backup in backups:
         if backup is not None:
             backup.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------ output sets
+
+CURRENT = "current"  # OUT/current -> .generations/<id>: the live set
+GENERATIONS = ".generations"
+LOCK = ".lock"
+KEEP_GENERATIONS = 3  # the live set and the two before it
+# Test hook only (never set in production): "<seconds>" sleeps at every step of a commit
+# that changes what a reader sees, "<seconds>@<n>" only at the n-th; each step is first
+# announced on stderr, so a test can SIGKILL the process exactly there.
+PAUSE_ENV = "SERVETUNE_TEST_PAUSE_COMMIT"
+
+_GENERATION_ID = re.compile(r"\d{6,}")
+# a temporary name of ours (or of servetune before output sets): .NAME.<8 random>.tmp
+_STALE_TMP = re.compile(r"\.(.+)\.[a-z0-9_]{8}\.tmp")
+
+
+@dataclass
+class _Hold:
+    """This process's lock on an output folder."""
+
+    fd: int
+    lock: Path
+    created: list[Path]  # folders the lock's taking created, outermost first
+    depth: int = 1
+
+
+_held: dict[str, _Hold] = {}  # os.path.realpath(folder) -> lock held by this process
+_pauses = 0  # commit steps announced so far (the test hook's counter)
+
+
+def _pause(step: str) -> None:
+    """The test hook (:data:`PAUSE_ENV`): announce ``step`` on stderr, then sleep."""
+    spec = os.environ.get(PAUSE_ENV)
+    if not spec:
+        return
+    global _pauses
+    _pauses += 1
+    seconds, _, only = spec.partition("@")
+    os.write(2, f"servetune: test pause {_pauses}: {step}\n".encode())
+    if not only or int(only) == _pauses:
+        time.sleep(float(seconds))
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _holder_pid(fd: int) -> str:
+    """The pid the lock's holder wrote (it writes it just after taking the lock)."""
+    for _ in range(50):
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        if text.isdigit():
+            return text
+        time.sleep(0.01)
+    return "unknown"
+
+
+def _take_lock(out: Path) -> _Hold:
+    """Create the folder when missing, then take ``OUT/.lock`` (non-blocking flock)."""
+    if out.is_symlink() and not out.exists():
+        raise ServetuneError(
+            f"{out}: is a link to {os.readlink(out)}, which does not exist; create that "
+            "folder or give another output folder")
+    check_out_dir(out, "output folder")
+    created = [p for p in (out, *out.parents) if not p.exists()][::-1]
+    lock = out / LOCK
+    try:
+        while True:
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ServetuneError(
+                    f"{out}: cannot create the output folder ({exc.strerror})") from None
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            except OSError as exc:
+                raise ServetuneError(
+                    f"{out}: cannot create the lock file {LOCK} ({exc.strerror}); give a "
+                    "folder this user can write") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pid = _holder_pid(fd)
+                os.close(fd)
+                raise ServetuneError(
+                    f"{out}: another servetune run (pid {pid}) is writing this folder; wait "
+                    "for it or choose another folder") from None
+            # The holder before us unlinks the file as it lets go: a lock on that unlinked
+            # file locks nothing, so take the one now at the path.
+            try:
+                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except BaseException:
+        _remove_empty(created)
+        raise
+    return _Hold(fd, lock, created)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders (outermost first) that are still empty, innermost first."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def _let_go(hold: _Hold) -> None:
+    """Remove the lock file while still holding it, then release; remove the folders the
+    lock created if nothing was written in them (an error before the commit)."""
+    hold.lock.unlink(missing_ok=True)
+    os.close(hold.fd)
+    _remove_empty(hold.created)
+
+
+@contextmanager
+def output_folder_lock(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
+    """Hold ``out_dir``'s lock for the block: created when missing, a second run (another
+    process) that asks for it meanwhile fails at once with exit 2, naming this pid. Take
+    it at the start of a long run (``nightly``) so that a concurrent one fails before its
+    work, not after; :func:`commit_files` inside the block uses the lock held. A folder
+    this created is removed again on leaving when nothing was committed in it."""
+    out = Path(out_dir)
+    key = os.path.realpath(out)
+    hold = _held.get(key)
+    if hold is not None:  # already ours: commit_files inside nightly's block
+        hold.depth += 1
+    else:
+        hold = _held[key] = _take_lock(out)
+    try:
+        yield out
+    finally:
+        hold.depth -= 1
+        if hold.depth == 0:
+            del _held[key]
+            _let_go(hold)
+
+
+def _our_link(path: Path, target: str) -> bool:
+    try:
+        return os.readlink(path) == target
+    except OSError:
+        return False
+
+
+def _current_id(out: Path) -> str | None:
+    """The live generation's id, or None before the first commit; anything else at
+    ``OUT/current`` is refused, since replacing it could lose a user's files."""
+    cur = out / CURRENT
+    if not cur.is_symlink():
+        if cur.exists():
+            raise ServetuneError(
+                f"{cur}: exists and is not servetune's link to {GENERATIONS}/; servetune "
+                "keeps the live output set there: move it away or choose another folder")
+        return None
+    target = os.readlink(cur)
+    head, _, gen = target.partition("/")
+    if head != GENERATIONS or not _GENERATION_ID.fullmatch(gen):
+        raise ServetuneError(
+            f"{cur}: is a link to {target}, not servetune's link to {GENERATIONS}/; "
+            "servetune keeps the live output set there: move it away or choose another folder")
+    return gen
+
+
+def _generation_ids(out: Path) -> list[str]:
+    gens = out / GENERATIONS
+    if gens.is_symlink() or (gens.exists() and not gens.is_dir()):
+        raise ServetuneError(
+            f"{gens}: is not a folder; servetune keeps its output sets there: move it away "
+            "or choose another folder")
+    if not gens.exists():
+        return []
+    return sorted((p.name for p in gens.iterdir()
+                   if _GENERATION_ID.fullmatch(p.name) and p.is_dir() and not p.is_symlink()),
+                  key=int)
+
+
+def _top_level(out: Path, names: Iterable[str]) -> dict[str, str]:
+    """What stands at each ``OUT/NAME``: ``"ours"`` (our link into ``current``),
+    ``"legacy"`` (a regular file, from servetune before output sets) or ``"missing"``; a
+    folder, a special file or a link of the user's is refused."""
+    kinds: dict[str, str] = {}
+    for name in names:
+        p = out / name
+        if p.is_symlink():
+            if not _our_link(p, f"{CURRENT}/{name}"):
+                raise ServetuneError(
+                    f"{p}: is a link to {os.readlink(p)} that servetune did not make; each "
+                    f"output in this folder is a link into {CURRENT}/ (one set per run): "
+                    f"remove the link, or point readers at {p}")
+            kinds[name] = "ours"
+        elif not p.exists():
+            kinds[name] = "missing"
+        elif p.is_dir():
+            raise ServetuneError(f"{p}: is a folder, where this run writes a file; move it "
+                                 "away or choose another folder")
+        elif not stat.S_ISREG(p.stat().st_mode):
+            raise ServetuneError(f"{p}: is not a regular file (a device, pipe or socket); "
+                                 "move it away or choose another folder")
+        else:
+            kinds[name] = "legacy"
+    return kinds
+
+
+def check_output_set_folder(out_dir: str | os.PathLike[str], names: Iterable[str],
+                            option: str = "output folder") -> None:
+    """Fail before any work when committing ``names`` (``fnmatch`` patterns) into
+    ``out_dir`` would be refused (:func:`commit_files`): ``current`` or ``.generations``
+    is not servetune's, or an output name is a user's link, a folder or a special file."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        return
+    try:
+        _current_id(out)
+        _generation_ids(out)
+        _top_level(out, _owned_present(out, list(names)))
+    except ServetuneError as err:
+        raise ServetuneError(f"{option} {err.message}") from None
+
+
+def _owned_present(out: Path, patterns: Sequence[str]) -> list[str]:
+    """The names at the top of ``out`` that match ``patterns`` (not hidden, not current),
+    with the patterns' plain names."""
+    present = sorted(n for n in os.listdir(out) if not n.startswith(".") and n != CURRENT
+                     and any(fnmatch(n, p) for p in patterns))
+    plain = [p for p in patterns if not any(ch in p for ch in "*?[")]
+    return list(dict.fromkeys([*plain, *present]))
+
+
+def _check_name(name: str) -> None:
+    if not name or "/" in name or name.startswith(".") or name == CURRENT:
+        raise ValueError(f"output name {name!r}: give a plain file name")
+
+
+def _link_into(folder: Path, name: str, source: Path) -> None:
+    """``folder/name`` as a hard link to ``source`` (a copy where hard links fail)."""
+    try:
+        os.link(source, folder / name)
+    except OSError:
+        shutil.copy2(source, folder / name)
+
+
+def _swap_link(out: Path, name: str, target: str) -> None:
+    """Point ``OUT/name`` at ``target`` with one rename (a reader sees the old or the new
+    link, never none)."""
+    tmp = out / f".{name}.{secrets.token_hex(4)}.tmp"
+    os.symlink(target, tmp)
+    try:
+        os.replace(tmp, out / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _clean_leftovers(out: Path, current: str | None, patterns: Sequence[str]) -> None:
+    """What a killed run left (only under the lock): temporary files and links at the
+    top, of ``current`` or of a name the command owns (``patterns``), and generations
+    never made current (newer than the live one)."""
+    for entry in os.scandir(out):
+        tmp = _STALE_TMP.fullmatch(entry.name)
+        if tmp and not entry.is_dir(follow_symlinks=False) and (
+                tmp[1] == CURRENT or any(fnmatch(tmp[1], p) for p in patterns)):
+            Path(entry.path).unlink(missing_ok=True)
+    for gen in _generation_ids(out):
+        if current is None or int(gen) > int(current):
+            shutil.rmtree(out / GENERATIONS / gen)
+
+
+def _new_generation(out: Path) -> Path:
+    ids = _generation_ids(out)
+    gen = out / GENERATIONS / f"{int(ids[-1]) + 1 if ids else 1:06d}"
+    gen.mkdir(parents=True)
+    return gen
+
+
+def _commit_generation(out: Path, gen: Path) -> None:
+    """The commit point: ``OUT/current`` -> ``gen``, one rename."""
+    _pause(f"swap {CURRENT} -> {GENERATIONS}/{gen.name}")
+    _swap_link(out, CURRENT, f"{GENERATIONS}/{gen.name}")
+
+
+def _drop_unfinished(out: Path, gen: Path) -> bool:
+    """After an error or interrupt: remove ``gen`` unless it became current (an interrupt
+    can land just after the rename), and ``.generations`` if that leaves it empty; whether
+    it was removed."""
+    if _our_link(out / CURRENT, f"{GENERATIONS}/{gen.name}"):
+        return False
+    shutil.rmtree(gen, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        gen.parent.rmdir()
+    return True
+
+
+def _adopt_legacy(out: Path, live: Path | None, legacy: Sequence[str]) -> Path:
+    """Make the old layout's regular files (``legacy``) part of a generation that holds
+    the live set too, commit it, then put our links in their place: every step shows a
+    reader the same bytes, and the files stay in the history."""
+    gen = _new_generation(out)
+    try:
+        if live is not None and live.is_dir():
+            for entry in sorted(os.listdir(live)):
+                if entry not in legacy:
+                    _link_into(gen, entry, live / entry)
+        for name in legacy:
+            _link_into(gen, name, out / name)
+        _fsync_dir(gen)
+        _commit_generation(out, gen)
+    except BaseException:
+        _drop_unfinished(out, gen)
+        raise
+    _fsync_dir(out)
+    for name in legacy:
+        _pause(f"replace the file {name} with a link into {CURRENT}/")
+        _swap_link(out, name, f"{CURRENT}/{name}")
+    return gen
+
+
+def _write_generation(gen: Path, files: Sequence[tuple[str, bytes]]) -> None:
+    for i, (name, data) in enumerate(files):
+        if i == 1:
+            _pause(f"writing {GENERATIONS}/{gen.name}")
+        fd = os.open(gen / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    _fsync_dir(gen)
+
+
+def _prune(out: Path, current: str) -> None:
+    old = [g for g in _generation_ids(out) if int(g) < int(current)]
+    for gen in old[:max(0, len(old) - (KEEP_GENERATIONS - 1))]:
+        _pause(f"remove {GENERATIONS}/{gen}")
+        shutil.rmtree(out / GENERATIONS / gen)
+
+
+def commit_files(out_dir: str | os.PathLike[str], files: Sequence[tuple[str, bytes]], *,
+                 owned: Iterable[str] | None = None, keep: Iterable[str] = ()
+                 ) -> list[Path]:
+    """Commit ``files`` (name, bytes) as the folder's new output set, under its lock
+    (:func:`output_folder_lock`): a reader of ``OUT/NAME`` sees the previous set or this
+    one, never a mix, whenever the process dies (module docstring: output sets).
+
+    ``owned`` (``fnmatch`` patterns; default the names in ``files``) are the names this
+    command writes: one of them that ``files`` lacks leaves the live set, unless named in
+    ``keep`` (the live file is kept, unchanged); a name it does not own (another
+    command's output in the same folder) stays as it is. Returns ``OUT/NAME`` for each
+    file written."""
+    out = Path(out_dir)
+    names = [name for name, _ in files]
+    for name in [*names, *keep]:
+        _check_name(name)
+    if len(set(names)) != len(names):
+        raise ValueError(f"output names repeat: {names}")
+    patterns = list(dict.fromkeys([*names, *(owned or ())]))
+    with output_folder_lock(out):
+        try:
+            return _commit(out, files, patterns, set(keep) - set(names))
+        except OSError as exc:
+            raise ServetuneError(f"{out}: cannot write ({exc.strerror})") from None
+
+
+def _commit(out: Path, files: Sequence[tuple[str, bytes]], patterns: list[str],
+            keep: set[str]) -> list[Path]:
+    current = _current_id(out)
+    tops = _top_level(out, _owned_present(out, patterns))
+    _clean_leftovers(out, current, patterns)
+    live = None if current is None else out / GENERATIONS / current
+    legacy = [name for name, kind in tops.items() if kind == "legacy"]
+    if legacy:
+        live = _adopt_legacy(out, live, legacy)
+        tops.update(dict.fromkeys(legacy, "ours"))
+    names = {name for name, _ in files}
+    carried = [] if live is None or not live.is_dir() else sorted(
+        n for n in os.listdir(live)
+        if n not in names and (n in keep or not any(fnmatch(n, p) for p in patterns)))
+    gen = _new_generation(out)
+    made: list[Path] = []
+    try:
+        for name in carried:
+            _link_into(gen, name, live / name)
+        _write_generation(gen, files)
+        for name in sorted(names):  # a name new to the folder: its link dangles until the swap
+            if tops[name] == "missing":
+                _pause(f"link {name} -> {CURRENT}/{name}")
+                os.symlink(f"{CURRENT}/{name}", out / name)
+                made.append(out / name)
+        _commit_generation(out, gen)
+    except BaseException:
+        if _drop_unfinished(out, gen):
+            for link in made:
+                link.unlink(missing_ok=True)
+        raise
+    _fsync_dir(out)
+    live_names = names | set(carried)
+    for name, kind in sorted(tops.items()):
+        if kind == "ours" and name not in live_names:
+            _pause(f"remove the link {name} (not in the new set)")
+            (out / name).unlink(missing_ok=True)
+    _prune(out, gen.name)
+    return [out / name for name, _ in files]

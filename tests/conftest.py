@@ -31,6 +31,13 @@ def shared_file(*parts: str) -> Path:
     return path
 
 
+def output_names(folder: Path) -> list[str]:
+    """The names a user sees in an output folder (``ls``): its outputs, without the
+    ``current`` link and hidden entries (``.generations``) of its output sets."""
+    return sorted(p.name for p in folder.iterdir()
+                  if not p.name.startswith(".") and p.name != "current")
+
+
 def workload_from_yaml_text(text: str, source: str) -> Workload:
     """A Workload from YAML text, parsed and validated as ``load_workload`` does a file."""
     return document_from_data(parse_yaml_text(text, source), Workload, source)

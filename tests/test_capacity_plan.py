@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import output_names
 from typer.testing import CliRunner
 
 from servetune.apps import plan as C
@@ -296,7 +297,7 @@ def test_plan_report_bytes_are_deterministic(inputs, tmp_path: Path) -> None:
         r = runner.invoke(app, _plan_args(inputs, tmp_path / f"{name}.yaml", "--report",
                                           str(tmp_path / name)))
         assert r.exit_code == 0, r.output
-    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    files = output_names(tmp_path / "a")
     assert files == ["cost_by_type.png", "plan.json", "replicas_over_day.png"]
     for f in files:
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()

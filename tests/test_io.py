@@ -6,7 +6,6 @@ import hashlib
 import json
 import math
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -147,21 +146,22 @@ def test_commit_files_writes_the_set_or_leaves_the_previous_one(tmp_path, monkey
     out = tmp_path / "out"
     assert commit_files(out, [("a.txt", b"1"), ("b.txt", b"2")]) == [out / "a.txt",
                                                                       out / "b.txt"]
-    real = io_mod._stage
-    calls = []
+    steps = []
 
-    def dying_stage(folder: Path, name: str, data: bytes, **kw):
-        calls.append(name)
-        if name == "b.txt":
-            raise KeyboardInterrupt  # killed while staging the second file
-        return real(folder, name, data, **kw)
+    def interrupted(step: str) -> None:
+        steps.append(step)
+        if step.startswith("writing"):
+            raise KeyboardInterrupt  # interrupted between the new set's two files
 
-    monkeypatch.setattr(io_mod, "_stage", dying_stage)
+    monkeypatch.setattr(io_mod, "_pause", interrupted)
     with pytest.raises(KeyboardInterrupt):
         commit_files(out, [("a.txt", b"new 1"), ("b.txt", b"new 2")])
-    assert calls == ["a.txt", "b.txt"]
-    assert sorted(p.name for p in out.iterdir()) == ["a.txt", "b.txt"]  # no temp file left
-    assert (out / "a.txt").read_bytes() == b"1"  # nothing renamed into place
+    assert steps == ["writing .generations/000002"]
+    # nothing left behind: no unfinished generation, no temporary file, no lock
+    assert sorted(p.name for p in out.iterdir()) == [".generations", "a.txt", "b.txt",
+                                                     "current"]
+    assert [p.name for p in (out / ".generations").iterdir()] == ["000001"]
+    assert (out / "a.txt").read_bytes() == b"1"  # the previous set, whole
 
 
 def test_write_all_or_none_removes_what_it_wrote_when_a_writer_fails(tmp_path):

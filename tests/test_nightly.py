@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import output_names
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -163,7 +164,7 @@ def tiny_args(d: Path, out: Path, current: Path, *extra: str) -> list[str]:
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+    return {name: (folder / name).read_bytes() for name in output_names(folder)}
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +182,7 @@ def test_nightly_writes_new_policy(first_run):
 
     out, res = first_run
     assert res.exit_code == 0, res.output
-    names = {p.name for p in out.iterdir()}
+    names = set(output_names(out))
     assert names == {"policy.yaml", "vllm.yaml", "sglang.yaml", "report.md", "summary.json",
                      "ttft_cdf.png", "tpot_cdf.png", "kv_queue.png", "goodput.png"}
     policy = load_document(out / "policy.yaml", Policy)
@@ -215,7 +216,9 @@ def test_nightly_writes_new_policy(first_run):
     for png in ("ttft_cdf.png", "tpot_cdf.png", "kv_queue.png", "goodput.png"):
         assert f"]({png})" in report
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp files left
+    # no temporary file or lock left; summary.json names no policy kept in production
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [".generations"]
+    assert summary["live_policy"] is None
 
 
 def test_nightly_gates_each_exported_engine(first_run):
@@ -257,7 +260,8 @@ def test_tgi_gate_simulates_the_pool_tgi_really_gets():
 
 def test_an_engine_whose_gate_fails_gets_no_config(tiny, monkeypatch):
     """vLLM's gate passes, SGLang's fails: policy.yaml and vllm.yaml are written,
-    sglang.yaml is not, the exit code is 11 and the report says why."""
+    sglang.yaml is not (an earlier run's leaves the live set: it belongs to another
+    policy), the exit code is 11 and the report says why."""
     import servetune.apps.nightly as nightly
 
     real = nightly.decide
@@ -275,10 +279,16 @@ def test_an_engine_whose_gate_fails_gets_no_config(tiny, monkeypatch):
     (out / "sglang.yaml").write_text("yesterday's sglang config\n")
     res = runner.invoke(app, tiny_args(tiny, out, tiny / "poor.yaml"))
     assert res.exit_code == 11, res.output
-    names = {p.name for p in out.iterdir()}
+    names = set(output_names(out))
     assert {"policy.yaml", "vllm.yaml", "report.md", "summary.json"} <= names
-    assert (out / "sglang.yaml").read_text() == "yesterday's sglang config\n"  # untouched
+    assert "sglang.yaml" not in names
+    # the old layout's file is kept in the history, not beside the new policy
+    old = out / ".generations" / "000001" / "sglang.yaml"
+    assert old.read_text() == "yesterday's sglang config\n"
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["live_policy"]["engines"] == ["sglang"]
+    assert summary["live_policy"]["name"] == "poor"
+    assert summary["live_policy"]["kept_in_folder"] == []
     assert summary["status"] == "new_policy_written_some_engines"
     assert summary["exit_code"] == 11
     assert [(g["engine"], g["passed"]) for g in summary["gates"]] == [
@@ -288,6 +298,7 @@ def test_an_engine_whose_gate_fails_gets_no_config(tiny, monkeypatch):
     report = (out / "report.md").read_text()
     assert "for vllm only" in report and "failed the gate of sglang" in report
     assert "| sglang |" in report and "below the required gain" in report
+    assert "(`poor.yaml`, sha256 " in report and "stays in production on sglang." in report
     assert "not written" in report
     policy = (out / "policy.yaml").read_text()
     assert "not_adopted_on:\n    - sglang" in policy or "not_adopted_on: [sglang]" in policy
@@ -319,6 +330,8 @@ def test_second_run_with_new_policy_keeps_it(tiny, first_run):
     assert json.loads(res2.stdout) == summary  # --json prints the summary, nothing else
     assert summary["status"] == "current_kept" and summary["exit_code"] == 10
     assert (kept / "policy.yaml").read_bytes() == before  # untouched
+    # it is the policy in production, so it stays in the live set, marked as such
+    assert summary["live_policy"]["kept_in_folder"] == ["policy.yaml"]
     assert not (kept / "vllm.yaml").exists()
     assert "Current policy kept" in (kept / "report.md").read_text()
 
@@ -333,25 +346,27 @@ def test_interrupted_run_leaves_previous_outputs(tiny, first_run, monkeypatch):
     for name in snapshot(out):  # yesterday's outputs, recognisably different
         (target / name).write_bytes(b"previous run's " + name.encode())
     before = snapshot(target)
-    calls = {"n": 0}
-    real = io_mod._stage
+    steps = []
 
-    def dying_stage(folder, name, data, **kw):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt  # the job is killed while writing its files
-        return real(folder, name, data, **kw)
+    def interrupted(step: str) -> None:
+        steps.append(step)
+        if step.startswith("writing"):
+            raise KeyboardInterrupt  # the job is interrupted while writing its files
 
-    monkeypatch.setattr(io_mod, "_stage", dying_stage)
+    monkeypatch.setattr(io_mod, "_pause", interrupted)
     with pytest.raises(KeyboardInterrupt):
         from servetune.apps.nightly import run_nightly
 
         run_nightly(tiny / "trace.csv", tiny / "profile.yaml", SLO, tiny / "poor.yaml", target,
                     space_path=tiny / "space.yaml", time_limit_s=20)
-    assert calls["n"] == 5
+    # the old layout's files were first adopted as a set of their own, then the new set
+    # was interrupted
+    assert steps[0] == "swap current -> .generations/000001"
+    assert steps[-1] == "writing .generations/000002"
     after = snapshot(target)
     assert set(after) == set(before)  # no half-written or temporary file left behind
-    assert after == before  # nothing was renamed into place
+    assert after == before  # nothing of the new set is live
+    assert [p.name for p in (target / ".generations").iterdir()] == ["000001"]
 
 
 def test_infeasible_slo_exits_3_with_report(tiny):
@@ -363,9 +378,12 @@ def test_infeasible_slo_exits_3_with_report(tiny):
     args[args.index("--slo") + 1] = str(slo)
     res = runner.invoke(app, args)
     assert res.exit_code == 3, res.output
-    assert {p.name for p in out.iterdir()} == {"report.md", "summary.json", "ttft_cdf.png",
-                                               "tpot_cdf.png", "kv_queue.png", "goodput.png"}
+    assert set(output_names(out)) == {"report.md", "summary.json", "ttft_cdf.png",
+                                      "tpot_cdf.png", "kv_queue.png", "goodput.png"}
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["live_policy"]["name"] == "poor"
+    assert summary["live_policy"]["file"] == "poor.yaml"
+    assert "`poor` (`poor.yaml`, sha256 " in (out / "report.md").read_text()
     assert summary["status"] == "infeasible" and "TPOT" in summary["reasons"][0]
     assert summary["details"]["binding"] == "tpot[default]"
     assert "new" not in summary and "current" in summary
@@ -383,8 +401,8 @@ def test_report_command(tiny, first_run):
                                str(tiny / "poor.yaml"), "--new", str(out / "policy.yaml"),
                                "--out-dir", str(rep)])
     assert res2.exit_code == 0, res2.output
-    assert {p.name for p in rep.iterdir()} == {"report.md", "summary.json", "ttft_cdf.png",
-                                               "tpot_cdf.png", "kv_queue.png", "goodput.png"}
+    assert set(output_names(rep)) == {"report.md", "summary.json", "ttft_cdf.png",
+                                      "tpot_cdf.png", "kv_queue.png", "goodput.png"}
     summary = json.loads((rep / "summary.json").read_text())
     first = json.loads((out / "summary.json").read_text())
     assert summary["new"]["goodput_rate_per_s"] == first["new"]["goodput_rate_per_s"]

@@ -166,11 +166,23 @@ def test_writes_go_through_a_symlink_to_its_target(tmp_path):
     link.symlink_to(target)
     write_text_atomic(link, "new")
     assert link.is_symlink() and target.read_text() == "new"
+
+
+def test_an_output_folder_refuses_a_users_link_at_an_output_name(tmp_path):
+    """An output folder's names are links into its live output set: a user's own link
+    there (to a deploy location, say) would silently stop being updated, so it is refused,
+    before any work and at the commit, and left as it was."""
+    target = tmp_path / "real.json"
+    target.write_text("old")
     out = tmp_path / "out"
     out.mkdir()
     (out / "summary.json").symlink_to(target)
-    commit_files(out, [("summary.json", b"committed")])
-    assert (out / "summary.json").is_symlink() and target.read_text() == "committed"
+    with pytest.raises(ServetuneError, match="that servetune did not make"):
+        check_outputs({}, out_dirs={"--out-dir": (out, ["summary.json"])})
+    with pytest.raises(ServetuneError, match="that servetune did not make"):
+        commit_files(out, [("summary.json", b"committed")])
+    assert (out / "summary.json").is_symlink() and target.read_text() == "old"
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
 
 
 def test_check_outputs_skips_shipped_names_and_missing_inputs(tmp_path):

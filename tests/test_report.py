@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import output_names
 
 from servetune.apps.nightly import decide, same_knobs
 from servetune.apps.report import (
@@ -166,7 +167,7 @@ def test_report_contents_by_hand(tmp_path):
     assert s["current"]["runs"]["1.5x"]["overall"]["attainment"] == 0.75
     assert "sim_wall_s" not in s["new"]["runs"]["1x"]
     written = write_report(files, tmp_path / "out")
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+    assert output_names(tmp_path / "out") == sorted(
         [*files.figures, "report.md", "summary.json"])
     assert json.loads((tmp_path / "out" / "summary.json").read_text()) == s
     assert len(written) == len(files.figures) + 2

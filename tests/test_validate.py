@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import output_names
 from typer.testing import CliRunner
 
 from servetune.apps import validate as V
@@ -117,7 +118,7 @@ def test_cli_validate_calibrate_report(measured, tmp_path):
     ])
     assert result.exit_code == 0, result.output
     assert "calibrated:" in result.output
-    names = sorted(p.name for p in rep_dir.iterdir())
+    names = output_names(rep_dir)
     assert names == ["cdf_e2e.png", "cdf_tpot.png", "cdf_ttft.png", "report.md",
                      "validate.json"]
     md = (rep_dir / "report.md").read_text()

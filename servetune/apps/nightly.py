@@ -18,11 +18,17 @@
    the current one **and** the optimizer stopped on its work budget or by converging, not
    on the wall-clock safety stop (whose answer depends on the machine's speed: then the
    current policy stays everywhere, exit 10, and the report says why);
-5. writes, in ``out_dir``: ``policy.yaml`` when the new policy passes at least one
-   engine's gate, and the config of each engine whose gate it passes (``vllm.yaml``,
-   ``sglang.yaml`` ...); a failing engine's config is not written (a file from an
-   earlier run stays as it was); ``report.md`` (with one gate row per engine and why) with
-   its plots and ``summary.json`` (``gates``) always.
+5. writes, in ``out_dir``, one output set (:func:`servetune.io.commit_files`: a new
+   generation folder, made live by one rename): ``policy.yaml`` when the new policy passes
+   at least one engine's gate, and the config of each engine whose gate it passes
+   (``vllm.yaml``, ``sglang.yaml`` ...); ``report.md`` (with one gate row per engine and
+   why) with its plots and ``summary.json`` (``gates``) always. A failing engine's config
+   is not written, and an earlier run's policy and configs leave the live set (they stay
+   in the older generations), so the folder never mixes two runs. Where the current
+   policy stays (exit 10, 3, and the failing engines of exit 11), ``summary.json``'s
+   ``live_policy`` names it (:func:`live_policy`) and the report says so; on exit 10 and
+   3 the live ``policy.yaml`` and its configs stay when that ``policy.yaml`` is the
+   ``--current`` file itself (last night's output as tonight's input).
 
 Exit codes (:data:`EXIT_CODES`): 0 new policy written for every engine, 11 new policy
 written for some engines only (the passing ones; the report says why the others failed),
@@ -31,9 +37,10 @@ search space meets the SLOs; the report says what binds).
 
 ``run_report(...)`` is ``servetune report``: steps 3 and 5 for two given policies.
 
-Every file is built in memory first and written with a temporary file and a rename, so an
-interrupted run leaves the previous outputs intact; nothing here reads a clock, so the same
-inputs give the same files.
+The job holds ``out_dir``'s lock from the start (a second run into it exits 2 at once,
+naming this one's pid). Every file is built in memory first and committed as one set, so
+an interrupted or killed run leaves the previous set intact; nothing here reads a clock,
+so the same inputs give the same files.
 """
 
 from __future__ import annotations
@@ -70,7 +77,13 @@ from servetune.export import (
     profile_memory_facts,
 )
 from servetune.export.tgi import tgi_memory
-from servetune.io import check_outputs, commit_files, drop_timings, sha256_file
+from servetune.io import (
+    check_outputs,
+    commit_files,
+    drop_timings,
+    output_folder_lock,
+    sha256_file,
+)
 from servetune.models.fluid import Calibration, FluidModel, Knobs, LoadModel, Platform, targets_for
 from servetune.profiles.shipped import load_profile
 from servetune.schemas.base import document_to_yaml, load_document
@@ -99,6 +112,10 @@ EXIT_CODES = {
 MIN_TRACE_REQUESTS = 100
 # Attainments are shares of requests; this absorbs float noise only, never one request.
 ATTAINMENT_TOLERANCE = 1e-9
+# The names nightly owns in --out-dir: one missing from a run's set leaves the folder.
+NIGHTLY_FILES = ("policy.yaml", *CONFIG_FILES.values())
+REPORT_FILES = ("report.md", *FIGURE_NAMES, "summary.json")
+OUTPUT_FILES = (*NIGHTLY_FILES, *REPORT_FILES)
 
 Progress = Callable[[str], Any]
 
@@ -415,9 +432,10 @@ def _say(progress: Progress | None, text: str) -> None:
 def _check_out_dir(out: Path, names: Sequence[str],
                    inputs: dict[str, str | os.PathLike[str] | None]) -> None:
     """Refuse, before any work, an output folder that is not one, or one where this run
-    would write over one of its own inputs (``--current out/policy.yaml --out-dir out``)."""
+    would write over one of its own inputs (``--current out/policy.yaml --out-dir out``
+    where that is a regular file; last night's link into ``out``'s output sets is fine)."""
     check_outputs({}, {f"argument `{k}`": v for k, v in inputs.items()}, out_dirs={
-        "argument `out_dir`": (out, [*names, "report.md", *FIGURE_NAMES, "summary.json"])})
+        "argument `out_dir`": (out, [*names, *REPORT_FILES])})
 
 
 def run_nightly(
@@ -449,143 +467,151 @@ def run_nightly(
     trace_path, profile_path, slo_path, current_path = (
         Path(trace_path), Path(profile_path), Path(slo_path), Path(current_path))
     out = Path(out_dir)
-    _check_out_dir(out, ["policy.yaml", *CONFIG_FILES.values()], {
+    _check_out_dir(out, NIGHTLY_FILES, {
         "trace_path": trace_path, "profile_path": profile_path, "slo_path": slo_path,
         "current_path": current_path, "space_path": space_path})
 
-    _say(progress, f"loading {trace_path.name}, {profile_path.name}, {slo_path.name}")
-    trace, profile, slo = load_inputs(trace_path, profile_path, slo_path, trace_read)
-    current = load_document(current_path, Policy)
-    space = None
-    if space_path is not None:
-        space = load_document(space_path, SearchSpace)
-    inputs = {
-        "trace": f"{trace_path.name} (sha256 {sha256_file(trace_path)[:16]})",
-        "profile": f"{profile_path.name} (sha256 {sha256_file(profile_path)[:16]})",
-        "slo": f"{slo_path.name} (sha256 {sha256_file(slo_path)[:16]})",
-        "current policy": f"{current_path.name} (sha256 {sha256_file(current_path)[:16]})",
-    }
-    if space_path is not None:
-        inputs["search space"] = (
-            f"{Path(space_path).name} (sha256 {sha256_file(space_path)[:16]})")
-    base_summary: dict[str, Any] = {
-        "min_gain": min_gain,
-        "engines": engines,
-        "sim_engine": sim_engine,
-        "inputs": inputs,
-        "exit_codes": {str(k): v for k, v in EXIT_CODES.items()},
-    }
-
-    _say(progress, f"fitting a workload to {len(trace)} requests")
-    workload = fit_workload(trace, name=trace_path.stem, source=trace_path.name)
-
-    _say(progress, "optimizing a new policy")
-    try:
-        opt = optimize_policy(trace, workload, profile, slo, current=current, space=space,
-                              time_limit_s=time_limit_s, max_simulations=max_simulations,
-                              seed=seed, inputs=inputs,
-                              engine=sim_engine, progress=progress)
-    except InfeasibleError as err:
-        _say(progress, "infeasible; simulating the current policy for the report")
-        comp = compare(trace, current, None, profile, slo, engine=sim_engine, stress=stress)
-        return _write_infeasible(out, err, comp, base_summary, progress)
-    new = with_profile_facts(opt.policy, profile)
-    timed_out = opt.info.get("stopped_by") == STOP_TIME_LIMIT
-
-    gates: list[EngineGate] = []
-    for e in engines:
-        _say(progress, f"{e}: simulating current and new policies (trace, +20%, +50%, "
-                       "goodput)")
-        gate_prof, pool_note = gate_profile(profile, e, new)
-        comp_e = compare(trace, current, new, gate_prof, slo, engine=e, stress=stress)
-        decision = decide(comp_e, min_gain)
-        if timed_out:
-            # The safety stop cut the search short, so the new policy is whatever this
-            # machine reached in the time: another run could differ. Keep the current one.
-            decision = Decision(False, decision.gain, [
-                "the optimizer's wall-clock safety stop (--time-limit) ended its search "
-                "before its work budget or convergence did, so the proposed policy depends "
-                "on this machine's speed and is not adopted; raise --time-limit",
-                *decision.reasons,
-            ])
-        gates.append(EngineGate(e, comp_e, decision, gate_prof.kv_blocks(), pool_note))
-    passed = [g for g in gates if g.passed]
-    # The report's plots and results: the optimizer's engine when it is gated, else the
-    # first engine; the gate table covers every engine.
-    main = next((g for g in gates if g.engine == sim_engine), gates[0])
-    comp = main.comparison
-
-    exports: list[ExportResult] = []
-    policy_text = ""
-    failed = [g.engine for g in gates if not g.passed]
-    if passed:
-        first = next((g for g in passed if g.engine == sim_engine), passed[0])
-        assert first.comparison.new is not None
-        new = new.model_copy(update={"metadata": {**new.metadata, "nightly": {
-            "replaces": current.name,
-            "engines": [g.engine for g in passed],
-            "not_adopted_on": failed,
-            "goodput_engine": first.engine,
-            "goodput_rate_per_s": {
-                "current": round(first.comparison.current.goodput.rate_per_s, 6),
-                "new": round(first.comparison.new.goodput.rate_per_s, 6)},
-            "gain": None if first.decision.gain is None else round(first.decision.gain, 6),
-            "gains": {g.engine: None if g.decision.gain is None else round(g.decision.gain, 6)
-                      for g in gates},
+    # held from here: a second run into `out` fails now, not after its optimization
+    with output_folder_lock(out):
+        _say(progress, f"loading {trace_path.name}, {profile_path.name}, {slo_path.name}")
+        trace, profile, slo = load_inputs(trace_path, profile_path, slo_path, trace_read)
+        current = load_document(current_path, Policy)
+        space = None
+        if space_path is not None:
+            space = load_document(space_path, SearchSpace)
+        inputs = {
+            "trace": f"{trace_path.name} (sha256 {sha256_file(trace_path)[:16]})",
+            "profile": f"{profile_path.name} (sha256 {sha256_file(profile_path)[:16]})",
+            "slo": f"{slo_path.name} (sha256 {sha256_file(slo_path)[:16]})",
+            "current policy": f"{current_path.name} (sha256 {sha256_file(current_path)[:16]})",
+        }
+        if space_path is not None:
+            inputs["search space"] = (
+                f"{Path(space_path).name} (sha256 {sha256_file(space_path)[:16]})")
+        base_summary: dict[str, Any] = {
             "min_gain": min_gain,
-        }}})
-        # each was judged under its own engine's model: no provenance warning applies
-        exports = [export_policy(new, g.engine, check_provenance=False) for g in passed]
-        policy_text = document_to_yaml(
-            new, header="servetune nightly: the new scheduling policy (kind: Policy)")
-    if passed and not failed:
-        status, code = "new_policy_written", EXIT_NEW_POLICY
-        headline = (f"New policy written: `{new.name}` replaces `{current.name}` on "
-                    f"{', '.join(engines)} (exit 0).")
-    elif passed:
-        status, code = "new_policy_written_some_engines", EXIT_SOME_ENGINES
-        headline = (f"New policy written for {', '.join(g.engine for g in passed)} only: "
-                    f"`{new.name}` replaces `{current.name}` there; it failed the gate of "
-                    f"{', '.join(failed)}, whose config{'s were' if len(failed) > 1 else ' was'} "
-                    "not written (exit 11).")
-    else:
-        status, code = "current_kept", EXIT_KEPT_CURRENT
-        headline = f"Current policy kept: `{current.name}` stays in production (exit 10)."
-        if timed_out:
-            headline = (f"Current policy kept: `{current.name}` stays in production (exit 10): "
-                        "the optimizer's safety time limit fired.")
-    reasons = list(main.decision.reasons)
-    if len(gates) > 1:
-        reasons = [f"{main.engine}: {r}" for r in reasons] + [
-            f"{g.engine}: gate {'passed' if g.passed else 'failed'}"
-            + ("" if g.passed else f": {'; '.join(_failures(g.decision))}")
-            for g in gates if g is not main]
+            "engines": engines,
+            "sim_engine": sim_engine,
+            "inputs": inputs,
+            "exit_codes": {str(k): v for k, v in EXIT_CODES.items()},
+        }
 
-    files_written = (["policy.yaml"] + [e.filename for e in exports]) if exports else []
-    defaults_text, defaults_rule = defaults_section(current, profile)
-    summary_extra = {
-        **base_summary,
-        "status": status,
-        "exit_code": code,
-        "gain": main.decision.gain,
-        "kept_because": "time_limit" if timed_out else None,
-        "gates": [g.row() for g in gates],
-        "files_written": [*files_written, "report.md", *FIGURE_NAMES, "summary.json"],
-        "optimizer": drop_timings(opt.info),
-        "new_policy": new.knobs(),
-        "defaults_rule": defaults_rule,
-    }
-    _say(progress, "rendering the report and its plots")
-    report = build_report(
-        comp, Verdict(headline, reasons), reasons=opt.reasons, exports=exports,
-        inputs=inputs, title="servetune nightly tuning report", summary_extra=summary_extra,
-        extra_sections=[("Gate per engine", gate_table(gates)),
-                        (MODEL_ERROR_HEADING, model_error_section(opt.info.get("model_error"))),
-                        ("Engine defaults on this GPU", defaults_text)],
-    )
-    _say(progress, f"writing outputs to {out}")
-    written = _write_outputs(out, policy_text, exports, report)
-    return NightlyOutcome(exit_code=code, status=status, files=written, summary=report.summary)
+        _say(progress, f"fitting a workload to {len(trace)} requests")
+        workload = fit_workload(trace, name=trace_path.stem, source=trace_path.name)
+
+        _say(progress, "optimizing a new policy")
+        try:
+            opt = optimize_policy(trace, workload, profile, slo, current=current, space=space,
+                                  time_limit_s=time_limit_s, max_simulations=max_simulations,
+                                  seed=seed, inputs=inputs,
+                                  engine=sim_engine, progress=progress)
+        except InfeasibleError as err:
+            _say(progress, "infeasible; simulating the current policy for the report")
+            comp = compare(trace, current, None, profile, slo, engine=sim_engine, stress=stress)
+            live = live_policy(out, current_path, current, engines, keep_files=True)
+            return _write_infeasible(out, err, comp, base_summary, live, progress)
+        new = with_profile_facts(opt.policy, profile)
+        timed_out = opt.info.get("stopped_by") == STOP_TIME_LIMIT
+
+        gates: list[EngineGate] = []
+        for e in engines:
+            _say(progress, f"{e}: simulating current and new policies (trace, +20%, +50%, "
+                           "goodput)")
+            gate_prof, pool_note = gate_profile(profile, e, new)
+            comp_e = compare(trace, current, new, gate_prof, slo, engine=e, stress=stress)
+            decision = decide(comp_e, min_gain)
+            if timed_out:
+                # The safety stop cut the search short, so the new policy is whatever this
+                # machine reached in the time: another run could differ. Keep the current one.
+                decision = Decision(False, decision.gain, [
+                    "the optimizer's wall-clock safety stop (--time-limit) ended its search "
+                    "before its work budget or convergence did, so the proposed policy depends "
+                    "on this machine's speed and is not adopted; raise --time-limit",
+                    *decision.reasons,
+                ])
+            gates.append(EngineGate(e, comp_e, decision, gate_prof.kv_blocks(), pool_note))
+        passed = [g for g in gates if g.passed]
+        # The report's plots and results: the optimizer's engine when it is gated, else the
+        # first engine; the gate table covers every engine.
+        main = next((g for g in gates if g.engine == sim_engine), gates[0])
+        comp = main.comparison
+
+        exports: list[ExportResult] = []
+        policy_text = ""
+        failed = [g.engine for g in gates if not g.passed]
+        if passed:
+            first = next((g for g in passed if g.engine == sim_engine), passed[0])
+            assert first.comparison.new is not None
+            new = new.model_copy(update={"metadata": {**new.metadata, "nightly": {
+                "replaces": current.name,
+                "engines": [g.engine for g in passed],
+                "not_adopted_on": failed,
+                "goodput_engine": first.engine,
+                "goodput_rate_per_s": {
+                    "current": round(first.comparison.current.goodput.rate_per_s, 6),
+                    "new": round(first.comparison.new.goodput.rate_per_s, 6)},
+                "gain": None if first.decision.gain is None else round(first.decision.gain, 6),
+                "gains": {g.engine: None if g.decision.gain is None else round(g.decision.gain, 6)
+                          for g in gates},
+                "min_gain": min_gain,
+            }}})
+            # each was judged under its own engine's model: no provenance warning applies
+            exports = [export_policy(new, g.engine, check_provenance=False) for g in passed]
+            policy_text = document_to_yaml(
+                new, header="servetune nightly: the new scheduling policy (kind: Policy)")
+        if passed and not failed:
+            status, code = "new_policy_written", EXIT_NEW_POLICY
+            headline = (f"New policy written: `{new.name}` replaces `{current.name}` on "
+                        f"{', '.join(engines)} (exit 0).")
+        elif passed:
+            status, code = "new_policy_written_some_engines", EXIT_SOME_ENGINES
+            headline = (f"New policy written for {', '.join(g.engine for g in passed)} only: "
+                        f"`{new.name}` replaces `{current.name}` there; it failed the gate of "
+                        f"{', '.join(failed)}, whose "
+                        f"config{'s were' if len(failed) > 1 else ' was'} not written (exit 11).")
+        else:
+            status, code = "current_kept", EXIT_KEPT_CURRENT
+            headline = f"Current policy kept: `{current.name}` stays in production (exit 10)."
+            if timed_out:
+                headline = (f"Current policy kept: `{current.name}` stays in production (exit 10): "
+                            "the optimizer's safety time limit fired.")
+        reasons = list(main.decision.reasons)
+        if len(gates) > 1:
+            reasons = [f"{main.engine}: {r}" for r in reasons] + [
+                f"{g.engine}: gate {'passed' if g.passed else 'failed'}"
+                + ("" if g.passed else f": {'; '.join(_failures(g.decision))}")
+                for g in gates if g is not main]
+
+        files_written = (["policy.yaml"] + [e.filename for e in exports]) if exports else []
+        # where the new policy is not adopted, the one in production stays: say which it is
+        live = (live_policy(out, current_path, current, failed, keep_files=not passed)
+                if failed else None)
+        defaults_text, defaults_rule = defaults_section(current, profile)
+        summary_extra = {
+            **base_summary,
+            "status": status,
+            "exit_code": code,
+            "gain": main.decision.gain,
+            "kept_because": "time_limit" if timed_out else None,
+            "gates": [g.row() for g in gates],
+            "files_written": [*files_written, "report.md", *FIGURE_NAMES, "summary.json"],
+            "live_policy": live,
+            "optimizer": drop_timings(opt.info),
+            "new_policy": new.knobs(),
+            "defaults_rule": defaults_rule,
+        }
+        _say(progress, "rendering the report and its plots")
+        report = build_report(
+            comp, Verdict(headline, reasons), reasons=opt.reasons, exports=exports,
+            inputs=inputs, title="servetune nightly tuning report", summary_extra=summary_extra,
+            extra_sections=[("Gate per engine", gate_table(gates)),
+                            *_live_policy_section(live, policy_written=bool(passed)),
+                            (MODEL_ERROR_HEADING, model_error_section(opt.info.get("model_error"))),
+                            ("Engine defaults on this GPU", defaults_text)],
+        )
+        _say(progress, f"writing outputs to {out}")
+        written = _write_outputs(out, policy_text, exports, report, live)
+        return NightlyOutcome(exit_code=code, status=status, files=written, summary=report.summary)
 
 
 def defaults_section(current: Policy, profile: Profile) -> tuple[str, str]:
@@ -634,21 +660,64 @@ def gate_table(gates: Sequence[EngineGate]) -> str:
     return "\n".join(lines)
 
 
+def live_policy(out: Path, current_path: Path, current: Policy, engines: Sequence[str], *,
+                keep_files: bool) -> dict[str, Any]:
+    """The policy that stays in production on ``engines`` (summary.json's
+    ``live_policy``): the ``--current`` file's name, its policy's name and sha256, and
+    ``kept_in_folder``, the live files of ``out`` that are that policy's and stay in the
+    new output set (``keep_files``: no new policy is written). They are kept only when
+    ``out/policy.yaml`` is the ``--current`` file byte for byte (the cron setup: last
+    night's ``out/policy.yaml`` is tonight's ``--current``), with the engine configs the
+    same run exported from it; any other earlier policy and its configs leave the live set
+    (they stay in older generations), so the folder never pairs this run's report with
+    another run's policy."""
+    sha = sha256_file(current_path)
+    kept: list[str] = []
+    here = out / "policy.yaml"
+    if keep_files and here.is_file() and sha256_file(here) == sha:
+        kept = ["policy.yaml", *(name for name in CONFIG_FILES.values()
+                                 if (out / name).is_file())]
+    return {"file": current_path.name, "name": current.name, "sha256": sha,
+            "engines": list(engines), "kept_in_folder": kept}
+
+
+def _live_policy_section(live: dict[str, Any] | None, *, policy_written: bool = False
+                         ) -> list[tuple[str, str]]:
+    """The report's one sentence on the policy that stays in production (and, when this
+    run wrote no policy, on the policy files in the folder)."""
+    if live is None:
+        return []
+    kept = live["kept_in_folder"]
+    many = len(kept) > 1
+    here = ("" if policy_written else
+            f"; this folder's {', '.join(f'`{n}`' for n in kept)} {'are' if many else 'is'} "
+            f"that policy's, kept from the run that wrote {'them' if many else 'it'}" if kept
+            else "; this folder holds no earlier run's policy or engine config beside this "
+            "report")
+    return [("Policy in production", (
+        f"`{live['name']}` (`{live['file']}`, sha256 {live['sha256'][:16]}) stays in "
+        f"production on {', '.join(live['engines'])}{here}."))]
+
+
 def _write_outputs(out: Path, policy_text: str, exports: Sequence[ExportResult],
-                   report: ReportFiles) -> list[Path]:
-    """Policy and configs, then the report, ``summary.json`` last: all staged in full
-    before any is renamed into place (:func:`servetune.io.commit_files`)."""
+                   report: ReportFiles, live: dict[str, Any] | None) -> list[Path]:
+    """Policy and configs, the report and ``summary.json`` as one output set
+    (:func:`servetune.io.commit_files`); the kept policy's files stay in it as they are
+    (``live``)."""
     files: list[tuple[str, bytes]] = []
     if policy_text:
         files.append(("policy.yaml", policy_text.encode("utf-8")))
         files += [(ex.filename, ex.text.encode("utf-8")) for ex in exports]
     files += report_file_list(report)
-    return commit_files(out, files)
+    return commit_files(out, files, owned=OUTPUT_FILES,
+                        keep=live["kept_in_folder"] if live else ())
 
 
 def _write_infeasible(out: Path, err: InfeasibleError, comp: Comparison,
-                      base_summary: dict[str, Any], progress: Progress | None) -> NightlyOutcome:
-    """Exit 3: the report shows the policy in production alone, and says what binds."""
+                      base_summary: dict[str, Any], live: dict[str, Any],
+                      progress: Progress | None) -> NightlyOutcome:
+    """Exit 3: the report shows the policy in production alone (``live``), and says what
+    binds."""
     current = comp.current.policy
     headline = (f"No policy in the search space meets the SLOs; `{current.name}` stays "
                 "(exit 3).")
@@ -665,13 +734,15 @@ def _write_infeasible(out: Path, err: InfeasibleError, comp: Comparison,
         "exit_code": EXIT_INFEASIBLE,
         "details": drop_timings(err.details),
         "files_written": ["report.md", *FIGURE_NAMES, "summary.json"],
+        "live_policy": live,
     }
     _say(progress, "rendering the report and its plots")
     report = build_report(comp, Verdict(headline, [err.message]), inputs=base_summary["inputs"],
                           title="servetune nightly tuning report", summary_extra=summary_extra,
-                          extra_sections=[("Why no new policy", why)])
+                          extra_sections=[("Why no new policy", why),
+                                          *_live_policy_section(live)])
     _say(progress, f"writing outputs to {out}")
-    written = commit_files(out, report_file_list(report))
+    written = _write_outputs(out, "", [], report, live)
     return NightlyOutcome(exit_code=EXIT_INFEASIBLE, status="infeasible", files=written,
                           summary=report.summary)
 

@@ -4,8 +4,9 @@
 cost split by GPU type, beside each single-type plan), ``replicas_over_day.png`` (GPUs of
 each type per slot), ``cost_vs_growth.png`` (only with a growth sweep) and ``plan.json``.
 ``write_schedule_report`` writes ``spare_and_work.png`` (the spare tokens per slot and the
-background work scheduled into them) and ``schedule.json``. Each set is written all or
-nothing (:func:`servetune.io.commit_files`); plots use matplotlib's Agg backend through
+background work scheduled into them) and ``schedule.json``. Each set is committed as one
+unit (:func:`servetune.io.commit_files`; a plan without a sweep removes an earlier
+``cost_vs_growth.png``); plots use matplotlib's Agg backend through
 :func:`servetune.apps.report.pyplot`, so no display is needed and the same plan gives the
 same bytes.
 """
@@ -22,6 +23,7 @@ from servetune.schemas.base import document_data
 from servetune.schemas.fleet import CapacityPlan
 
 PLOT_DPI = 110
+SWEEP_PLOT = "cost_vs_growth.png"  # written only with a growth sweep
 
 
 def plan_json_text(plan: CapacityPlan) -> str:
@@ -76,9 +78,10 @@ def write_plan_report(plan: CapacityPlan, folder: Path) -> list[Path]:
         ax.set_title("Cost versus load growth")
         ax.legend()
         fig.tight_layout()
-        files.append(("cost_vs_growth.png", figure_bytes(fig, dpi=PLOT_DPI)))
+        files.append((SWEEP_PLOT, figure_bytes(fig, dpi=PLOT_DPI)))
     files.append(("plan.json", plan_json_text(plan).encode("utf-8")))
-    return commit_files(folder, files)
+    # owned even when absent: an earlier run's sweep plot must not outlive its plan
+    return commit_files(folder, files, owned=[name for name, _ in files] + [SWEEP_PLOT])
 
 
 def write_schedule_report(schedule: dict[str, Any], folder: Path) -> list[Path]:

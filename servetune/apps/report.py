@@ -21,8 +21,9 @@ where policies differ most. ``build_report(...)`` turns that into the files
 
 Files are deterministic: no clock readings or wall times, PNGs without a software tag, so
 the same inputs give the same bytes. Plots use matplotlib's Agg backend (no display).
-:func:`servetune.io.commit_files` stages every file in full before renaming any into
-place, so an interrupted run leaves the previous set intact. With ``new=None`` the report
+:func:`servetune.io.commit_files` writes them as one output set (a new generation folder
+made live by one rename), so an interrupted run leaves the previous set intact and a reader
+never sees a mix of two runs. With ``new=None`` the report
 describes the current policy alone (the nightly job's infeasible case).
 """
 

@@ -554,4 +554,5 @@ def report_files(summary: dict[str, Any], run: BenchRun, rep: Replay,
 
 
 def write_report(out_dir: str | os.PathLike[str], files: list[tuple[str, bytes]]) -> list[Path]:
+    """The report folder's files as one output set (:func:`servetune.io.commit_files`)."""
     return commit_files(out_dir, files)
