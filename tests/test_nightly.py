@@ -160,7 +160,7 @@ def tiny(tmp_path_factory):
 def tiny_args(d: Path, out: Path, current: Path, *extra: str) -> list[str]:
     return ["nightly", "--trace", str(d / "trace.csv"), "--profile", str(d / "profile.yaml"),
             "--slo", str(SLO), "--current", str(current), "--out-dir", str(out),
-            "--space", str(d / "space.yaml"), "--time-limit", "20", *extra]
+            "--space", str(d / "space.yaml"), "--time-limit", "900", *extra]
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
