@@ -35,16 +35,21 @@ NIGHTLY_HELP = "\n\n".join([
     when, under that engine, the new policy's goodput is higher by at least --min-gain
     and its SLO attainment is no lower on the stress runs (its gate); policy.yaml is
     written when at least one engine's gate passes. report.md (with PNG plots and one gate
-    row per engine) and summary.json are always written. Every file is written
-    atomically, so an interrupted run leaves the previous outputs intact; the same inputs
-    give the same files."""),
+    row per engine) and summary.json are always written. Each run's files are committed
+    as one set (a new generation under --out-dir/.generations, made live by one rename
+    of the `current` link; the names in --out-dir link through it), so a reader sees the
+    previous run's set or the new one, never a mix, and an interrupted run leaves the
+    previous set intact. A second run into the same folder while one is running exits 2
+    naming its pid. The same inputs give the same files."""),
     """\b
 Exit codes:
    0  new policy written: policy.yaml, every <engine> config, report
   11  new policy written for some engines only: policy.yaml, the
       configs of the engines whose gate passed (the others are not
       written; the report says why), report
-  10  current policy kept (every gate failed): report only
+  10  current policy kept (every gate failed, or the safety time
+      limit fired): report and summary.json, which names the policy
+      in production (live_policy)
    2  user error (bad file or option): nothing written
    3  infeasible, no policy in the space meets the SLOs: report""",
     _para("""The report is report.md, its plots (ttft_cdf.png, tpot_cdf.png, kv_queue.png,
