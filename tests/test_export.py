@@ -291,6 +291,7 @@ def test_sglang_exact_file_and_priority_convention():
     plain = export_policy(make_policy(), "sglang")
     assert "enable-priority-scheduling" not in plain.requires
     assert "PR #10534" in plain.requires
+    assert "NVIDIA/TensorRT-LLM#4509" in export_policy(make_policy(), "trtllm").requires
 
 
 def test_sglang_in_flight_cap_below_batch_width():
