@@ -40,7 +40,8 @@ and quantiles, and the profile's step-time coefficients (``servetune.profiles.st
   however it is chunked) over ``n = ceil(P / c)`` consecutive steps; about ``x (L + n)``
   prompts overlap a request's decode, each sharing ``L n / (L + n)`` of its steps on
   average, so the request's extra time is a compound sum of shots ``T(P) L / (L + n)``
-  (mean ``x L E[T]``, as the mean step says; variance times ``ca^2`` for bursty arrivals).
+  (mean ``x L E[T]``, as the mean step says; bursty arrivals, ``d = ca^2 > 1``, as
+  clusters of ``d`` prompts prefilled in turn: rarer shots of ``d T(P)`` over ``d n`` steps).
   Its q-quantile over the class's requests (:meth:`FluidModel.prefill_excess_quantile`)
   takes, per output length, the larger tail of a lognormal with the sum's two moments
   (many overlaps) and of one big shot (few). This is what a chunk cap trades: short
@@ -176,6 +177,15 @@ def tpot_noise_quantiles(cls: ClassLoad, q: float, bins: int = 200) -> np.ndarra
         lo = np.where(above, mid, lo)
         hi = np.where(above, hi, mid)
     return hi
+
+
+def _tpot_z_at(tau_steps, z_tab: np.ndarray | None, q: float) -> np.ndarray | float:
+    """The TPOT noise quantile ``z`` for loads correlated over ``tau_steps`` steps,
+    interpolated in the class's table (:func:`tpot_noise_quantiles`); the per-step
+    normal quantile where the class has none."""
+    if z_tab is None:
+        return normal_quantile(q)
+    return np.interp(np.log(np.clip(tau_steps, 1.0, _TPOT_TAU[-1])), np.log(_TPOT_TAU), z_tab)
 
 
 def poisson_quantile_cf(mean: np.ndarray | float, q: float) -> np.ndarray | float:
@@ -526,6 +536,11 @@ class FluidModel:
         w = w / w.sum()
         rows = np.maximum(o - 1.0, 0.0)
         held = p + 0.5 * o  # tokens a decoding request holds, on average over its decode
+        # The prompt marginal (per class, its bins weighted by share) for E[P min(P, c)].
+        self._marginal_prompts = np.concatenate([pp[::len(mids)] for pp in ps])
+        self._marginal_w = np.concatenate([np.full(len(mids), c.share / len(mids))
+                                           for c in self.load.classes])
+        self._marginal_w = self._marginal_w / self._marginal_w.sum()
         # KV variance: a request holds about P + O/2 tokens over its O - 1 decode steps
         # and P over its P / c + 1/2 prefill steps.
         self._kv_decode_sq = float(np.sum(w * rows * held**2))
@@ -561,6 +576,16 @@ class FluidModel:
             out = np.interp(omids, _Q_TABLE, np.asarray(cl.output_table, float))
             self._shot_rows[cl.name] = np.maximum(out[out >= 2.0] - 1.0, 1.0)
 
+    def prompt_chunked_sq(self, chunk) -> np.ndarray:
+        """``E[P min(P, c)]`` for chunk sizes ``c`` (vectorised): a prompt of ``P``
+        tokens adds ``min(P, c)`` tokens to each of about ``P / c`` steps, so this is the
+        per-arrival variance of the prefill tokens one step carries (``E[P^2]`` when a
+        prompt fits one chunk)."""
+        c = np.asarray(chunk, dtype=np.float64)
+        p = self._marginal_prompts[:, None]
+        out = np.sum(self._marginal_w[:, None] * p * np.minimum(p, c.reshape(1, -1)), axis=0)
+        return out.reshape(c.shape)
+
     def prefill_excess_quantile(self, name: str, x, chunk, q: float
                                 ) -> tuple[np.ndarray, np.ndarray]:
         """(mean, q-quantile over the class's requests) of the prefill time per decode
@@ -572,7 +597,8 @@ class FluidModel:
         About ``x (L + n)`` prompts overlap the request's steps, sharing on average ``L n /
         (L + n)`` of their steps with it, so the request's extra time is a compound sum of
         ``x (L + n)`` shots of ``T(P) L / (L + n)`` (mean ``x L E[T]``, as the mean step
-        says; its variance times ``ca^2`` for bursty arrivals). Per decode step that is
+        says; Poisson overlaps: bursts are the other TPOT term's, in :meth:`state`). Per
+        decode step that is
         the sum over L: short outputs that meet a long prompt's chunks set the tail, and a
         chunk cap spreads a prompt thinly over more requests.
 
@@ -622,7 +648,7 @@ class FluidModel:
         size = self._shot_s[None, None, :] * L / count
         w = self._shot_w[None, None, :]
         k1 = x[:, None] * np.sum(w * count * size, axis=-1)  # (x, O)
-        k2 = x[:, None] * np.sum(w * count * size * size, axis=-1) * max(1.0, self.ca2)
+        k2 = x[:, None] * np.sum(w * count * size * size, axis=-1)
         mu, sd = lognormal_shape(k1, k2)
         sd = np.maximum(sd, 1e-12)
         lrows = rows[None, :]
@@ -759,11 +785,11 @@ class FluidModel:
         ttft: dict[str, np.ndarray] = {}
         tpot: dict[str, np.ndarray] = {}
         # Prompt tokens arriving per step: compound renewal counts, whose variance is the
-        # Poisson one times the index of dispersion ca^2 (bursty traffic fills steps).
-        # A prompt is split into chunks of at most `chunk` tokens per step (the room the
-        # budget leaves, or the per-request cap), which caps its share of one step.
-        # A step's time is shot noise too: prefill chunks (their tokens and attention
-        # pairs, bursty: variance times ca^2) and the decode rows' context reads.
+        # Poisson one times the index of dispersion ca^2 (bursty traffic fills steps); a
+        # prompt adds at most a chunk to each of its steps. The decode rows' context
+        # reads make a step's time shot noise too.
+        sd_prefill = np.sqrt(np.maximum(
+            x * self.prompt_chunked_sq(chunk) * max(1.0, self.ca2), 0.0))
         sd_decode_s = np.sqrt(np.maximum(x * self._decode_time_sq, 0.0))
         pairs_per_token = self.pairs / self.prompt_mean
         context_per_row = self.context / max(self.decode_rows, 1e-9)
@@ -793,25 +819,33 @@ class FluidModel:
             ttft[cls.name] = cal.ttft * (
                 wait_q * step + steps_q * pf_step + own_attention + 0.5 * step
             )
-            # TPOT: a decode-only step, plus the prefill time other prompts add per decode
-            # step (its q-quantile over the class's requests, :meth:`prefill_excess_quantile`),
-            # plus the noise of the neighbours' context reads, which last their residual
-            # decode life (averaged over the request's steps as in
-            # :func:`tpot_noise_quantiles`); at most a step that is full: the budget's
-            # tokens, attending as deep as the q-quantile prompt.
-            pf_mean, pf_q = self.prefill_excess_quantile(cls.name, x, chunk, q)
+            # TPOT, two mechanisms, whichever is worse, at most a full step (the budget's
+            # tokens attending as deep as the q-quantile prompt):
+            # (a) bursts: a step carrying D decodes and Tp + z sqrt(x E[P min(P, c)] ca^2)
+            # prefill tokens (compound renewal counts, capped by the room), with z the
+            # q-quantile of that noise averaged over a request's decode steps, which
+            # stay correlated for the prefill queue's relaxation time (Kingman's factor
+            # (ca^2 + cs^2) / 2 over 1 - rho steps; :func:`tpot_noise_quantiles`);
+            # (b) heavy prompts: a decode-only step plus the prefill time other prompts
+            # add per decode step (:meth:`prefill_excess_quantile`) and the noise of the
+            # neighbours' context reads, which last their residual decode life.
             z_tab = self.tpot_z.get(cls.name)
-            z_decode = (np.interp(np.log(np.clip(self._decode_tau, 1.0, _TPOT_TAU[-1])),
-                                  np.log(_TPOT_TAU), z_tab) if z_tab is not None
-                        else normal_quantile(q))
-            decode_noise = z_decode * sd_decode_s
+            burst = max(1.0, 0.5 * (self.ca2 + self.cs2))
+            z = _tpot_z_at(burst / np.maximum(1.0 - rho, 1e-9), z_tab, q)
+            hi_prefill = np.minimum(room, prefill + z * sd_prefill)
+            bursts = self.step_seconds(
+                decode + hi_prefill, decode + x, decode, decode * context_per_row,
+                hi_prefill * pairs_per_token)
+            pf_mean, pf_q = self.prefill_excess_quantile(cls.name, x, chunk, q)
+            decode_noise = _tpot_z_at(self._decode_tau, z_tab, q) * sd_decode_s
             spread = np.sqrt(np.maximum(pf_q - pf_mean, 0.0) ** 2 + decode_noise**2)
-            decode_step = self.step_seconds(
-                decode, decode + x, decode, decode * context_per_row, 0.0 * decode)
+            heavy = self.step_seconds(
+                decode, decode + x, decode, decode * context_per_row, 0.0 * decode,
+            ) + pf_mean + spread
             full_step = self.step_seconds(
                 np.full_like(decode, budget), decode + x, decode, decode * context_per_row,
                 np.full_like(decode, budget * prompt_q)) + decode_noise
-            tpot[cls.name] = cal.tpot * np.minimum(decode_step + pf_mean + spread, full_step)
+            tpot[cls.name] = cal.tpot * np.minimum(np.maximum(bursts, heavy), full_step)
         in_system = running + x * np.where(np.isfinite(wait_mean), wait_mean, 1e12)
         queued_q = poisson_quantile_cf(in_system, self.capacity_quantile)
         in_prefill = x * (prefill_steps + np.where(np.isfinite(wait_mean), wait_mean, 1e12))
