@@ -16,10 +16,14 @@ and quantiles, and the profile's step-time coefficients (``servetune.profiles.st
   rate ``lambda = x / t(x)``, which increases with ``x``; so the sustainable rate of a
   policy is ``x* / t(x*)`` with ``x*`` the largest ``x`` that meets every condition below;
 - running set ``N = x (O - 1 + prefill steps)`` (Little's law in steps), its Poisson
-  quantile (concurrent requests of an M/G/inf system are Poisson), and KV occupancy: a
-  request holds about ``P + O/2`` tokens over its decode life, so the mean is
-  ``x (C + P * prefill steps)`` and the high quantile is the Poisson quantile of ``N``
-  times the mean holding per request, plus half a block of rounding each;
+  quantile (concurrent requests of an M/G/inf system are Poisson), and KV occupancy,
+  *shot noise*: a request holds about ``P`` tokens over its ``P / c + 1/2`` prefill
+  steps and ``P + O/2`` over its ``O - 1`` decode steps, so the occupancy's mean is
+  ``x E[(O - 1)(P + O/2) + P (P / c + 1/2)]`` and its variance ``x E[(O - 1)(P + O/2)^2
+  + P^2 (P / c + 1/2)]`` (an M/G/inf sum); its high quantile is a lognormal's with these
+  two moments, plus half a block of rounding per request. (The Poisson count times the
+  mean holding, used before, ignored the spread of holdings: on a long-context workload
+  whose prompts reach 100k tokens it was 3-4x below the simulator's occupancy.)
 - TTFT: the prefill queue serves ``M - D`` tokens per step (what the token budget leaves
   after decodes), utilisation ``rho = Tp / (M - D)``. Without a chunk cap it is one FCFS
   server (Kingman: ``W = (ca^2 + cs^2)/2 * rho/(1-rho) * E[S]``); a chunk cap ``L``
@@ -29,15 +33,25 @@ and quantiles, and the profile's step-time coefficients (``servetune.profiles.st
   (bursty arrivals find the queue busy more often). The q-quantile prompt then needs
   ``ceil(P_q / min(L, M - D))`` steps (``L`` = ``long_prefill_token_threshold``) plus
   its own causal attention, ``P_q^2 / 2`` pairs;
-- TPOT: a request's TPOT is the mean of its decode steps; its high quantile is the time of a
-  step that carries ``D`` decodes and ``Tp + z sqrt(x E[P min(P, c)] max(1, ca^2))``
-  prefill tokens (compound renewal counts: Poisson variance times the index of
-  dispersion; a prompt adds at most a chunk ``c = min(L, M - D)`` to each of its steps),
-  capped by the budget (as Sarathi-Serve bounds a step's chunk by the TPOT target). The
-  mean of ``O - 1`` steps correlated over ``tau = max(1, (ca^2 + cs^2)/2) / (1 - rho)``
-  steps (the prefill queue's relaxation time) has the noise of ``(O - 1) / tau``
-  independent ones, so ``z`` is the q-quantile of that averaged noise over the class's
-  outputs (:func:`tpot_noise_quantiles`), not the per-step ``Phi^-1(q)``;
+- TPOT: a request's TPOT is the mean of its ``L = O - 1`` decode steps: a decode-only
+  step, plus the prefill time that other requests' prompts add to its steps, plus the
+  noise of its neighbours' context reads. A prompt of ``P`` tokens costs ``T(P) = a P +
+  b P^2 / 2`` seconds (``a`` the GEMM's steepest slope per token, ``b`` per attention pair,
+  however it is chunked) over ``n = ceil(P / c)`` consecutive steps; about ``x (L + n)``
+  prompts overlap a request's decode, each sharing ``L n / (L + n)`` of its steps on
+  average, so the request's extra time is a compound sum of shots ``T(P) L / (L + n)``
+  (mean ``x L E[T]``, as the mean step says; bursty arrivals, ``d = ca^2 > 1``, as
+  clusters of ``d`` prompts prefilled in turn: rarer shots of ``d T(P)`` over ``d n`` steps).
+  Its q-quantile over the class's requests (:meth:`FluidModel.prefill_excess_quantile`)
+  takes, per output length, the larger tail of a lognormal with the sum's two moments
+  (many overlaps) and of one big shot (few). This is what a chunk cap trades: short
+  outputs that meet a long prompt's chunks set the tail, and a smaller chunk spreads that
+  prompt over more steps. The context reads (``x E[(O - 1) (r + k (P + O/2))^2]`` of
+  variance) last a neighbour's residual decode life and average over the request's steps
+  as in :func:`tpot_noise_quantiles`. A TPOT is at most a full step: the budget's tokens
+  attending as deep as the q-quantile prompt. (The Gaussian token-count noise used before
+  saw neither the attention of deep chunks, 0.4 s for a 2048-token chunk at depth 50k on
+  an L40S, nor that a prompt's chunks come in a run: 3-5x optimistic there);
 - stability: ``T < M`` (demand per step below what one step serves), seats and KV.
 
 Every condition is non-decreasing in ``x``, so each gives a largest ``x``
@@ -94,6 +108,45 @@ def normal_quantile(q: float) -> float:
 
 # Correlation times (steps) at which the TPOT noise quantile is tabulated.
 _TPOT_TAU = np.geomspace(1.0, 1024.0, 21)
+# Prompt and output bins per class for the joint (P, O) moments of the shot-noise terms.
+_N_JOINT_BINS = 100
+# Bins for the TPOT shot model, evaluated at every load and chunk size: prompt quantile
+# edges dense in the tail (the longest prompts set the tail), output quantiles uniform.
+_SHOT_PROMPT_EDGES = np.concatenate([np.linspace(0.0, 0.9, 19), np.linspace(0.92, 0.98, 4),
+                                     np.linspace(0.99, 1.0, 11)])
+_N_SHOT_OUTPUT_BINS = 16
+# The grid on which the TPOT prefill-excess quantile is solved per class: loads (arrivals
+# per step, 6 per decade) and chunk sizes (log-spaced from 16 tokens to twice the
+# longest prompt), and the bisection steps (a ratio of 2^(40 / 2^22) in the end).
+_EXCESS_X_RANGE = (1e-7, 1e3)
+_EXCESS_X_POINTS = 61
+_EXCESS_CHUNK_POINTS = 16
+_EXCESS_BISECTIONS = 22
+
+
+def normal_sf(z) -> np.ndarray:
+    """``1 - Phi(z)``, vectorised (Abramowitz and Stegun 26.2.17, error < 7.5e-8)."""
+    z = np.asarray(z, dtype=np.float64)
+    t = 1.0 / (1.0 + 0.2316419 * np.abs(z))
+    poly = t * (0.319381530 + t * (-0.356563782 + t * (1.781477937 + t * (
+        -1.821255978 + t * 1.330274429))))
+    upper = np.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi) * poly
+    return np.where(z >= 0, upper, 1.0 - upper)
+
+
+def lognormal_shape(mean, var) -> tuple[np.ndarray, np.ndarray]:
+    """``(mu, s)`` of the lognormal with this mean and variance (a positive sum of
+    heavy-tailed shots: its skew grows with its CV, as a compound-Poisson sum's does)."""
+    mean = np.maximum(np.asarray(mean, dtype=np.float64), 1e-150)
+    s2 = np.log1p(np.maximum(np.asarray(var, dtype=np.float64), 0.0) / (mean * mean))
+    return np.log(mean) - 0.5 * s2, np.sqrt(s2)
+
+
+def lognormal_quantile(mean, var, q: float) -> np.ndarray:
+    """The q-quantile of the lognormal with this mean and variance (0 where mean is 0)."""
+    mu, s = lognormal_shape(mean, var)
+    out = np.exp(mu + normal_quantile(q) * s)
+    return np.where(np.asarray(mean) > 0, out, 0.0)
 _erfc = np.frompyfunc(math.erfc, 1, 1)
 
 
@@ -124,6 +177,15 @@ def tpot_noise_quantiles(cls: ClassLoad, q: float, bins: int = 200) -> np.ndarra
         lo = np.where(above, mid, lo)
         hi = np.where(above, hi, mid)
     return hi
+
+
+def _tpot_z_at(tau_steps, z_tab: np.ndarray | None, q: float) -> np.ndarray | float:
+    """The TPOT noise quantile ``z`` for loads correlated over ``tau_steps`` steps,
+    interpolated in the class's table (:func:`tpot_noise_quantiles`); the per-step
+    normal quantile where the class has none."""
+    if z_tab is None:
+        return normal_quantile(q)
+    return np.interp(np.log(np.clip(tau_steps, 1.0, _TPOT_TAU[-1])), np.log(_TPOT_TAU), z_tab)
 
 
 def poisson_quantile_cf(mean: np.ndarray | float, q: float) -> np.ndarray | float:
@@ -451,20 +513,68 @@ class FluidModel:
         self.ca2 = ld.mean(lambda c: c.interarrival_cv**2)
         self.cs2 = max(self.prompt_sq / self.prompt_mean**2 - 1.0, 0.0)
         self.coef, self.pieces = self.platform.step_time.as_arrays(self.platform.engine)
-        # The prompt-length mixture (quantile midpoints of every class, weighted by share)
-        # for E[P min(P, c)], the per-step prefill variance under a chunk size c.
-        mids = (np.arange(_N_MOMENT_BINS) + 0.5) / _N_MOMENT_BINS
-        self._prompts = np.concatenate(
-            [np.interp(mids, _Q_TABLE, np.asarray(c.prompt_table, dtype=np.float64))
-             for c in ld.classes])
-        weights = np.concatenate([np.full(len(mids), c.share) for c in ld.classes])
-        self._prompt_w = weights / weights.sum()
-        table_sq = float(np.sum(self._prompt_w * self._prompts**2))
-        self._prompt_sq_scale = self.prompt_sq / table_sq if table_sq > 0 else 1.0
         self.tpot_z = {
             c.name: tpot_noise_quantiles(c, self.targets[c.name].q)
             for c in ld.classes if c.name in self.targets
         }
+        self._shot_noise_moments()
+
+    def _shot_noise_moments(self) -> None:
+        """Moments for the shot-noise terms (module docstring): joint (P, O) bins per
+        class, P and O independent within a class, as ``decode_context_per_request``
+        takes them."""
+        mids = (np.arange(_N_JOINT_BINS) + 0.5) / _N_JOINT_BINS
+        ps, os_, ws = [], [], []
+        for c in self.load.classes:
+            p = np.interp(mids, _Q_TABLE, np.asarray(c.prompt_table, dtype=np.float64))
+            o = np.interp(mids, _Q_TABLE, np.asarray(c.output_table, dtype=np.float64))
+            pp, oo = np.meshgrid(p, o, indexing="ij")
+            ps.append(pp.ravel())
+            os_.append(oo.ravel())
+            ws.append(np.full(pp.size, c.share / pp.size))
+        p, o, w = np.concatenate(ps), np.concatenate(os_), np.concatenate(ws)
+        w = w / w.sum()
+        rows = np.maximum(o - 1.0, 0.0)
+        held = p + 0.5 * o  # tokens a decoding request holds, on average over its decode
+        # The prompt marginal (per class, its bins weighted by share) for E[P min(P, c)].
+        self._marginal_prompts = np.concatenate([pp[::len(mids)] for pp in ps])
+        self._marginal_w = np.concatenate([np.full(len(mids), c.share / len(mids))
+                                           for c in self.load.classes])
+        self._marginal_w = self._marginal_w / self._marginal_w.sum()
+        # KV variance: a request holds about P + O/2 tokens over its O - 1 decode steps
+        # and P over its P / c + 1/2 prefill steps.
+        self._kv_decode_sq = float(np.sum(w * rows * held**2))
+        self._prompt_sq_cube = (float(np.sum(w * p**2)), float(np.sum(w * p**3)))
+        # Step time: one decode row costs its row terms plus its context read.
+        c = self.coef
+        constant = c[COEF_CONSTANT] > 0
+        row_s = 0.0 if constant else float(
+            c[COEF_DECODE_SEQ] + c[COEF_LM_ROW] + c[COEF_HOST_SEQ]
+            + min(b for _, b in self.pieces) + c[COEF_ALLREDUCE])
+        ctx_s = 0.0 if constant else float(c[COEF_DECODE_CTX])
+        self._decode_time_sq = float(np.sum(w * rows * (row_s + ctx_s * held) ** 2))
+        # A decoding neighbour's load lasts its residual decode life (steps).
+        life = float(np.sum(w * rows))
+        self._decode_tau = (float(np.sum(w * rows * rows)) / (2.0 * life)) if life > 0 else 1.0
+        # Prefill shots: a prompt of P tokens costs a P + b P^2 / 2 seconds of steps
+        # (a per token, b per attention pair), however it is chunked.
+        self._chunk_token_s = 0.0 if constant else float(
+            max(b for _, b in self.pieces) + c[COEF_ALLREDUCE])
+        self._pair_s = 0.0 if constant else float(c[COEF_PREFILL_PAIR])
+        edges = _SHOT_PROMPT_EDGES
+        smids, widths = 0.5 * (edges[1:] + edges[:-1]), np.diff(edges)
+        sp = np.concatenate([np.interp(smids, _Q_TABLE, np.asarray(c.prompt_table, float))
+                             for c in self.load.classes])
+        sw = np.concatenate([widths * c.share for c in self.load.classes])
+        self._shot_prompts = sp
+        self._shot_w = sw / sw.sum()
+        self._shot_s = self._chunk_token_s * sp + 0.5 * self._pair_s * sp * sp
+        omids = (np.arange(_N_SHOT_OUTPUT_BINS) + 0.5) / _N_SHOT_OUTPUT_BINS
+        self._shot_rows = {}
+        self._excess_tables: dict[tuple[str, float], tuple[np.ndarray, ...]] = {}
+        for cl in self.load.classes:
+            out = np.interp(omids, _Q_TABLE, np.asarray(cl.output_table, float))
+            self._shot_rows[cl.name] = np.maximum(out[out >= 2.0] - 1.0, 1.0)
 
     def prompt_chunked_sq(self, chunk) -> np.ndarray:
         """``E[P min(P, c)]`` for chunk sizes ``c`` (vectorised): a prompt of ``P``
@@ -472,12 +582,102 @@ class FluidModel:
         per-arrival variance of the prefill tokens one step carries (``E[P^2]`` when a
         prompt fits one chunk)."""
         c = np.asarray(chunk, dtype=np.float64)
-        p = self._prompts[:, None]
-        out = np.sum(self._prompt_w[:, None] * p * np.minimum(p, c.reshape(1, -1)), axis=0)
-        return (self._prompt_sq_scale * out).reshape(c.shape)
+        p = self._marginal_prompts[:, None]
+        out = np.sum(self._marginal_w[:, None] * p * np.minimum(p, c.reshape(1, -1)), axis=0)
+        return out.reshape(c.shape)
+
+    def prefill_excess_quantile(self, name: str, x, chunk, q: float
+                                ) -> tuple[np.ndarray, np.ndarray]:
+        """(mean, q-quantile over the class's requests) of the prefill time per decode
+        step that other requests' prompts add to a request's decode steps, at loads ``x``
+        with chunk sizes ``chunk`` (arrays of one shape).
+
+        A request decodes for ``L = O - 1`` steps; a prompt of ``P`` tokens is prefilled
+        over ``n = ceil(P / c)`` consecutive steps and costs ``T(P) = a P + b P^2 / 2``.
+        About ``x (L + n)`` prompts overlap the request's steps, sharing on average ``L n /
+        (L + n)`` of their steps with it, so the request's extra time is a compound sum of
+        ``x (L + n)`` shots of ``T(P) L / (L + n)`` (mean ``x L E[T]``, as the mean step
+        says; Poisson overlaps: bursts are the other TPOT term's, in :meth:`state`). Per
+        decode step that is
+        the sum over L: short outputs that meet a long prompt's chunks set the tail, and a
+        chunk cap spreads a prompt thinly over more requests.
+
+        The quantile is solved once per class on a grid of loads and chunk sizes
+        (:meth:`_prefill_excess_solve`) and interpolated bilinearly in their logarithms,
+        which keeps it monotone in both (the limits' bisection calls this thousands of
+        times); outside the load grid it scales in proportion to ``x``."""
+        x = np.asarray(x, dtype=np.float64)
+        chunk = np.broadcast_to(np.asarray(chunk, dtype=np.float64), x.shape)
+        mean = x * float(self._shot_w @ self._shot_s)
+        key = (name, q)
+        if key not in self._excess_tables:
+            xs = np.geomspace(_EXCESS_X_RANGE[0], _EXCESS_X_RANGE[1], _EXCESS_X_POINTS)
+            cs = np.geomspace(16.0, max(32.0, 2.0 * float(self._shot_prompts.max())),
+                              _EXCESS_CHUNK_POINTS)
+            gx, gc = np.meshgrid(xs, cs, indexing="ij")
+            table = self._prefill_excess_solve(name, gx.ravel(), gc.ravel(), q)
+            self._excess_tables[key] = (np.log(xs), np.log(cs), table.reshape(gx.shape))
+        lx, lc, table = self._excess_tables[key]
+        ux = np.log(np.maximum(x, 1e-300))
+        uc = np.clip(np.log(np.maximum(chunk, 1.0)), lc[0], lc[-1])
+        inside = np.clip(ux, lx[0], lx[-1])
+        i = np.clip(np.searchsorted(lx, inside) - 1, 0, len(lx) - 2)
+        j = np.clip(np.searchsorted(lc, uc) - 1, 0, len(lc) - 2)
+        fx = (inside - lx[i]) / (lx[i + 1] - lx[i])
+        fc = (uc - lc[j]) / (lc[j + 1] - lc[j])
+        value = ((1 - fx) * (1 - fc) * table[i, j] + fx * (1 - fc) * table[i + 1, j]
+                 + (1 - fx) * fc * table[i, j + 1] + fx * fc * table[i + 1, j + 1])
+        value = value * np.exp(ux - inside)  # beyond the grid: in proportion to x
+        return mean, np.where(x > 0, value, 0.0)
+
+    def _prefill_excess_solve(self, name: str, x: np.ndarray, chunk: np.ndarray, q: float
+                              ) -> np.ndarray:
+        """The quantile of :meth:`prefill_excess_quantile`, solved directly: per output
+        length, the larger tail of a lognormal with the sum's two moments (many overlaps)
+        and of one big shot (few; the others add their mean); the mixture over the
+        class's output lengths is solved for a share ``1 - q`` above by bisection in
+        log space."""
+        rows = self._shot_rows.get(name)
+        mean = x * float(self._shot_w @ self._shot_s)
+        if rows is None or len(rows) == 0 or mean.max() <= 0:
+            return mean
+        n = np.maximum(np.ceil(self._shot_prompts[None, :] / chunk[:, None] - 1e-9),
+                       1.0)[:, None, :]  # (x, 1, P)
+        L = rows[None, :, None]  # (1, O, 1)
+        count = L + n
+        size = self._shot_s[None, None, :] * L / count
+        w = self._shot_w[None, None, :]
+        k1 = x[:, None] * np.sum(w * count * size, axis=-1)  # (x, O)
+        k2 = x[:, None] * np.sum(w * count * size * size, axis=-1)
+        mu, sd = lognormal_shape(k1, k2)
+        sd = np.maximum(sd, 1e-12)
+        lrows = rows[None, :]
+        rate = x[:, None, None] * w * count  # overlapping prompts per bin (x, O, P)
+
+        def share_above(y: np.ndarray) -> np.ndarray:
+            total = y[:, None] * lrows  # (x, O)
+            smooth = normal_sf((np.log(np.maximum(total, 1e-300)) - mu) / sd)
+            big = size > (total - k1)[:, :, None]
+            jump = -np.expm1(-np.sum(np.where(big, rate, 0.0), axis=-1))
+            return np.mean(np.maximum(smooth, jump), axis=1)
+
+        # Above hi no request's excess can lie (past the largest shot over the mean, and
+        # eight log-SDs into the lognormal's tail); below lo the quantile is 0 to the
+        # precision that matters.
+        hi = np.max((np.maximum(k1 + size.max(axis=-1), np.exp(mu + 8.0 * sd))) / lrows,
+                    axis=1)
+        lo = np.maximum(mean * 1e-6, 1e-300)
+        for _ in range(_EXCESS_BISECTIONS):
+            mid = np.sqrt(lo * hi)
+            bad = share_above(mid) > 1.0 - q
+            lo = np.where(bad, mid, lo)
+            hi = np.where(bad, hi, mid)
+        return np.where(mean > 0, hi, 0.0)
 
     def with_calibration(self, calibration: Calibration) -> FluidModel:
-        return replace(self, calibration=calibration)
+        new = replace(self, calibration=calibration)
+        new._excess_tables = self._excess_tables  # they do not depend on the calibration
+        return new
 
     # Step time ------------------------------------------------------------------------
     def step_seconds(self, tokens, sampled, decode, context, pairs) -> np.ndarray:
@@ -551,9 +751,17 @@ class FluidModel:
         prefill_steps = self.prompt_mean / chunk + 0.5
         running = x * (self.decode_rows + prefill_steps)
         running_q = poisson_quantile_cf(running, self.capacity_quantile)
-        kv_mean = cal.kv * x * (self.context + self.prompt_mean * prefill_steps)
-        per_request = np.where(running > 0, kv_mean / np.maximum(running, 1e-12), 0.0)
-        kv_q = running_q * (per_request + 0.5 * self.platform.block_size)
+        # KV occupancy is shot noise: each request in the system holds its tokens (about
+        # P while it prefills, P + O/2 while it decodes); its mean and variance are x
+        # E[sum over its steps of held] and x E[sum of held^2] (M/G/inf), and its
+        # quantile a lognormal's: heavy-tailed prompts put it far above the mean number of
+        # requests times the mean holding.
+        p_sq, p_cube = self._prompt_sq_cube
+        kv_k1 = x * (self.context + self.prompt_sq / chunk + 0.5 * self.prompt_mean)
+        kv_k2 = x * (self._kv_decode_sq + p_cube / chunk + 0.5 * p_sq)
+        kv_mean = cal.kv * kv_k1
+        kv_q = cal.kv * lognormal_quantile(kv_k1, kv_k2, self.capacity_quantile) + (
+            0.5 * self.platform.block_size * running_q)
 
         # Prefill queue in steps. With a per-request chunk cap L the budget is shared by
         # c = room / L prompts at once (a G/G/c queue of servers of L tokens per step),
@@ -577,11 +785,12 @@ class FluidModel:
         ttft: dict[str, np.ndarray] = {}
         tpot: dict[str, np.ndarray] = {}
         # Prompt tokens arriving per step: compound renewal counts, whose variance is the
-        # Poisson one times the index of dispersion ca^2 (bursty traffic fills steps).
-        # A prompt is split into chunks of at most `chunk` tokens per step (the room the
-        # budget leaves, or the per-request cap), which caps its share of one step.
+        # Poisson one times the index of dispersion ca^2 (bursty traffic fills steps); a
+        # prompt adds at most a chunk to each of its steps. The decode rows' context
+        # reads make a step's time shot noise too.
         sd_prefill = np.sqrt(np.maximum(
             x * self.prompt_chunked_sq(chunk) * max(1.0, self.ca2), 0.0))
+        sd_decode_s = np.sqrt(np.maximum(x * self._decode_time_sq, 0.0))
         pairs_per_token = self.pairs / self.prompt_mean
         context_per_row = self.context / max(self.decode_rows, 1e-9)
         for cls in self.load.classes:
@@ -610,20 +819,33 @@ class FluidModel:
             ttft[cls.name] = cal.ttft * (
                 wait_q * step + steps_q * pf_step + own_attention + 0.5 * step
             )
-            # A request's TPOT averages its decode steps; step loads stay correlated
-            # for about the prefill queue's relaxation time, Kingman's variability
-            # factor (ca^2 + cs^2) / 2 over 1 - rho steps (bursts last longer).
-            burst = max(1.0, 0.5 * (self.ca2 + self.cs2))
-            tau = np.clip(burst / np.maximum(1.0 - rho, 1e-9), 1.0, _TPOT_TAU[-1])
+            # TPOT, two mechanisms, whichever is worse, at most a full step (the budget's
+            # tokens attending as deep as the q-quantile prompt):
+            # (a) bursts: a step carrying D decodes and Tp + z sqrt(x E[P min(P, c)] ca^2)
+            # prefill tokens (compound renewal counts, capped by the room), with z the
+            # q-quantile of that noise averaged over a request's decode steps, which
+            # stay correlated for the prefill queue's relaxation time (Kingman's factor
+            # (ca^2 + cs^2) / 2 over 1 - rho steps; :func:`tpot_noise_quantiles`);
+            # (b) heavy prompts: a decode-only step plus the prefill time other prompts
+            # add per decode step (:meth:`prefill_excess_quantile`) and the noise of the
+            # neighbours' context reads, which last their residual decode life.
             z_tab = self.tpot_z.get(cls.name)
-            z = (np.interp(np.log(tau), np.log(_TPOT_TAU), z_tab) if z_tab is not None
-                 else normal_quantile(q))
+            burst = max(1.0, 0.5 * (self.ca2 + self.cs2))
+            z = _tpot_z_at(burst / np.maximum(1.0 - rho, 1e-9), z_tab, q)
             hi_prefill = np.minimum(room, prefill + z * sd_prefill)
-            hi_tokens = decode + hi_prefill
-            tpot[cls.name] = cal.tpot * self.step_seconds(
-                hi_tokens, decode + x, decode, decode * context_per_row,
-                hi_prefill * pairs_per_token,
-            )
+            bursts = self.step_seconds(
+                decode + hi_prefill, decode + x, decode, decode * context_per_row,
+                hi_prefill * pairs_per_token)
+            pf_mean, pf_q = self.prefill_excess_quantile(cls.name, x, chunk, q)
+            decode_noise = _tpot_z_at(self._decode_tau, z_tab, q) * sd_decode_s
+            spread = np.sqrt(np.maximum(pf_q - pf_mean, 0.0) ** 2 + decode_noise**2)
+            heavy = self.step_seconds(
+                decode, decode + x, decode, decode * context_per_row, 0.0 * decode,
+            ) + pf_mean + spread
+            full_step = self.step_seconds(
+                np.full_like(decode, budget), decode + x, decode, decode * context_per_row,
+                np.full_like(decode, budget * prompt_q)) + decode_noise
+            tpot[cls.name] = cal.tpot * np.minimum(np.maximum(bursts, heavy), full_step)
         in_system = running + x * np.where(np.isfinite(wait_mean), wait_mean, 1e12)
         queued_q = poisson_quantile_cf(in_system, self.capacity_quantile)
         in_prefill = x * (prefill_steps + np.where(np.isfinite(wait_mean), wait_mean, 1e12))

@@ -283,6 +283,15 @@ def test_sglang_exact_file_and_priority_convention():
     # (0.9 * 150e9 - 6e9) / 150e9 = 129 / 150 = 0.86
     assert data["mem-fraction-static"] == 0.86
     assert data["max-total-tokens"] == 1000 * 16
+    # the header names the SGLang changes whose options the file uses (no release pinned)
+    header_text = " ".join(ln.lstrip("# ") for ln in result.text.splitlines()
+                           if ln.startswith("#"))
+    assert "`--config` (YAML config files, sgl-project/sglang PR #10534" in header_text
+    assert "`enable-priority-scheduling` (priority scheduling with preemption" in header_text
+    plain = export_policy(make_policy(), "sglang")
+    assert "enable-priority-scheduling" not in plain.requires
+    assert "PR #10534" in plain.requires
+    assert "NVIDIA/TensorRT-LLM#4509" in export_policy(make_policy(), "trtllm").requires
 
 
 def test_sglang_in_flight_cap_below_batch_width():

@@ -14,6 +14,9 @@ from servetune.models.fluid import (
     Knobs,
     LoadModel,
     knobs_grid,
+    lognormal_quantile,
+    normal_quantile,
+    normal_sf,
     poisson_quantile,
     poisson_quantile_cf,
 )
@@ -85,9 +88,10 @@ def test_littles_law_and_kv_holding():
     room = 2048 - x * fm.decode_rows
     prefill_steps = fm.prompt_mean / room + 0.5
     assert float(st.running[0]) == pytest.approx(x * (fm.decode_rows + prefill_steps))
-    # A request holds about prompt + output/2 tokens over its decode life.
+    # A request holds about prompt + output/2 tokens over its decode life, and its
+    # prompt over its own P / room + 1/2 prefill steps: E[P (P / room + 1/2)].
     assert float(st.kv_mean_tokens[0]) == pytest.approx(
-        x * (fm.context + fm.prompt_mean * prefill_steps)
+        x * (fm.context + fm.prompt_sq / room + 0.5 * fm.prompt_mean)
     )
 
 
@@ -198,16 +202,91 @@ def test_tpot_noise_quantile_averages_over_a_requests_decode_steps():
     assert tpot_noise_quantiles(short, 0.99)[0] == pytest.approx(z99, rel=1e-6)
 
 
-def test_chunked_prefill_variance_is_capped_by_the_chunk():
-    """E[P min(P, c)]: E[P^2] when every prompt fits one chunk, c E[P] when every prompt
-    is longer than a chunk; in between it grows with c."""
-    rng = np.random.default_rng(3)
-    prompts = rng.integers(200, 2000, 50_000)
-    load = LoadModel((ClassLoad.from_samples("a", 1.0, prompts, np.full(50_000, 50)),), 5.0)
-    fm = fluid(load=load)
-    assert float(fm.prompt_chunked_sq(np.array([1e9]))[0]) == pytest.approx(fm.prompt_sq)
-    small = float(fm.prompt_chunked_sq(np.array([100.0]))[0])
-    assert small == pytest.approx(100.0 * fm.prompt_mean, rel=0.02)
-    cs = np.array([100.0, 400.0, 800.0, 1600.0, 4000.0])
-    vals = fm.prompt_chunked_sq(cs)
-    assert np.all(np.diff(vals) > 0) and vals[-1] <= fm.prompt_sq * (1 + 1e-9)
+def test_normal_tail_and_lognormal_quantile_exact_cases():
+    for z in (-3.0, -0.5, 0.0, 1.0, 2.326, 5.0):
+        assert float(normal_sf(z)) == pytest.approx(0.5 * math.erfc(z / math.sqrt(2)),
+                                                    abs=1e-7)
+    # lognormal(0, 1): mean e^0.5, variance (e - 1) e; its q-quantile is exp(z_q).
+    mean, var = math.exp(0.5), (math.e - 1.0) * math.e
+    for q in (0.5, 0.9, 0.99):
+        assert float(lognormal_quantile(mean, var, q)) == pytest.approx(
+            math.exp(normal_quantile(q)), rel=1e-9)
+    assert float(lognormal_quantile(0.0, 0.0, 0.99)) == 0.0
+
+
+def two_point_load(prompts: tuple[int, int], outputs: tuple[int, int]) -> LoadModel:
+    """Half the requests of each prompt length, independently half of each output."""
+    n = 20_000
+    p = np.repeat(np.array(prompts), n // 2)
+    o = np.tile(np.repeat(np.array(outputs), n // 4), 2)
+    return LoadModel((ClassLoad.from_samples("default", 1.0, p, o),), 1.0)
+
+
+def test_prefill_excess_against_the_shot_process_it_approximates():
+    """Oracle: draw the process the formula describes (for each request, Poisson(x (L +
+    n)) overlapping prompts per prompt length, each adding T(P) L / (L + n)) and take the
+    99th percentile of the extra time per decode step; the approximation (larger of a
+    lognormal tail and a single-shot tail) must not fall below it and land within 30%
+    above it (1.04-1.27x when written), and its mean must be x E[T(P)] exactly."""
+    fm = fluid(load=two_point_load((400, 30_000), (20, 300)))
+    rng = np.random.default_rng(7)
+    a, b = fm._chunk_token_s, fm._pair_s
+    for x, chunk in ((0.002, 512.0), (0.02, 512.0), (0.02, 1e9), (0.2, 2048.0), (1.0, 2048.0)):
+        q99 = fm._prefill_excess_solve("default", np.array([x]), np.array([chunk]), 0.99)
+        mean, _ = fm.prefill_excess_quantile("default", np.array([x]), np.array([chunk]), 0.99)
+        t = np.array([a * p + 0.5 * b * p * p for p in (400, 30_000)])
+        assert float(mean[0]) == pytest.approx(x * t.mean(), rel=1e-9)
+        draws = []
+        for out in (20, 300):
+            L = out - 1
+            n = np.maximum(np.ceil(np.array([400, 30_000]) / chunk), 1.0)
+            counts = rng.poisson(x * 0.5 * (L + n), size=(100_000, 2))
+            draws.append((counts * (t * L / (L + n))).sum(axis=1) / L)
+        exact = float(np.quantile(np.concatenate(draws), 0.99))
+        assert exact <= float(q99[0]) <= 1.3 * exact, (x, chunk)
+
+
+def test_a_chunk_cap_spreads_long_prompts_over_more_requests():
+    """Long prompts and short outputs: a request that meets an unchunked 30k-token
+    prefill takes all of it in a few steps; chunked at 512 tokens, it shares its few
+    steps with only a slice of the prompt: the TPOT tail falls, the mean does not."""
+    fm = fluid(load=two_point_load((400, 30_000), (20, 300)))
+    x = np.array([0.01])
+    whole_mean, whole = fm.prefill_excess_quantile("default", x, np.array([1e9]), 0.99)
+    cut_mean, cut = fm.prefill_excess_quantile("default", x, np.array([512.0]), 0.99)
+    assert float(cut_mean[0]) == pytest.approx(float(whole_mean[0]))
+    assert float(cut[0]) < 0.8 * float(whole[0])
+
+
+def test_kv_quantile_sees_the_spread_of_holdings():
+    """Same mean occupancy, one load with every prompt equal and one with a heavy tail:
+    the tail's occupancy quantile is higher (the Poisson count times the mean holding
+    could not tell them apart)."""
+    n = 20_000
+    even = LoadModel((ClassLoad.from_samples(
+        "default", 1.0, np.full(n, 10_000), np.full(n, 100)),), 1.0)
+    rng = np.random.default_rng(5)
+    tail_p = np.where(rng.random(n) < 0.1, 91_000, 1_000)
+    tail = LoadModel((ClassLoad.from_samples(
+        "default", 1.0, tail_p, np.full(n, 100)),), 1.0)
+    k = Knobs(256, 1_000_000)
+    a, b = fluid(load=even), fluid(load=tail)
+    x = 0.01
+    sa, sb = a.state(k, x), b.state(k, x)
+    assert float(sa.kv_mean_tokens[0]) == pytest.approx(float(sb.kv_mean_tokens[0]), rel=0.05)
+    assert float(sb.kv_q_tokens[0]) > 1.3 * float(sa.kv_q_tokens[0])
+
+
+def test_prefill_excess_table_matches_the_direct_solve():
+    """The interpolated grid stays within 10% of solving at the point itself, and is
+    monotone in load (the limits need it)."""
+    fm = fluid()
+    rng = np.random.default_rng(11)
+    x = np.exp(rng.uniform(np.log(1e-4), np.log(5.0), 40))
+    chunk = np.exp(rng.uniform(np.log(64.0), np.log(20_000.0), 40))
+    _, table = fm.prefill_excess_quantile("default", x, chunk, 0.99)
+    direct = fm._prefill_excess_solve("default", x, chunk, 0.99)
+    assert np.all(np.abs(table / direct - 1.0) < 0.10)
+    xs = np.geomspace(1e-9, 1e4, 300)
+    _, along = fm.prefill_excess_quantile("default", xs, np.full(300, 512.0), 0.99)
+    assert np.all(np.diff(along) >= 0) and along[0] < 1e-6

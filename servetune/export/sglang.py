@@ -38,10 +38,12 @@ from servetune.export import (
     ExportResult,
     Instead,
     MemoryFacts,
+    Since,
     class_priority_instead,
     lanes_instead,
     no_chunk_cap_instead,
     queued_tokens_instead,
+    requires_text,
     unsupported_settings,
     yaml_result,
 )
@@ -53,6 +55,17 @@ USAGE = (
     "python -m sglang.launch_server --model-path MODEL --config sglang.yaml   "
     "(command-line flags override this file)"
 )
+# Where servetune knows when SGLang gained an option this exporter writes: the pull
+# request, since no release is pinned by a source read (facts from the PRs' pages). The
+# others are older than both.
+SINCE: dict[str, Since] = {
+    "--config": (None, "YAML config files, sgl-project/sglang PR #10534, merged 2025-09"),
+    "enable-priority-scheduling": (None, "priority scheduling with preemption, PR #8746, "
+                                   "merged 2025-09"),
+    "schedule-low-priority-values-first": (None, "PR #8746, merged 2025-09"),
+    "priority-scheduling-preemption-threshold": (None, "PR #8746, merged 2025-09"),
+}
+
 # SGLang's names for the knobs it expresses (the knob table's); it takes none as is.
 (RUNNING_KEY,) = export_names("sglang", "batching.max_num_seqs")
 CHUNK_KEY, PREFILL_KEY = export_names("sglang", "batching.max_num_batched_tokens")
@@ -153,4 +166,5 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
 
     unsupported += unsupported_settings(policy, "sglang", INSTEAD)
 
-    return yaml_result("sglang", TITLE, USAGE, policy, settings, unsupported, notes)
+    requires = requires_text(TITLE, SINCE, ["--config", *settings])
+    return yaml_result("sglang", TITLE, USAGE, policy, settings, unsupported, notes, requires)

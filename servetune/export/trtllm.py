@@ -34,11 +34,13 @@ from servetune.export import (
     ExportResult,
     Instead,
     MemoryFacts,
+    Since,
     fcfs_only_instead,
     lanes_instead,
     no_chunk_cap_instead,
     plain_settings,
     queued_tokens_instead,
+    requires_text,
     unsupported_settings,
     yaml_result,
 )
@@ -49,6 +51,14 @@ USAGE = (
     "trtllm-serve MODEL --extra_llm_api_options trtllm.yaml   "
     "(this file overrides command-line flags)"
 )
+
+# What servetune knows of when trtllm-serve took these options (no release pinned by a
+# source read): the issue where a maintainer-confirmed setup used them.
+SINCE: dict[str, Since] = {
+    "scheduler_config": (None, "scheduler_config.capacity_scheduler_policy in the "
+                         "--extra_llm_api_options YAML of trtllm-serve's PyTorch backend, "
+                         "NVIDIA/TensorRT-LLM#4509, 2025-05"),
+}
 
 
 def _watermark_instead(policy: Policy) -> str:
@@ -153,4 +163,5 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
         )
     unsupported = unsupported_settings(policy, "trtllm", INSTEAD)
 
-    return yaml_result("trtllm", TITLE, USAGE, policy, settings, unsupported, notes)
+    requires = requires_text(TITLE, SINCE, settings)
+    return yaml_result("trtllm", TITLE, USAGE, policy, settings, unsupported, notes, requires)
