@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import output_names
+from test_nightly import POOR, SPACE  # the nightly tests' tiny space and poor policy
 
 import servetune.io as io_mod
 from servetune.errors import ServetuneError
@@ -341,18 +342,6 @@ def test_the_lock_nests_and_removes_the_folders_it_made_when_nothing_was_written
 
 # ------------------------------------------------------------------ nightly, end to end
 
-SPACE = """apiVersion: servetune/v1
-kind: SearchSpace
-name: tiny
-knobs:
-  batching.max_num_seqs: [64, 256]
-  batching.max_num_batched_tokens: [1024, 8192]
-"""
-POOR = """apiVersion: servetune/v1
-kind: Policy
-name: poor
-batching: {max_num_seqs: 4, max_num_batched_tokens: 512}
-"""
 
 
 @pytest.fixture(scope="module")
