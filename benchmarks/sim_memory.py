@@ -18,7 +18,7 @@ run (the simulator's imports: numba, the compiled kernel).
 Usage (from the repo root)::
 
     python benchmarks/sim_memory.py [--requests 2000000 200000] [--window 600:660]
-        [--skip-records] [--json OUT.json]
+        [--skip-records] [--checkout OTHER_WORKTREE] [--json OUT.json]
 
 Prints a markdown table for benchmarks/RESULTS.md ("## Simulator memory").
 """
@@ -57,14 +57,17 @@ main()
 SERVETUNE = [sys.executable, "-c", CHILD]
 
 
+CHECKOUT = REPO  # the servetune source the children run (--checkout)
+
+
 def measure(args: list[str], outputs: list[Path]) -> dict:
     """Run ``args`` as a child; its peak RSS (MiB), wall time (s), outputs' sizes (MiB)."""
     for path in outputs:
         path.unlink(missing_ok=True)
     with tempfile.TemporaryFile() as out_fh, tempfile.TemporaryFile() as err_fh:
         t0 = time.perf_counter()
-        child = subprocess.Popen(args, cwd=REPO, stdout=out_fh, stderr=err_fh,
-                                 env={**os.environ, "NUMBA_NUM_THREADS": "1"})
+        env = {**os.environ, "NUMBA_NUM_THREADS": "1", "PYTHONPATH": str(CHECKOUT)}
+        child = subprocess.Popen(args, cwd=CHECKOUT, stdout=out_fh, stderr=err_fh, env=env)
         child.wait()
         out_fh.seek(0)
         err_fh.seek(0)
@@ -115,8 +118,13 @@ def main() -> None:
     ap.add_argument("--window", default="600:660")
     ap.add_argument("--skip-records", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--checkout", type=Path, default=REPO,
+                    help="the servetune source tree to measure (e.g. an older worktree)")
     args = ap.parse_args()
-    results: dict = {"machine": machine(), "window": args.window, "runs": []}
+    global CHECKOUT
+    CHECKOUT = args.checkout.resolve()
+    results: dict = {"machine": machine(), "window": args.window, "checkout": str(CHECKOUT),
+                     "runs": []}
     # compile (or load the numba cache) outside the measurements
     with tempfile.TemporaryDirectory(prefix="sim_memory.") as tmp:
         folder = Path(tmp)

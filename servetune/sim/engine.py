@@ -430,16 +430,27 @@ def _grown(log: K.StepLog, names: tuple[str, ...], extra: int) -> K.StepLog:
     })
 
 
+def _stretch_cut_to_one(log: K.StepLog, first: int, stop: int
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Records ``first..stop-1``: where their per-step values start, their durations and
+    KV blocks in use. A jumped stretch that an arrival cut to one step (``repeat`` 1 with
+    one per-step value) is an ordinary record of that step."""
+    rep_end = log.repeats_end[first:stop]
+    before = log.repeats_end[first - 1:first] if first > 0 else np.zeros(1, dtype=np.int64)
+    rep_start = np.concatenate([before, rep_end[:-1]])
+    one = (log.repeat[first:stop] == 1) & (rep_end == rep_start + 1)
+    duration = log.duration_s[first:stop].copy()
+    duration[one] = log.repeat_duration_s[rep_start[one]]
+    kv_used = log.kv_used[first:stop].copy()
+    kv_used[one] = log.repeat_kv_used[rep_start[one]]
+    return rep_start, duration, kv_used
+
+
 def _chunk(log: K.StepLog, total: int) -> StepChunk:
     """The records in the step-log buffer (their events and per-step values), as a chunk
     whose columns are views into the buffer."""
     n = int(log.counts[0].records)
-    repeats_end = log.repeats_end[:n]
-    rep_start = np.concatenate([[0], repeats_end[:-1]]) if n else repeats_end
-    duration = log.duration_s[:n].copy()
-    # a stretch cut to one step by an arrival is an ordinary record of that step's duration
-    one = (log.repeat[:n] == 1) & (repeats_end == rep_start + 1)
-    duration[one] = log.repeat_duration_s[rep_start[one]]
+    _, duration, _ = _stretch_cut_to_one(log, 0, n)
     start = log.start_s[:n]
     n_events = int(log.events_end[n - 1]) if n else 0
     return StepChunk(
@@ -598,18 +609,21 @@ def _step_records(log: K.StepLog, total: int, first: int, stop: int) -> list[dic
         return []
     # events and per-step values from where record ``first``'s begin (offsets ev0, rep0)
     ev0 = ev_start = int(log.events_end[first - 1]) if first > 0 else 0
-    rep0 = rep_start = int(log.repeats_end[first - 1]) if first > 0 else 0
     ev1 = int(log.events_end[stop - 1])
+    rep_starts, durations, kv_used = _stretch_cut_to_one(log, first, stop)
+    rep0 = int(rep_starts[0])
     rep1 = int(log.repeats_end[stop - 1])
-    records = zip(*(getattr(log, name)[first:stop].tolist() for name in _RECORD_COLUMNS),
-                  strict=True)
+    columns = {name: getattr(log, name)[first:stop] for name in _RECORD_COLUMNS}
+    columns.update(duration_s=durations, kv_used=kv_used)
+    records = zip(*(columns[name].tolist() for name in _RECORD_COLUMNS), strict=True)
     events = list(zip(log.event_kind[ev0:ev1].tolist(), log.event_req[ev0:ev1].tolist(),
                       log.event_value[ev0:ev1].tolist(), strict=True))
     rep_durations = log.repeat_duration_s[rep0:rep1].tolist()
     rep_kv_used = log.repeat_kv_used[rep0:rep1].tolist()
     sched, preempt, finish, admit = K.EV_SCHED, K.EV_PREEMPT, K.EV_FINISH, K.EV_ADMIT
     out: list[dict[str, Any]] = []
-    for step, start, dur, kv_used, waiting, running, repeat, ev_end, rep_end in records:
+    rep_start = rep0
+    for step, start, dur, kv, waiting, running, repeat, ev_end, rep_end in records:
         scheduled: list[list[int]] = []
         preempted: list[int] = []
         finished: list[int] = []
@@ -635,16 +649,12 @@ def _step_records(log: K.StepLog, total: int, first: int, stop: int) -> list[dic
             "finished": finished,
             "admitted": admitted,
             "shed": shed,
-            "kv_blocks_used": kv_used,
+            "kv_blocks_used": kv,
             "kv_blocks_total": total,
             "waiting": waiting,
             "running": running,
         }
-        if repeat == 1 and rep_end == rep_start + 1:
-            # a stretch cut to one step by an arrival: an ordinary record
-            rec["duration_s"] = rep_durations[rep_start - rep0]
-            rec["kv_blocks_used"] = rep_kv_used[rep_start - rep0]
-        elif rep_end > rep_start:
+        if repeat > 1:
             rec["repeat"] = repeat
             rec["step_durations_s"] = rep_durations[rep_start - rep0:rep_end - rep0]
             rec["step_kv_blocks_used"] = rep_kv_used[rep_start - rep0:rep_end - rep0]
