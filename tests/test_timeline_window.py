@@ -311,7 +311,7 @@ def test_a_timeline_too_large_fails_with_one_line_and_writes_nothing(tmp_path, m
         (tmp_path / name).write_text(text)
     args = ["simulate", "--trace", str(tmp_path / "trace.csv"), "--profile",
             str(tmp_path / "profile.yaml"), "--policy", str(tmp_path / "policy.yaml"),
-            "--json", str(tmp_path / "s.json"), "--timeline", str(tmp_path / "t.json")]
+            "--json-out", str(tmp_path / "s.json"), "--timeline", str(tmp_path / "t.json")]
     monkeypatch.setattr(timeline, "MAX_TIMELINE_EVENTS", 50)
     line = one_error_line(CliRunner().invoke(app, args))
     assert "more than 50 events" in line and "--timeline-window" in line
