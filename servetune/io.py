@@ -370,13 +370,14 @@ def _write_target(p: Path) -> Path:
     return p
 
 
-def _stage(folder: Path, name: str, data: bytes) -> Path:
-    """Write ``data`` to a new temporary file in ``folder`` (the target's own folder, so
-    that the later rename is atomic)."""
+def _stage(folder: Path, name: str, data: bytes | Iterable[bytes]) -> Path:
+    """Write ``data`` (or its chunks, as they come) to a new temporary file in ``folder``
+    (the target's own folder, so that the later rename is atomic)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            for chunk in (data,) if isinstance(data, bytes) else data:
+                fh.write(chunk)
         os.chmod(tmp, FILE_MODE)  # mkstemp makes 0600; give the usual file mode
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -384,9 +385,11 @@ def _stage(folder: Path, name: str, data: bytes) -> Path:
     return Path(tmp)
 
 
-def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes | Iterable[bytes]) -> None:
     """Write ``data`` to ``path`` via a temporary file in the same folder and a rename,
-    so a reader never sees a half-written file and an interrupted run leaves the old one."""
+    so a reader never sees a half-written file and an interrupted run leaves the old one.
+    ``data`` may be an iterable of chunks, written as they are made (a large file need not
+    be held in memory)."""
     p = _write_target(Path(path))
     parent = p.parent if str(p.parent) else Path(".")
     try:

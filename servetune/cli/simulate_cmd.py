@@ -312,7 +312,8 @@ def register(app: typer.Typer) -> None:
         kwargs = dict(
             engine=engine, reference=reference, seed=seed, n_requests=requests,
             duration_s=duration, rate_scale=rate_scale,
-            step_log=steps is not None or timeline is not None,
+            # both written while simulating: the run never holds the whole step log
+            steps_file=steps, timeline=timeline is not None, timeline_window=window,
         )
         with compile_notice(quiet, console_say(console)):
             if show:

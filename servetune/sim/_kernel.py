@@ -197,9 +197,11 @@ SCALARS = np.dtype([
     ("bin_width", np.float64),  # series bin width (s)
 ], align=True)
 
-# Step-log entries written so far (StepLog.counts[0]), kept like SCALARS.
-LOG_COUNTS = np.dtype([("records", np.int64), ("events", np.int64), ("repeats", np.int64)],
-                      align=True)
+# Step-log entries written so far (StepLog.counts[0]), kept like SCALARS, and the event
+# rows the next step may write (set when the kernel stops for room: the driver drains the
+# log and grows the event columns if even an empty log would be too small).
+LOG_COUNTS = np.dtype([("records", np.int64), ("events", np.int64), ("repeats", np.int64),
+                       ("events_need", np.int64)], align=True)
 
 
 class State(NamedTuple):
@@ -375,17 +377,21 @@ def _log_record(p, lg, step, start, dur, kv, waiting, running, repeat):
 
 @jit
 def _log_needs_room(p, rq, st, lg, t):
-    """The step log might overflow in the next step (the driver grows it)."""
+    """The step log might overflow in the next step (the driver drains or grows it). A
+    jumped stretch always finds room for its longest length, so where the log's buffer
+    happens to fill never cuts a stretch: the records are the same however the driver
+    drains them."""
     sc = st.scalars[0]
     lc = lg.counts[0]
     n = rq.arrival.shape[0]
     a = sc.next_arrival
     while a < n and rq.arrival[a] <= t:
         a += 1
+    need = 4 * p.max_seqs + (a - sc.next_arrival) + _waiting(st) + 8
+    lc.events_need = need
     return (lc.records + 2 > lg.step.shape[0]
-            or lc.events + 4 * p.max_seqs + (a - sc.next_arrival) + _waiting(st) + 8
-            > lg.event_kind.shape[0]
-            or lc.repeats + 2 > lg.repeat_duration_s.shape[0])
+            or lc.events + need > lg.event_kind.shape[0]
+            or lc.repeats + WINDOW_MAX + 1 > lg.repeat_duration_s.shape[0])
 
 
 @jit
@@ -1179,9 +1185,7 @@ def _jump(p, rq, st, lg):
         if rem < kfin:
             kfin = rem
         csum += comp[r] + 1
-    k = kfin
-    if p.log and lg.repeat_duration_s.shape[0] - lc.repeats < k:
-        k = lg.repeat_duration_s.shape[0] - lc.repeats
+    k = kfin  # <= WINDOW_MAX, which the step log has room for (_log_needs_room)
     if k < 2:
         return 0
     free = p.total_blocks - sc.used

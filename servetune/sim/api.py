@@ -3,7 +3,8 @@
 ``simulate`` turns a trace (replayed) or a workload (sampled with a seed) plus a policy and
 a profile into one engine run (:func:`servetune.sim.engine.run_engine`) and wraps the
 engine's per-request arrays in a :class:`SimResult`, which computes the run's summary JSON,
-judges an SLO set, and writes records, step logs and timelines.
+judges an SLO set, and writes records, step logs and timelines (a timeline can be built
+while the run is simulated, in memory that grows with its window, not with the run).
 """
 
 from __future__ import annotations
@@ -11,23 +12,31 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from servetune.engines import ENGINE_NAMES
 from servetune.errors import ServetuneError
-from servetune.io import finite_or_none, plain_data, write_text_atomic
+from servetune.io import finite_or_none, plain_data, write_bytes_atomic, write_text_atomic
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
 from servetune.schemas.workload import Workload
 from servetune.sim import metrics as M
 from servetune.sim.goodput import GoodputResult, goodput_search
 from servetune.sim.records import write_records
-from servetune.sim.timeline import Window, build_timeline, write_timeline
+from servetune.sim.timeline import (
+    StepChunk,
+    TimelineBuilder,
+    Window,
+    build_timeline,
+    write_timeline,
+)
 from servetune.steady_state import steady_window_s
 from servetune.workloads.fitting import check_rate_scale, class_stats, sample_trace
 from servetune.workloads.trace import Trace
@@ -87,6 +96,32 @@ def base_rate_per_s(source: Trace | Workload) -> float:
     return float(source.total_rate_per_s)
 
 
+def step_lines(records: Iterable[dict[str, Any]]) -> str:
+    """Step-log records as JSON lines."""
+    # finite=False: a NaN stays NaN, as in every step log written so far
+    return "".join(json.dumps(plain_data(rec, finite=False), separators=(",", ":")) + "\n"
+                   for rec in records)
+
+
+class StepsSpool:
+    """The step log as JSON lines, written while the engine runs into an unnamed temporary
+    file (in ``path``'s folder where that exists, so it uses the output's disk), and later
+    copied to ``path`` in blocks: the run never holds the whole log."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        folder = self.path.parent
+        self.file = tempfile.TemporaryFile(dir=folder if folder.is_dir() else None)
+
+    def add(self, chunk: StepChunk) -> None:
+        self.file.write(step_lines(chunk.records(0, len(chunk.start_s))).encode())
+
+    def chunks(self, size: int = 1 << 20) -> Iterator[bytes]:
+        self.file.seek(0)
+        while block := self.file.read(size):
+            yield block
+
+
 @dataclass(eq=False)
 class SimResult:
     """One simulated run: its trace, the engine's output, and derived views."""
@@ -99,6 +134,10 @@ class SimResult:
     policy_name: str = ""
     profile_name: str = ""
     _metrics: M.RequestMetrics | None = field(default=None, repr=False)
+    # the timeline built while the run was simulated (simulate(..., timeline=True))
+    _timeline: TimelineBuilder | None = field(default=None, repr=False)
+    # the step log written while the run was simulated (simulate(..., steps_file=...))
+    _steps: StepsSpool | None = field(default=None, repr=False)
 
     @property
     def metrics(self) -> M.RequestMetrics:
@@ -207,26 +246,35 @@ class SimResult:
     def step_log(self) -> list[dict[str, Any]]:
         log = getattr(self.output, "step_log", None)
         if log is None:
-            raise ServetuneError("this run kept no step log; simulate with step_log=True")
+            raise ServetuneError(
+                "this run kept no step log; simulate with step_log=True (or, for a "
+                "timeline, timeline=True)"
+            )
         return log
 
     def write_steps(self, path: str | os.PathLike[str]) -> None:
-        """The step log as JSON lines, one record per engine step (or jumped stretch)."""
-        # finite=False: a NaN stays NaN, as in every step log written so far
-        lines = [json.dumps(plain_data(rec, finite=False), separators=(",", ":"))
-                 for rec in self.step_log()]
-        write_text_atomic(path, "".join(line + "\n" for line in lines))
+        """The step log as JSON lines, one record per engine step (or jumped stretch): the
+        file spooled while the run was simulated (``simulate(..., steps_file=path)``), else
+        from the step log the run kept."""
+        if self._steps is not None and Path(path) == self._steps.path:
+            write_bytes_atomic(path, self._steps.chunks())
+        else:
+            write_text_atomic(path, step_lines(self.step_log()))
 
     def timeline(self, window: Window | None = None) -> dict[str, Any]:
-        return build_timeline(
-            self.step_log(),
-            self.trace.arrival_s,
-            self.trace.prompt_tokens,
+        """The run's timeline (:mod:`servetune.sim.timeline`): the one built while it was
+        simulated if that had this window, else from the step log it kept."""
+        ending = dict(
             status=np.asarray(self.output.status),
             reason=np.asarray(self.output.reason),
             reasons=self.reasons(),
-            window=window,
             title=f"servetune {self.engine} {self.policy_name} on {self.profile_name}",
+        )
+        if self._timeline is not None and self._timeline.window == window:
+            return self._timeline.finish(**ending)
+        return build_timeline(
+            self.step_log(), self.trace.arrival_s, self.trace.prompt_tokens, window=window,
+            **ending,
         )
 
     def write_timeline(self, path: str | os.PathLike[str], window: Window | None = None) -> None:
@@ -246,9 +294,19 @@ def simulate(
     duration_s: float | None = None,
     rate_scale: float = 1.0,
     step_log: bool = False,
+    steps_file: str | os.PathLike[str] | None = None,
+    timeline: bool = False,
+    timeline_window: Window | None = None,
     progress: Callable[..., Any] | None = None,
 ) -> SimResult:
-    """Simulate ``policy`` serving ``source`` (Trace or Workload) on ``profile``."""
+    """Simulate ``policy`` serving ``source`` (Trace or Workload) on ``profile``.
+
+    ``step_log=True`` keeps the whole step log (``SimResult.step_log``, ``write_steps``,
+    and a timeline of any window); ``steps_file`` spools it as JSON lines for
+    ``SimResult.write_steps(steps_file)`` instead. ``timeline=True`` builds the timeline of
+    ``timeline_window`` (None: the whole run) while simulating, without keeping the log,
+    so memory grows with the window, not the run (``SimResult.timeline(timeline_window)``).
+    """
     if engine not in ENGINE_NAMES:
         raise ServetuneError(
             f"argument `engine` {engine!r}: unknown engine; choose one of "
@@ -263,6 +321,16 @@ def simulate(
         # A request is long by its class's expected output: the workload's mean, not the
         # mean of this particular sample.
         extra["expected_output"] = np.array([c.output_mean for c in class_stats(source)])
+    builder = TimelineBuilder(trace.arrival_s, trace.prompt_tokens, timeline_window
+                              ) if timeline else None
+    spool = StepsSpool(steps_file) if steps_file is not None else None
+    sinks = [sink.add for sink in (builder, spool) if sink is not None]
+    if sinks:
+        def on_step_log(chunk: StepChunk) -> None:
+            for sink in sinks:
+                sink(chunk)
+
+        extra["on_step_log"] = on_step_log
     started = time.perf_counter()
     output = eng.run_engine(
         trace,
@@ -285,6 +353,8 @@ def simulate(
         sim_wall_s=wall,
         policy_name=getattr(policy, "name", ""),
         profile_name=getattr(profile, "name", ""),
+        _timeline=builder,
+        _steps=spool,
     )
 
 

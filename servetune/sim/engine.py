@@ -119,6 +119,7 @@ from servetune.errors import ServetuneError
 from servetune.profiles.steptime import StepTimeModel
 from servetune.schemas.policy import Policy
 from servetune.sim import _kernel as K
+from servetune.sim.timeline import StepChunk
 from servetune.workloads.trace import Trace
 
 # What a simulation returns, as a version: bump it with every change to the engine models
@@ -157,6 +158,10 @@ SGLANG_LOW_PRIORITY_VALUES_FIRST = True
 SGLANG_PRIORITY_PREEMPTION_THRESHOLD = 10
 
 SERIES_BINS = 2048
+# The step-log buffer (records, and events beside the room of two full steps): drained
+# to the run's consumers whenever it fills.
+LOG_RECORDS = 16384
+LOG_EVENTS = 262144
 _CHUNK_STEPS_FAST = 500_000
 _CHUNK_STEPS_REFERENCE = 20_000
 
@@ -402,8 +407,10 @@ _FLOAT_COLUMNS = ("start_s", "duration_s", "repeat_duration_s")
 
 
 def _new_step_log(step_log: bool, width: int, reference: bool) -> K.StepLog:
-    """Empty step-log buffers (one row each when no log is kept)."""
-    rows = {"records": 4096, "events": 65536 + 8 * width, "repeats": 65536}
+    """Empty step-log buffers (one row each when no log is kept). The driver drains them
+    whenever they fill, so their size bounds the log's memory, not the run's length."""
+    rows = {"records": LOG_RECORDS, "events": LOG_EVENTS + 8 * width,
+            "repeats": K.WINDOW_MAX + LOG_RECORDS}
     if not step_log:
         rows = dict.fromkeys(rows, 1)
     columns: dict[str, np.ndarray] = {}
@@ -423,6 +430,58 @@ def _grown(log: K.StepLog, names: tuple[str, ...], extra: int) -> K.StepLog:
     })
 
 
+def _stretch_cut_to_one(log: K.StepLog, first: int, stop: int
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Records ``first..stop-1``: where their per-step values start, their durations and
+    KV blocks in use. A jumped stretch that an arrival cut to one step (``repeat`` 1 with
+    one per-step value) is an ordinary record of that step."""
+    rep_end = log.repeats_end[first:stop]
+    before = log.repeats_end[first - 1:first] if first > 0 else np.zeros(1, dtype=np.int64)
+    rep_start = np.concatenate([before, rep_end[:-1]])
+    one = (log.repeat[first:stop] == 1) & (rep_end == rep_start + 1)
+    duration = log.duration_s[first:stop].copy()
+    duration[one] = log.repeat_duration_s[rep_start[one]]
+    kv_used = log.kv_used[first:stop].copy()
+    kv_used[one] = log.repeat_kv_used[rep_start[one]]
+    return rep_start, duration, kv_used
+
+
+def _chunk(log: K.StepLog, total: int) -> StepChunk:
+    """The records in the step-log buffer (their events and per-step values), as a chunk
+    whose columns are views into the buffer."""
+    n = int(log.counts[0].records)
+    _, duration, _ = _stretch_cut_to_one(log, 0, n)
+    start = log.start_s[:n]
+    n_events = int(log.events_end[n - 1]) if n else 0
+    return StepChunk(
+        start_s=start, end_s=start + duration, repeat=log.repeat[:n],
+        events_end=log.events_end[:n], event_kind=log.event_kind[:n_events],
+        event_req=log.event_req[:n_events], event_value=log.event_value[:n_events],
+        records=lambda i, j: _step_records(log, total, i, j),
+    )
+
+
+def _drain(log: K.StepLog, total: int, sinks: list[Callable[[StepChunk], Any]]) -> int:
+    """Hand the buffer's records to ``sinks`` and empty it, keeping the events logged for the
+    record not written yet; returns the records drained."""
+    counts = log.counts[0]
+    n = int(counts.records)
+    if n == 0:
+        return 0
+    chunk = _chunk(log, total)
+    for sink in sinks:
+        sink(chunk)
+    done = int(log.events_end[n - 1])
+    pending = int(counts.events) - done
+    for name in _EVENT_COLUMNS:
+        col = getattr(log, name)
+        col[:pending] = col[done:done + pending].copy()
+    counts.events = pending
+    counts.records = 0
+    counts.repeats = 0
+    return n
+
+
 def run_engine(
     trace: Trace,
     policy: Policy,
@@ -435,6 +494,7 @@ def run_engine(
     step_log: bool = False,
     progress: Callable[[int, int], None] | None = None,
     expected_output: np.ndarray | None = None,
+    on_step_log: Callable[[StepChunk], Any] | None = None,
 ) -> EngineOutput:
     """Simulate ``trace`` on one engine; see the module docstring for the semantics.
 
@@ -442,6 +502,8 @@ def run_engine(
     compiled with numba and stretches of identical decode steps are jumped. Both give
     identical records. ``step_log=True`` also returns the step log (jumped
     stretches as one record with ``repeat``; :func:`expand_repeats` expands them).
+    ``on_step_log(chunk)`` is handed the step log as it is written, a chunk of records at
+    a time (:class:`~servetune.sim.timeline.StepChunk`), without the run keeping it.
     ``progress(done, total)`` is called between chunks of steps with the number of
     requests resolved so far. ``expected_output`` (per request or per class) overrides
     the trace's class mean output in the long-request test when the trace has no
@@ -452,13 +514,20 @@ def run_engine(
     total = int(kv_blocks)
     requests = kernel_requests(trace, policy, engine=engine, block_size=block_size,
                                expected_output=expected_output)
+    logging = step_log or on_step_log is not None
     params = kernel_params(policy, engine=engine, kv_blocks=kv_blocks, block_size=block_size,
-                           step_time=step_time, reference=reference, step_log=step_log)
+                           step_time=step_time, reference=reference, step_log=logging)
     state = _initial_state(params, requests, reference)
     scalars = state.scalars[0]
     width = len(state.running)
-    log = _new_step_log(step_log, width, reference)
+    log = _new_step_log(logging, width, reference)
     counts = log.counts[0]
+    records: list[dict[str, Any]] = []
+    sinks: list[Callable[[StepChunk], Any]] = []
+    if step_log:
+        sinks.append(lambda chunk: records.extend(chunk.records(0, len(chunk.start_s))))
+    if on_step_log is not None:
+        sinks.append(on_step_log)
     km = _kernel_module(reference)
     # Requests that could never run are rejected at arrival (no head-of-line deadlock),
     # by the kernel's own admission checks on the still empty engine.
@@ -470,12 +539,14 @@ def run_engine(
         if rc == K.RC_DONE:
             break
         if rc == K.RC_LOG_FULL:
-            if counts.records + 2 > len(log.step):
-                log = _grown(log, _RECORD_COLUMNS, len(log.step))
-            if counts.events + 8 * width + n > len(log.event_kind) // 2:
-                log = _grown(log, _EVENT_COLUMNS, len(log.event_kind) + n)
-            if counts.repeats + 2 > len(log.repeat_duration_s) // 2:
-                log = _grown(log, _REPEAT_COLUMNS, len(log.repeat_duration_s))
+            _drain(log, total, sinks)
+            # a step may log more events than the buffer holds (every waiting request
+            # turned away): keep room for two such steps
+            room = len(log.event_kind)
+            if counts.events + counts.events_need > room // 2:
+                log = _grown(log, _EVENT_COLUMNS,
+                             max(room, 2 * int(counts.events + counts.events_need) - room))
+                counts = log.counts[0]
         elif rc == K.RC_STUCK:
             raise RuntimeError(
                 f"engine {engine} made no progress at t={scalars.now:.6f} s with "
@@ -486,6 +557,8 @@ def run_engine(
             progress(int(scalars.resolved), n)
     if progress is not None:
         progress(int(scalars.resolved), n)
+    if logging:
+        _drain(log, total, sinks)
 
     status = state.status
     if (status < 0).any():
@@ -509,7 +582,7 @@ def run_engine(
         kv_util_peak=kv_peak,
         sim_end_s=sim_end,
         series=series,
-        step_log=_step_log(log, total) if step_log else None,
+        step_log=records if step_log else None,
         engine=engine,
         jumps=int(scalars.jumps),
         kv_blocks_in_use_end=int(scalars.used),
@@ -530,29 +603,33 @@ def _series(ser: np.ndarray, bin_w: float, sim_end: float, total: int) -> dict[s
     }
 
 
-def _step_log(log: K.StepLog, total: int) -> list[dict[str, Any]]:
-    """Issue-7 records from the kernel's step-log columns."""
-    counts = log.counts[0]
-    n_records = int(counts.records)
-    n_events = int(counts.events)
-    n_repeats = int(counts.repeats)
-    records = zip(*(getattr(log, name)[:n_records].tolist() for name in _RECORD_COLUMNS),
-                  strict=True)
-    events = list(zip(log.event_kind[:n_events].tolist(), log.event_req[:n_events].tolist(),
-                      log.event_value[:n_events].tolist(), strict=True))
-    rep_durations = log.repeat_duration_s[:n_repeats].tolist()
-    rep_kv_used = log.repeat_kv_used[:n_repeats].tolist()
+def _step_records(log: K.StepLog, total: int, first: int, stop: int) -> list[dict[str, Any]]:
+    """Issue-7 records ``first..stop-1`` of the kernel's step-log buffer, as dicts."""
+    if stop <= first:
+        return []
+    # events and per-step values from where record ``first``'s begin (offsets ev0, rep0)
+    ev0 = ev_start = int(log.events_end[first - 1]) if first > 0 else 0
+    ev1 = int(log.events_end[stop - 1])
+    rep_starts, durations, kv_used = _stretch_cut_to_one(log, first, stop)
+    rep0 = int(rep_starts[0])
+    rep1 = int(log.repeats_end[stop - 1])
+    columns = {name: getattr(log, name)[first:stop] for name in _RECORD_COLUMNS}
+    columns.update(duration_s=durations, kv_used=kv_used)
+    records = zip(*(columns[name].tolist() for name in _RECORD_COLUMNS), strict=True)
+    events = list(zip(log.event_kind[ev0:ev1].tolist(), log.event_req[ev0:ev1].tolist(),
+                      log.event_value[ev0:ev1].tolist(), strict=True))
+    rep_durations = log.repeat_duration_s[rep0:rep1].tolist()
+    rep_kv_used = log.repeat_kv_used[rep0:rep1].tolist()
     sched, preempt, finish, admit = K.EV_SCHED, K.EV_PREEMPT, K.EV_FINISH, K.EV_ADMIT
     out: list[dict[str, Any]] = []
-    ev_start = 0
-    rep_start = 0
-    for step, start, dur, kv_used, waiting, running, repeat, ev_end, rep_end in records:
+    rep_start = rep0
+    for step, start, dur, kv, waiting, running, repeat, ev_end, rep_end in records:
         scheduled: list[list[int]] = []
         preempted: list[int] = []
         finished: list[int] = []
         admitted: list[int] = []
         shed: list[int] = []
-        for kind, req, value in events[ev_start:ev_end]:
+        for kind, req, value in events[ev_start - ev0:ev_end - ev0]:
             if kind == sched:
                 scheduled.append([req, value])
             elif kind == preempt:
@@ -572,19 +649,15 @@ def _step_log(log: K.StepLog, total: int) -> list[dict[str, Any]]:
             "finished": finished,
             "admitted": admitted,
             "shed": shed,
-            "kv_blocks_used": kv_used,
+            "kv_blocks_used": kv,
             "kv_blocks_total": total,
             "waiting": waiting,
             "running": running,
         }
-        if repeat == 1 and rep_end == rep_start + 1:
-            # a stretch cut to one step by an arrival: an ordinary record
-            rec["duration_s"] = rep_durations[rep_start]
-            rec["kv_blocks_used"] = rep_kv_used[rep_start]
-        elif rep_end > rep_start:
+        if repeat > 1:
             rec["repeat"] = repeat
-            rec["step_durations_s"] = rep_durations[rep_start:rep_end]
-            rec["step_kv_blocks_used"] = rep_kv_used[rep_start:rep_end]
+            rec["step_durations_s"] = rep_durations[rep_start - rep0:rep_end - rep0]
+            rec["step_kv_blocks_used"] = rep_kv_used[rep_start - rep0:rep_end - rep0]
         out.append(rec)
         ev_start = ev_end
         rep_start = rep_end

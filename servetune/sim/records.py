@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -100,15 +101,21 @@ def _column_text(col: np.ndarray) -> list[str]:
     return [_csv_field(str(v)) for v in col.tolist()]
 
 
-def records_csv(columns: dict[str, np.ndarray], chunk_rows: int = 65536) -> bytes:
-    """CSV bytes of the record table (header + one line per request), formatted in chunks
-    so that a million-request run never holds a Python string per cell at once."""
+def records_csv_chunks(columns: dict[str, np.ndarray], chunk_rows: int = 65536
+                       ) -> Iterator[bytes]:
+    """CSV bytes of the record table (header + one line per request), ``chunk_rows`` lines
+    at a time, so that a million-request run never holds a Python string per cell, nor the
+    whole text, at once."""
     n = len(columns[COLUMNS[0]])
-    parts = [(",".join(COLUMNS) + "\n").encode()]
+    yield (",".join(COLUMNS) + "\n").encode()
     for lo in range(0, n, chunk_rows):
         texts = [_column_text(columns[name][lo : lo + chunk_rows]) for name in COLUMNS]
-        parts.append("".join(",".join(row) + "\n" for row in zip(*texts, strict=True)).encode())
-    return b"".join(parts)
+        yield "".join(",".join(row) + "\n" for row in zip(*texts, strict=True)).encode()
+
+
+def records_csv(columns: dict[str, np.ndarray], chunk_rows: int = 65536) -> bytes:
+    """CSV bytes of the record table (:func:`records_csv_chunks`, joined)."""
+    return b"".join(records_csv_chunks(columns, chunk_rows))
 
 
 def records_parquet(columns: dict[str, np.ndarray]) -> bytes:
@@ -168,7 +175,6 @@ def write_records(
     p = Path(path)
     columns = record_columns(trace, output, reasons)
     if is_parquet_path(p):
-        data = records_parquet(columns)
-    else:
-        data = records_csv(columns)
-    write_bytes_atomic(p, data)
+        write_bytes_atomic(p, records_parquet(columns))
+    else:  # written as it is formatted: the CSV text is never whole in memory
+        write_bytes_atomic(p, records_csv_chunks(columns))
