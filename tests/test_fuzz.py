@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 from pathlib import Path
 
 import pytest
@@ -36,14 +37,17 @@ from fuzz_inputs import (
     run_case,
     stubbed_work,
 )
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 
 TARGETS = all_targets()
 FULL_RUN = int(os.environ.get("SERVETUNE_FUZZ_EXAMPLES", "0"))
 PER_TARGET = math.ceil(FULL_RUN / len(TARGETS)) if FULL_RUN else 16
+# Another sequence of inputs (to explore further); by default the same inputs on every
+# run: CI must not flake.
+SEED = os.environ.get("SERVETUNE_FUZZ_SEED")
 FUZZ = settings(
     max_examples=PER_TARGET,
-    derandomize=True,  # the same inputs on every run: CI must not flake
+    derandomize=SEED is None,
     database=None,
     deadline=None,
     print_blob=True,
@@ -53,10 +57,28 @@ FUZZ = settings(
 TALLY = Tally()
 
 
+# An input that makes a command allocate without bound is a MemoryError (a failure the
+# tally shows), not the machine's OOM killer ending the run.
+MEMORY_LIMIT_BYTES = int(float(os.environ.get("SERVETUNE_FUZZ_MEMORY_GB", "8")) * 2**30)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _stubs_and_report():
-    with stubbed_work():
-        yield
+    old = resource.getrlimit(resource.RLIMIT_AS)
+    hard = old[1]
+    soft = MEMORY_LIMIT_BYTES if hard == resource.RLIM_INFINITY else min(MEMORY_LIMIT_BYTES, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    try:
+        with stubbed_work():
+            yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, old)
+    _write_report()
+
+
+def _write_report() -> None:
+    """The counts so far, to SERVETUNE_FUZZ_REPORT when it is set (after each target, so
+    that a run cut short still leaves them)."""
     path = os.environ.get("SERVETUNE_FUZZ_REPORT")
     if path:
         report = {"examples_asked": FULL_RUN or PER_TARGET * len(TARGETS),
@@ -75,7 +97,12 @@ def test_bad_inputs_fail_in_one_line(target):
             assert outcome.status != "failed", (outcome.problem, outcome.output,
                                                 outcome.detail)
 
-    one()
+    if SEED is not None:
+        one = seed(int(SEED))(one)
+    try:
+        one()
+    finally:
+        _write_report()
     assert TALLY.failed(target.name) == 0, TALLY.failures.get(target.name)
 
 
@@ -228,6 +255,21 @@ def test_huge_numbers_in_benchmark_results_and_jobs_are_one_line():
     files = tuple((n, d) for n, d in PLACE_FILES if n != "jobs.yaml")
     _expect_error(_case("jobs.yaml", jobs, *PLACE_ARGV, companions=files),
                   "jobs.2.requests: Input should be less than or equal to 1000000000000")
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    # found by the full run: request_rate 10**400 (OverflowError converting it)
+    ({"request_rate": 10**400}, "request_rate: expected a number > 0"),
+    # found by hand next to it: ITLs that add up to inf broke the report (a TypeError)
+    ({"latencies": None, "itls": [[1e308, 1e308]] * 4}, "itls, request 1: the gaps add up"),
+])
+def test_huge_numbers_in_a_vllm_bench_result_are_one_line(change, needle):
+    from fuzz_inputs import bench_seeds
+
+    doc = {**json.loads(bench_seeds()["vllm-bench"]), **change}
+    doc = {k: v for k, v in doc.items() if v is not None}
+    _expect_error(_case("result", json.dumps(doc).encode(), *VALIDATE,
+                        companions=(("policy.yaml", POLICY),)), needle)
 
 
 @pytest.mark.parametrize(("cut", "needle"), [

@@ -110,9 +110,10 @@ def _rate(value: Any, path: str) -> float | None:
         except ValueError:
             raise _bad(path, "request_rate",
                        f"expected a number or \"inf\", got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise _bad(path, "request_rate", f"expected a number > 0 or \"inf\", got {value!r}")
-    return float(value)
+    rate = _number(value) if not isinstance(value, float) else value  # inf stays inf
+    if rate is None or not rate > 0:
+        raise _bad(path, "request_rate", f"expected a number > 0 or \"inf\", got {value!r:.40}")
+    return rate
 
 
 def _concurrency(value: Any, path: str) -> int | None:
@@ -217,6 +218,8 @@ def _lists_run(doc: dict[str, Any], path: str, fmt: str, digest: str,
             if not isinstance(gaps, list) or any(_number(g) is None or g < 0 for g in gaps):
                 raise _bad(path, f"itls, {row}", "expected a list of seconds >= 0")
             e2e = ttft + float(sum(gaps))
+            if not math.isfinite(e2e):
+                raise _bad(path, f"itls, {row}", "the gaps add up to more than any run lasts")
         if starts is not None:
             t = _number(starts[i])
             if t is None:
