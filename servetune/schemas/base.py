@@ -23,6 +23,15 @@ from servetune.errors import ServetuneError
 from servetune.io import decode_text, plain_data, read_bytes, write_text_atomic
 
 API_VERSION = "servetune/v1"
+# Validation context key set when a document is read from a file (its value: the file):
+# checks that only a file must pass (a profile built in code may leave its step time
+# out; a profile file may not) look for it with :func:`from_file`.
+FROM_FILE = "source"
+
+
+def from_file(info: ValidationInfo) -> bool:
+    """Whether the document being validated was read from a file."""
+    return isinstance(info.context, dict) and FROM_FILE in info.context
 
 
 def _accepts_bool(annotation: Any) -> bool:
@@ -107,11 +116,30 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     if first.get("type") not in ("missing", "extra_forbidden") and not isinstance(
         value, dict | list
     ):
-        shown = f" (got {value!r})"
+        shown = f" (got {_short_repr(value)})"
     more = f" [+{len(errors) - 1} more]" if len(errors) > 1 else ""
     if loc == "(document)" and first.get("type") == "value_error":
         return f"{source}: {msg}{more}"  # a whole-document check names its fields itself
     return f"{source}: {loc}: {msg}{shown}{more}"
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a message shows a bad value, not a
+    page of it."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_nested(data: Any, cls: type[BaseModel]) -> None:
+    """Validate ``data`` (a mapping a document keeps as plain data, e.g. a plan's policy)
+    as ``cls``; a failure is a ValueError whose message names the nested field, for a
+    pydantic validator to report under the field that holds the data."""
+    try:
+        cls.model_validate(data)
+    except ValidationError as err:
+        name = cls.__name__
+        text = format_validation_error(err, name).removeprefix(f"{name}: ")
+        raise ValueError(f"not a valid {name}: {text}") from None
 
 
 def _read_yaml(path: Path) -> Any:
@@ -124,10 +152,65 @@ def _key_text(node: yaml.Node, key: Any) -> Any:
     return node.value if isinstance(node, yaml.ScalarNode) else key
 
 
+MAX_ALIAS_EXPANSION = 100_000
+
+
+def _check_aliases(root: yaml.Node) -> None:
+    """Refuse a node graph that aliases make cyclic or blow up: YAML builds each alias as
+    a shared reference, but validation, hashing and printing walk the tree it stands for
+    ("billion laughs": nine levels of nine aliases are 9**9 values). A document may reuse
+    nodes through aliases as long as that adds at most MAX_ALIAS_EXPANSION values."""
+    size: dict[int, int] = {}  # expanded size of each finished node
+    distinct = 0
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    open_nodes: set[int] = set()
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            children = _children(node)
+            size[key] = 1 + sum(size[id(c)] for c in children)
+            open_nodes.discard(key)
+            if size[key] - distinct > MAX_ALIAS_EXPANSION:
+                raise yaml.constructor.ConstructorError(
+                    None, None,
+                    f"aliases (*name) expand to over {MAX_ALIAS_EXPANSION:,} values; write "
+                    "the values out instead of repeating an anchor", node.start_mark)
+            continue
+        if key in size:
+            continue
+        if key in open_nodes:
+            raise yaml.constructor.ConstructorError(
+                None, None, "an alias (*name) refers to a node that contains it; a document "
+                "must be a tree", node.start_mark)
+        open_nodes.add(key)
+        distinct += 1
+        stack.append((node, True))
+        for child in _children(node):
+            if id(child) not in size:
+                stack.append((child, False))
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, except that a key given twice in one mapping is an error (the
-    plain loader keeps the last value silently). Keys merged in with ``<<`` may still be
-    overridden, as YAML intends."""
+    plain loader keeps the last value silently), and aliases may neither make the document
+    cyclic nor multiply its size (:func:`_check_aliases`). Keys merged in with ``<<`` may
+    still be overridden, as YAML intends."""
+
+    def get_single_data(self) -> Any:
+        node = self.get_single_node()
+        if node is None:
+            return None
+        _check_aliases(node)
+        return self.construct_document(node)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> Any:
         if isinstance(node, yaml.MappingNode):
@@ -178,12 +261,14 @@ def document_from_data(data: Any, cls: type[D], source: str) -> D:
         )
     api = data.get("apiVersion")
     if api != API_VERSION:
-        raise ServetuneError(f"{source}: apiVersion: must be {API_VERSION!r} (got {api!r})")
+        raise ServetuneError(
+            f"{source}: apiVersion: must be {API_VERSION!r} (got {_short_repr(api)})"
+        )
     kind = data.get("kind")
     if kind != cls.KIND:
-        raise ServetuneError(f"{source}: kind: expected {cls.KIND!r} (got {kind!r})")
+        raise ServetuneError(f"{source}: kind: expected {cls.KIND!r} (got {_short_repr(kind)})")
     try:
-        return cls.model_validate(data)
+        return cls.model_validate(data, context={FROM_FILE: source})
     except ValidationError as err:
         raise ServetuneError(format_validation_error(err, source)) from None
     except (ValueError, TypeError, OverflowError, RecursionError) as exc:

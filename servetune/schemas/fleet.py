@@ -22,19 +22,26 @@ the next day (the forecast repeats).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from servetune.schemas.base import Document, Strict
+from servetune.engines import ENGINE_NAMES
+from servetune.schemas.base import Document, Strict, check_nested
+from servetune.schemas.policy import Policy
+from servetune.schemas.workload import MAX_TOKENS_BOUND
 
 SLOTS_PER_DAY = 24
 SECONDS_PER_SLOT = 3600.0
 MAX_HORIZON_S = 7 * 86400.0
+MAX_GPUS = 1_000_000  # per GPU type: beyond any fleet; keeps the MILP's bounds finite
+MAX_JOB_REQUESTS = 10**12  # beyond any background job; keeps the arithmetic in range
 
 
 class GPUType(Strict):
+    model_config = ConfigDict(allow_inf_nan=False)
     name: str = Field(min_length=1, description="short name used in plans (e.g. h100)")
     profile: str | None = Field(
         None, description="path of the Profile YAML (relative to the fleet file or cwd)"
@@ -48,8 +55,10 @@ class GPUType(Strict):
         None, ge=1, le=64,
         description="GPUs per replica (tensor-parallel degree); default: the profile's",
     )
-    max_gpus: int | None = Field(None, ge=0, description="at most this many GPUs of this type")
-    min_gpus: int = Field(0, ge=0, description="at least this many GPUs in every slot")
+    max_gpus: int | None = Field(None, ge=0, le=MAX_GPUS,
+                                 description="at most this many GPUs of this type")
+    min_gpus: int = Field(0, ge=0, le=MAX_GPUS,
+                          description="at least this many GPUs in every slot")
 
     @field_validator("name")
     @classmethod
@@ -223,10 +232,11 @@ class LengthDistribution(Strict):
     """Token lengths of a job's requests: a lognormal with this mean and coefficient of
     variation, clipped to [min, max] (cv 0 gives every request the mean)."""
 
-    mean: float = Field(gt=0, description="mean tokens per request")
+    model_config = ConfigDict(allow_inf_nan=False)
+    mean: float = Field(gt=0, le=MAX_TOKENS_BOUND, description="mean tokens per request")
     cv: float = Field(0.5, ge=0, le=10, description="standard deviation / mean")
-    min: int = Field(1, ge=1)
-    max: int | None = Field(None, ge=1)
+    min: int = Field(1, ge=1, le=MAX_TOKENS_BOUND)
+    max: int | None = Field(None, ge=1, le=MAX_TOKENS_BOUND)
 
     @model_validator(mode="after")
     def _ordered(self) -> LengthDistribution:
@@ -238,18 +248,24 @@ class LengthDistribution(Strict):
 
 
 class Job(Strict):
+    model_config = ConfigDict(allow_inf_nan=False)
     id: str = Field(min_length=1)
-    requests: int | None = Field(None, ge=1, description="number of requests")
+    requests: int | None = Field(None, ge=1, le=MAX_JOB_REQUESTS,
+                                 description="number of requests")
     tokens: float | None = Field(
-        None, gt=0, description="token volume (prompt + output); requests = tokens / mean size"
+        None, gt=0, le=MAX_JOB_REQUESTS * MAX_TOKENS_BOUND,
+        description="token volume (prompt + output); requests = tokens / mean size"
     )
     prompt_tokens: LengthDistribution
     output_tokens: LengthDistribution
-    release_s: float = Field(0.0, ge=0, description="earliest start, seconds from midnight")
+    release_s: float = Field(0.0, ge=0, le=MAX_HORIZON_S,
+                             description="earliest start, seconds from midnight")
     deadline_s: float = Field(gt=0, description="must finish by, seconds from midnight")
-    value: float = Field(1.0, gt=0, description="worth of completing the job by its deadline")
+    value: float = Field(1.0, gt=0, le=1e12,
+                         description="worth of completing the job by its deadline")
     priority: int = Field(
-        0, description="among schedules of equal value, lower-priority-value jobs finish first"
+        0, ge=-(2**31), lt=2**31,
+        description="among schedules of equal value, lower-priority-value jobs finish first"
     )
     preemptible: bool = Field(True, description="may pause between slots and move GPU types")
 
@@ -307,6 +323,24 @@ class PlanGPUType(Strict):
     )
     policy: dict = Field(default_factory=dict, description="the Policy one replica runs")
 
+    @field_validator("policy")
+    @classmethod
+    def _a_policy(cls, v: dict) -> dict:
+        if v:  # `servetune place` simulates it: check it as the Policy file it would be
+            check_nested(v, Policy)
+        return v
+
+
+# How `servetune plan` sampled the workload (CapacityPlan.sample): the keys `servetune
+# place` samples it again with, and the least and most each may be.
+PLAN_SAMPLE_INTS = {"requests": (1, 10_000_000), "seed": (0, 2**63 - 1),
+                    "capacity_requests": (1, 10_000_000)}
+PLAN_SAMPLE_EDGES = ("prompt_edges", "output_edges")
+
+
+def _whole(v: Any, low: int, high: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+
 
 class CapacityPlan(Document):
     """What ``servetune plan`` writes and ``servetune place`` reads."""
@@ -316,10 +350,10 @@ class CapacityPlan(Document):
     kind: Literal["CapacityPlan"] = "CapacityPlan"
     name: str = "plan"
     inputs: dict = Field(default_factory=dict, description="input paths and SHA-256 hashes")
-    growth: float = 1.0
-    slot_s: float = SECONDS_PER_SLOT
+    growth: float = Field(1.0, gt=0, allow_inf_nan=False)
+    slot_s: float = Field(SECONDS_PER_SLOT, gt=0, le=MAX_HORIZON_S, allow_inf_nan=False)
     n_slots: int = Field(ge=1)
-    engine: str = "vllm"
+    engine: Literal[ENGINE_NAMES] = "vllm"  # type: ignore[valid-type]
     sample: dict = Field(default_factory=dict, description="how the workload was sampled")
     buckets: list[PlanBucket]
     gpu_types: list[PlanGPUType]
@@ -336,3 +370,44 @@ class CapacityPlan(Document):
         default_factory=dict, description="fleet GPU types left out of the plan, and why"
     )
     growth_sweep: list[dict] = Field(default_factory=list, description="what-if scenarios")
+
+    @field_validator("inputs")
+    @classmethod
+    def _input_paths(cls, v: dict) -> dict:
+        for name, entry in v.items():
+            if not (isinstance(entry, dict) and isinstance(entry.get("path"), str)
+                    and entry["path"]):
+                raise ValueError(f"{name}: expected {{path: FILE, sha256: HEX}}; "
+                                 "run `servetune plan` again")
+        return v
+
+    @field_validator("sample")
+    @classmethod
+    def _sample(cls, v: dict) -> dict:
+        for key, (low, high) in PLAN_SAMPLE_INTS.items():
+            if key in v and not _whole(v[key], low, high):
+                raise ValueError(f"{key}: expected a whole number in [{low}, {high}] "
+                                 f"(got {v[key]!r:.40})")
+        for key in PLAN_SAMPLE_EDGES:
+            if key in v and not (isinstance(v[key], list)
+                                 and all(_whole(e, 2, 10**9) for e in v[key])):
+                raise ValueError(f"{key}: expected a list of token counts >= 2 "
+                                 f"(got {v[key]!r:.40})")
+        return v
+
+    @field_validator("replicas", "gpus")
+    @classmethod
+    def _counts_per_slot(cls, v: dict[str, list[int]]) -> dict[str, list[int]]:
+        for t, row in v.items():
+            if not row or min(row) < 0:
+                raise ValueError(f"{t}: expected a count >= 0 per slot (got {row!r:.40})")
+        return v
+
+    @field_validator("routing")
+    @classmethod
+    def _shares(cls, v: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, list[float]]]:
+        for b, per_type in v.items():
+            for t, row in per_type.items():
+                if not all(math.isfinite(f) and f >= 0 for f in row):
+                    raise ValueError(f"{b}.{t}: expected shares >= 0 (got {row!r:.40})")
+        return v

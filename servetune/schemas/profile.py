@@ -18,16 +18,20 @@ measured efficiencies and datasheet figures; the assumptions are listed) or
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from servetune.errors import ServetuneError
 from servetune.profiles import memory
 from servetune.profiles.steptime import StepTimeModel
-from servetune.schemas.base import Document, Strict
+from servetune.schemas.base import Document, Strict, from_file
 
 DTypeName = Literal["bf16", "fp16", "fp8", "fp32"]
+# No engine step takes less than this: a profile file whose one-token step is faster has
+# no step-time model (left out, or every coefficient 0) or a unit mistake.
+MIN_STEP_S = 1e-6
 
 
 class Hardware(Strict):
@@ -123,6 +127,23 @@ class Profile(Document):
             raise ValueError(
                 "hardware and model are required unless memory.kv_blocks_override is set"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _steps_take_time(self, info: ValidationInfo) -> Profile:
+        if not from_file(info):  # a profile built in code may leave the step time out
+            return self
+        small = self.step_time.seconds(1, 1, 1, 1, 0)
+        if not small >= MIN_STEP_S:
+            raise ValueError(
+                f"step_time: a one-token step would take {small:.3g} s (under "
+                f"{MIN_STEP_S:g} s); give the step-time model (fit one with `servetune "
+                "profile fit`, or set step_time.constant_s)"
+            )
+        large = self.step_time.seconds(1e6, 1e4, 1e4, 1e9, 1e12)
+        if not math.isfinite(large):
+            raise ValueError("step_time: a large step's time is not finite; check the "
+                             "coefficients")
         return self
 
     # -- the contract the simulator and optimizer use -------------------------------------

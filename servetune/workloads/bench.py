@@ -47,6 +47,7 @@ import numpy as np
 
 from servetune.errors import ServetuneError
 from servetune.io import decode_text, read_bytes, sha256_bytes
+from servetune.workloads.formats import MAX_TOKENS
 
 BENCH_FORMATS = ("vllm-bench", "sglang-bench", "aiperf")
 TIME_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
@@ -92,7 +93,10 @@ def _bad(path: str, where: str, what: str) -> ServetuneError:
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond float range
+        return None
     return value if math.isfinite(value) else None
 
 
@@ -106,9 +110,10 @@ def _rate(value: Any, path: str) -> float | None:
         except ValueError:
             raise _bad(path, "request_rate",
                        f"expected a number or \"inf\", got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise _bad(path, "request_rate", f"expected a number > 0 or \"inf\", got {value!r}")
-    return float(value)
+    rate = _number(value) if not isinstance(value, float) else value  # inf stays inf
+    if rate is None or not rate > 0:
+        raise _bad(path, "request_rate", f"expected a number > 0 or \"inf\", got {value!r:.40}")
+    return rate
 
 
 def _concurrency(value: Any, path: str) -> int | None:
@@ -145,8 +150,9 @@ class _Columns:
 
 
 def _whole(value: Any, low: int) -> int | None:
+    """A token count: a whole number in [low, MAX_TOKENS], else None."""
     x = _number(value)
-    if x is None or x != int(x) or x < low:
+    if x is None or x != int(x) or not low <= x <= MAX_TOKENS:
         return None
     return int(x)
 
@@ -212,6 +218,8 @@ def _lists_run(doc: dict[str, Any], path: str, fmt: str, digest: str,
             if not isinstance(gaps, list) or any(_number(g) is None or g < 0 for g in gaps):
                 raise _bad(path, f"itls, {row}", "expected a list of seconds >= 0")
             e2e = ttft + float(sum(gaps))
+            if not math.isfinite(e2e):
+                raise _bad(path, f"itls, {row}", "the gaps add up to more than any run lasts")
         if starts is not None:
             t = _number(starts[i])
             if t is None:
@@ -275,7 +283,7 @@ def _metric_s(metrics: dict[str, Any], key: str, path: str, row: str) -> float |
     value = entry.get("value") if isinstance(entry, dict) else entry
     unit = entry.get("unit", "ms") if isinstance(entry, dict) else "ms"
     x = _number(value)
-    if x is None or x < 0 or unit not in TIME_UNITS:
+    if x is None or x < 0 or not isinstance(unit, str) or unit not in TIME_UNITS:
         raise _bad(path, f"{row}, metrics.{key}",
                    f"expected {{value: >= 0, unit: s|ms|us|ns}}, got {entry!r}")
     return x * TIME_UNITS[unit]
@@ -362,7 +370,7 @@ def detect_bench_format(text: str, path: str) -> str:
             )
         if "metadata" in doc and "metrics" in doc:
             return "aiperf"
-        if "backend" in doc and doc.get("backend", "").startswith("sglang") or (
+        if str(doc.get("backend", "")).startswith("sglang") or (
             "details" in doc and isinstance(doc["details"], dict)
         ):
             return "sglang-bench"
