@@ -328,7 +328,8 @@ BAD_SCALARS: list[Any] = [
     {"a": 1}, {"": None}, [[[[]]]],
 ]
 scalars = st.one_of(
-    st.sampled_from(BAD_SCALARS),
+    # copied: a later mutation must not change the table (or put a list inside itself)
+    st.sampled_from(BAD_SCALARS).map(copy.deepcopy),
     st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=12),
@@ -497,7 +498,7 @@ def mutated_data(draw: Any, seed: Any) -> Any:
             data[key] = draw(st.sampled_from([
                 "servetune/v2", "Policy", "Workload", "Profile", "SLOSet", "CapacityPlan",
                 None, 1, "", ["Policy"],
-            ]))
+            ]).map(copy.deepcopy))
         else:  # wrap: the document is not a mapping
             data = draw(st.sampled_from([[data], "text", 42, None, [], {"doc": data}]))
     return data
@@ -791,7 +792,8 @@ def jsonl_trace_bytes(draw: Any, seed: TraceSeed) -> bytes:
             r = draw(st.integers(0, len(records) - 1))
             if isinstance(records[r], dict) and records[r]:
                 key = draw(st.sampled_from(sorted(records[r])))
-                records[r][key] = draw(st.sampled_from(JSON_BAD_VALUES) | bad_values)
+                records[r][key] = draw(st.sampled_from(JSON_BAD_VALUES).map(copy.deepcopy)
+                                       | bad_values)
         elif op == "drop_key":
             r = draw(st.integers(0, len(records) - 1))
             if isinstance(records[r], dict) and records[r]:

@@ -272,6 +272,17 @@ def test_huge_numbers_in_a_vllm_bench_result_are_one_line(change, needle):
                         companions=(("policy.yaml", POLICY),)), needle)
 
 
+def test_an_infinite_count_in_measured_steps_is_one_line():
+    """Found by an exploring run (SERVETUNE_FUZZ_SEED=1): decode_seqs -inf in a whole-step
+    CSV (OverflowError from int(inf) in `profile check`)."""
+    lines = (REPO / "gpu_profiles/calibration/h200/step_graph_llama-3.1-8b.csv"
+             ).read_text().splitlines()[:4]
+    lines[2] = lines[2].replace(",1,2048,", ",-inf,2048,")
+    case = _case("steps.csv", ("\ufeff" + "\n".join(lines)).encode(), "profile", "check",
+                 "--profile", PROFILE_NAME, "--measured", "{in}/steps.csv", "--json")
+    _expect_error(case, "line 3, column 'decode_seqs': expected an integer (got '-inf')")
+
+
 @pytest.mark.parametrize(("cut", "needle"), [
     # found: a profile cut short before step_time was read with every step taking 0 s;
     # `profile show` divided by zero (a RuntimeWarning and "inf" tokens/s)

@@ -55,7 +55,7 @@ class CsvTable:
                 if value != int(value):
                     raise ValueError
                 value = int(value)
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: int() of inf
             raise ServetuneError(
                 f"{self.path}: line {self.lines[i]}, column {column!r}: expected {what} "
                 f"(got {raw!r})"
