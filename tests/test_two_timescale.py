@@ -251,3 +251,16 @@ def test_cli_rate_windows_option(tmp_path):
         assert (load_workload(out).classes["default"].arrival.windows is not None) == has_windows
     bad = runner.invoke(app, [*base, "-o", str(tmp_path / "x.yaml"), "--rate-windows", "hourly"])
     assert bad.exit_code != 0 and "--rate-windows must be auto, none" in bad.output
+
+
+def test_within_window_correlation_when_the_shifts_carry_all_the_variance():
+    """Found by the fuzz harness (a trace with one length per window): shifts of +-1 in
+    two equal windows carry the whole score variance, a = 0, and there is nothing within
+    a window to couple; this was a ZeroDivisionError."""
+    from servetune.schemas.workload import LengthShift
+    from servetune.workloads.fitting import within_window_correlation
+
+    shift = LengthShift(prompt=[1.0, -1.0], output=[1.0, -1.0])
+    window = np.array([0, 0, 1, 1])
+    assert within_window_correlation(0.5, window, shift) == 0.0
+    assert within_window_correlation(None, window, shift) is None

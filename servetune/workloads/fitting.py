@@ -720,6 +720,10 @@ def within_window_correlation(r: float | None, window: np.ndarray,
     c = np.bincount(window, minlength=k).astype(np.float64)
     dp, ap = LengthShift.centred(shift.prompt, c.tolist())
     do, ao = LengthShift.centred(shift.output, c.tolist())
+    if ap * ao <= 0.0:
+        # The windows' shifts carry all of a length's score variance: nothing is left
+        # within a window to couple (a degenerate trace, e.g. one length per window).
+        return 0.0
     within = (r - float((c / c.sum()) @ (dp * do))) / (ap * ao)
     return float(min(max(round(within, 4), -0.9999), 0.9999))
 
