@@ -302,3 +302,25 @@ def test_sim_trace_runs_with_the_shipped_profile():
     case = _case("policy.yaml", POLICY, *SIM_TRACE, companions=(("trace.csv", TINY_TRACE),))
     with stubbed_work():
         assert run_case(case).status == "ok"
+
+
+def test_a_huge_search_space_is_one_line(tmp_path):
+    """Found by an exploring run (SERVETUNE_FUZZ_SEED=2): a 4 MiB space file made nightly
+    build a MILP over every combination and give no answer in 30 s. Now the space's size
+    is bounded in the schema: one line naming the count and the limit."""
+    from servetune.errors import ServetuneError
+    from servetune.schemas.base import load_document
+    from servetune.schemas.space import MAX_SPACE_POINTS, MAX_VALUES_PER_KNOB, SearchSpace
+
+    many = tmp_path / "many.yaml"
+    many.write_text("apiVersion: servetune/v1\nkind: SearchSpace\nknobs:\n"
+                    f"  batching.max_num_seqs: {list(range(1, MAX_VALUES_PER_KNOB + 2))}\n")
+    with pytest.raises(ServetuneError, match="1,001 values; at most 1,000"):
+        load_document(many, SearchSpace)
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("apiVersion: servetune/v1\nkind: SearchSpace\nknobs:\n"
+                    f"  batching.max_num_seqs: {list(range(1, 401))}\n"
+                    f"  batching.max_num_batched_tokens: {list(range(1000, 1301))}\n")
+    with pytest.raises(ServetuneError, match="120,000 combinations"):
+        load_document(grid, SearchSpace)
+    assert 400 * 250 <= MAX_SPACE_POINTS

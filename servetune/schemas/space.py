@@ -64,6 +64,12 @@ def apply_knobs(base: Policy, values: dict[str, Any]) -> Policy:
     return Policy.model_validate(data)
 
 
+# A search space is a grid every method enumerates (the MILP has a binary per point), so
+# its size is bounded: the default space has 1,332 points.
+MAX_VALUES_PER_KNOB = 1_000
+MAX_SPACE_POINTS = 100_000
+
+
 class SearchSpace(Document):
     KIND: ClassVar[str] = "SearchSpace"
     kind: Literal["SearchSpace"] = "SearchSpace"
@@ -80,6 +86,10 @@ class SearchSpace(Document):
                 raise ValueError(f"knob {path!r} is given twice")
             if not values:
                 raise ValueError(f"knob {path!r}: list at least one value")
+            if len(values) > MAX_VALUES_PER_KNOB:
+                raise ValueError(
+                    f"knob {path!r}: {len(values):,} values; at most {MAX_VALUES_PER_KNOB:,} "
+                    "(the space is a grid every method enumerates)")
             adapter = _field_adapter(path)
             for value in values:
                 try:
@@ -92,6 +102,13 @@ class SearchSpace(Document):
             if len(set(map(repr, values))) != len(values):
                 raise ValueError(f"knob {path!r}: values repeat")
             out[path] = list(values)
+        points = 1
+        for values in out.values():
+            points *= len(values)
+        if points > MAX_SPACE_POINTS:
+            raise ValueError(
+                f"{points:,} combinations of knob values; at most {MAX_SPACE_POINTS:,} "
+                "(the space is a grid every method enumerates): list fewer values")
         return out
 
     def size(self) -> int:
