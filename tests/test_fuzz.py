@@ -321,6 +321,6 @@ def test_a_huge_search_space_is_one_line(tmp_path):
     grid.write_text("apiVersion: servetune/v1\nkind: SearchSpace\nknobs:\n"
                     f"  batching.max_num_seqs: {list(range(1, 401))}\n"
                     f"  batching.max_num_batched_tokens: {list(range(1000, 1301))}\n")
-    with pytest.raises(ServetuneError, match="120,000 combinations"):
+    with pytest.raises(ServetuneError, match="120,400 combinations"):
         load_document(grid, SearchSpace)
     assert 400 * 250 <= MAX_SPACE_POINTS
