@@ -659,6 +659,8 @@ def within_window_correlation(r: float | None, window: np.ndarray,
     c = np.bincount(window, minlength=k).astype(np.float64)
     dp, ap = LengthShift.centred(shift.prompt, c.tolist())
     do, ao = LengthShift.centred(shift.output, c.tolist())
+    if ap * ao == 0.0:  # the shifts leave no spread within windows: r_within has no effect
+        return None
     within = (r - float((c / c.sum()) @ (dp * do))) / (ap * ao)
     return float(min(max(round(within, 4), -0.9999), 0.9999))
 
