@@ -59,7 +59,9 @@ PLACE = DATA / "place"
 
 PROFILE_NAME = "h200-llama-3.1-8b"  # a shipped profile, named: no file needed
 MAX_INPUT_BYTES = 4 << 20  # big enough for every size check; a bigger file only costs time
-CASE_TIMEOUT_S = float(os.environ.get("SERVETUNE_FUZZ_CASE_TIMEOUT_S", "30"))
+# A hang is no answer in this long; a 4 MiB YAML file alone takes PyYAML's pure-Python
+# parser about 20 s on the 2-core development machine, so the limit leaves room for that.
+CASE_TIMEOUT_S = float(os.environ.get("SERVETUNE_FUZZ_CASE_TIMEOUT_S", "60"))
 # Warnings Python shows by default (the others are hidden outside __main__).
 HIDDEN_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
 

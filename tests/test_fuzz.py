@@ -16,6 +16,7 @@ and then fails the targets that had any.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
@@ -254,7 +255,7 @@ def test_huge_numbers_in_benchmark_results_and_jobs_are_one_line():
         b"requests: 30000", b"requests: 1" + b"0" * 400)
     files = tuple((n, d) for n, d in PLACE_FILES if n != "jobs.yaml")
     _expect_error(_case("jobs.yaml", jobs, *PLACE_ARGV, companions=files),
-                  "jobs.2.requests: Input should be less than or equal to 1000000000000")
+                  "jobs.2.requests: a whole number beyond")
 
 
 @pytest.mark.parametrize(("change", "needle"), [
@@ -281,6 +282,44 @@ def test_an_infinite_count_in_measured_steps_is_one_line():
     case = _case("steps.csv", ("\ufeff" + "\n".join(lines)).encode(), "profile", "check",
                  "--profile", PROFILE_NAME, "--measured", "{in}/steps.csv", "--json")
     _expect_error(case, "line 3, column 'decode_seqs': expected an integer (got '-inf')")
+
+
+# A gzipped BurstGPT trace whose rows the fuzzer garbled (SERVETUNE_FUZZ_SEED=2).
+GARBLED_BURSTGPT = base64.b64decode(
+    "H4sIAAAAAAACA+1bMUvDQBTeH9x/6OR0lkvaWDpKBxFUimSXgqEW21w1UXAUujiLmwiOTi4uUnBIf45j/4Cx"
+    "UhFdMpyX710yNHBpSB6Pd++97/vehaNJlKSDyVTu6+NoLA+js4v8RiPVp1Gc5MtkquMkWq9DnQ7G68WeHjbC"
+    "q2kkKGgq2TsZpDv9UHpKSV9JL//1dHwZnSeDdKTjxlgPyWsGMn9msy0DJTsy6Mjucvb0spFkj9nDYv4+fxXU"
+    "afrB98u22kqq1fX3uwR1849+vayl8m+2PV+2Pi9/nuz+tM6XnvRacru/u/rPnOWFDS9sNxkwXBTxeUHLC3vc"
+    "iOHm7DYUKoTscmHJ5cajnEy43GRiMRLl4BkRzunCptOFwWROeNncfCEykhXZ1n6TlQisZ/kHj5OlYLGazs3W"
+    "frudIrbp1ioR4g4FzInYNRSs47JbhvBSi2DccREyKMJrFu1if7aW880uZXAWfHkictHl5DwZihcr0C2uJbKl"
+    "LkJmW9wyCAsCE1nwUjko1VIrW7Y5f0Fo+xMbO6O1LFXfn8RWweVLnLtfQeFE8ypwW5zlZ4e7XMsglIAJCzCP"
+    "U82bc3V6CQ1X1YdDoBERY+BvTe9nO0pU80TQky1oij9bAhp0OgQPh7KlW6B1FsF12M/aoD9n6E+goAivW8SO"
+    "mGrLuPU5ItsMF99ZIr5iC97BkDKiHI4PJecFLrRk7rrdotLFs8YUsKcqyWUAypmVc35QvhLYGQ86ww3NuX/C"
+    "v7Dh2e1itny7uTvIro+y5+yeJ6MLp6HDiaJcBRfb9fQDK5rq0edIAAA="
+)
+
+
+def test_a_fit_whose_shifts_leave_no_spread_is_one_line():
+    """Found by an exploring run: `workload fit --split-by class --rate-windows 1` on this
+    trace divided by zero (the length shifts took all the variance within windows)."""
+    case = _case("trace", GARBLED_BURSTGPT, "workload", "fit", "{in}/trace", "-o",
+                 "{out}/w.yaml", "--split-by", "class", "--rate-windows", "1",
+                 "--on-bad-row", "skip", companions=(("policy.yaml", POLICY),))
+    _expect_error(case, "cannot fit a workload: length_shift.prompt: the shifts' variance")
+
+
+def test_a_number_beyond_int64_in_a_profile_is_one_line():
+    """Found by an exploring run: kv_blocks_override: 10**400 (OverflowError in export)."""
+    big = (REPO / "tests/fuzz_data/place/big.yaml").read_bytes().replace(
+        b"kv_blocks_override: 2000", b"kv_blocks_override: 1" + b"0" * 400)
+    case = _case("profile.yaml", big, "export", "--policy", "{in}/policy.yaml", "--engine",
+                 "vllm", "--profile", "{in}/profile.yaml", "-o", "{out}/v.yaml",
+                 companions=(("policy.yaml", POLICY),))
+    _expect_error(case, "memory.kv_blocks_override: a whole number beyond")
+    case = _case("profile.yaml", big.replace(b"1" + b"0" * 400, b"1" + b"0" * 12), "export",
+                 "--policy", "{in}/policy.yaml", "--engine", "vllm", "--profile",
+                 "{in}/profile.yaml", companions=(("policy.yaml", POLICY),))
+    _expect_error(case, "memory.kv_blocks_override: Input should be less than or equal to")
 
 
 @pytest.mark.parametrize(("cut", "needle"), [

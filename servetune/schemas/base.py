@@ -67,18 +67,48 @@ def _find_bool(value: Any) -> bool:
     return False
 
 
+INT64_MAX = 2**63 - 1
+
+
+def _holds_model(annotation: Any) -> bool:
+    """Whether a field's type is, or contains, a pydantic model."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    return any(_holds_model(a) for a in typing.get_args(annotation))
+
+
+def _find_huge_int(value: Any) -> bool:
+    """Whether ``value`` holds a whole number outside int64 (YAML reads any number of
+    digits; numpy, the simulator and float() cannot take them)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return not -INT64_MAX <= value <= INT64_MAX
+    if isinstance(value, list | tuple):
+        return any(_find_huge_int(v) for v in value)
+    if isinstance(value, dict):
+        return any(_find_huge_int(v) for v in value.values())
+    return False
+
+
 class Strict(BaseModel):
-    """A nested section: unknown keys are errors, values are validated on assignment, and
-    a boolean is never taken for a number (pydantic's lax mode reads ``true`` as 1)."""
+    """A nested section: unknown keys are errors, values are validated on assignment, a
+    boolean is never taken for a number (pydantic's lax mode reads ``true`` as 1), and no
+    whole number in a file lies outside int64."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
-        if info.field_name is None or not _find_bool(value):
+    def _strict_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name is None:
             return value
         field = cls.model_fields.get(info.field_name)
+        # a nested model checks its own fields, so the error names the deepest one
+        holds_model = field is not None and _holds_model(field.annotation)
+        if from_file(info) and not holds_model and _find_huge_int(value):
+            raise ValueError(f"a whole number beyond +-{INT64_MAX:,} (int64) is out of range; "
+                             "check the value")
+        if not _find_bool(value):
+            return value
         if field is not None and not _accepts_bool(field.annotation):
             raise ValueError("a boolean (true/false) is not allowed here; give a number or "
                              "the value the field documents")

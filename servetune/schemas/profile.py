@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import ClassVar, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from servetune.errors import ServetuneError
 from servetune.profiles import memory
@@ -29,6 +29,12 @@ from servetune.profiles.steptime import StepTimeModel
 from servetune.schemas.base import Document, Strict, from_file
 
 DTypeName = Literal["bf16", "fp16", "fp8", "fp32"]
+# Bounds that catch a typo (or a fuzzer) before arithmetic overflows: a petabyte per GPU,
+# a million of any model dimension, 1e14 parameters, a billion KV blocks.
+MAX_BYTES = 2**50
+MAX_DIM = 10**6
+MAX_PARAMS = 10**14
+MAX_KV_BLOCKS = 10**9
 # No engine step takes less than this: a profile file whose one-token step is faster has
 # no step-time model (left out, or every coefficient 0) or a unit mistake.
 MIN_STEP_S = 1e-6
@@ -36,7 +42,9 @@ MIN_STEP_S = 1e-6
 
 class Hardware(Strict):
     name: str = Field(..., min_length=1, description="GPU name, e.g. 'NVIDIA H200 (141 GB)'")
-    memory_bytes: int = Field(..., gt=0, description="total memory per GPU as the driver reports")
+    model_config = ConfigDict(allow_inf_nan=False)
+    memory_bytes: int = Field(..., gt=0, le=MAX_BYTES,
+                              description="total memory per GPU as the driver reports")
     hbm_bandwidth_Bps: float = Field(..., gt=0, description="datasheet memory bandwidth, B/s")
     peak_flops: float = Field(..., gt=0, description="datasheet dense bf16 FLOP/s")
     interconnect_bandwidth_Bps: float = Field(
@@ -46,14 +54,15 @@ class Hardware(Strict):
 
 class ModelArch(Strict):
     name: str = Field(..., min_length=1)
-    layers: int = Field(..., ge=1)
-    hidden: int = Field(..., ge=1)
-    intermediate: int = Field(..., ge=1)
-    heads: int = Field(..., ge=1)
-    kv_heads: int = Field(..., ge=1)
-    head_dim: int = Field(..., ge=1)
-    vocab: int = Field(..., ge=1)
-    params: int = Field(..., ge=1, description="total parameters (embeddings included)")
+    layers: int = Field(..., ge=1, le=MAX_DIM)
+    hidden: int = Field(..., ge=1, le=MAX_DIM)
+    intermediate: int = Field(..., ge=1, le=MAX_DIM)
+    heads: int = Field(..., ge=1, le=MAX_DIM)
+    kv_heads: int = Field(..., ge=1, le=MAX_DIM)
+    head_dim: int = Field(..., ge=1, le=MAX_DIM)
+    vocab: int = Field(..., ge=1, le=MAX_DIM)
+    params: int = Field(..., ge=1, le=MAX_PARAMS,
+                        description="total parameters (embeddings included)")
     dtype: DTypeName = Field("bf16", description="weight dtype")
 
     @model_validator(mode="after")
@@ -65,7 +74,8 @@ class ModelArch(Strict):
 
 
 class Parallelism(Strict):
-    tensor_parallel: int = Field(1, ge=1, description="tensor-parallel degree (GPUs per replica)")
+    tensor_parallel: int = Field(1, ge=1, le=1024,
+                                 description="tensor-parallel degree (GPUs per replica)")
 
 
 class MemoryBudget(Strict):
@@ -73,14 +83,16 @@ class MemoryBudget(Strict):
         0.92, gt=0.0, le=1.0, description="vLLM's fraction of GPU memory (engines.md 1.3)"
     )
     activation_reserve_bytes: int = Field(
-        0, ge=0, description="peak activations + CUDA graphs + non-torch memory per GPU"
+        0, ge=0, le=MAX_BYTES,
+        description="peak activations + CUDA graphs + non-torch memory per GPU"
     )
     kv_cache_dtype: Literal["auto", "bf16", "fp16", "fp8"] = Field(
         "auto", description="'auto' = the model's dtype; fp8 halves KV bytes"
     )
-    block_size: int = Field(16, ge=1, description="tokens per KV block (16 on CUDA)")
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block (16 on CUDA)")
     kv_blocks_override: int | None = Field(
-        None, description="as vLLM's num_gpu_blocks_override; usable = override - 1"
+        None, le=MAX_KV_BLOCKS,
+        description="as vLLM's num_gpu_blocks_override; usable = override - 1"
     )
 
     @field_validator("kv_blocks_override")
