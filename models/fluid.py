@@ -33,25 +33,39 @@ and quantiles, and the profile's step-time coefficients (``servetune.profiles.st
   (bursty arrivals find the queue busy more often). The q-quantile prompt then needs
   ``ceil(P_q / min(L, M - D))`` steps (``L`` = ``long_prefill_token_threshold``) plus
   its own causal attention, ``P_q^2 / 2`` pairs;
-- TPOT: a request's TPOT is the mean of its ``L = O - 1`` decode steps: a decode-only
-  step, plus the prefill time that other requests' prompts add to its steps, plus the
-  noise of its neighbours' context reads. A prompt of ``P`` tokens costs ``T(P) = a P +
-  b P^2 / 2`` seconds (``a`` the GEMM's steepest slope per token, ``b`` per attention pair,
-  however it is chunked) over ``n = ceil(P / c)`` consecutive steps; about ``x (L + n)``
-  prompts overlap a request's decode, each sharing ``L n / (L + n)`` of its steps on
-  average, so the request's extra time is a compound sum of shots ``T(P) L / (L + n)``
-  (mean ``x L E[T]``, as the mean step says; bursty arrivals, ``d = ca^2 > 1``, as
-  clusters of ``d`` prompts prefilled in turn: rarer shots of ``d T(P)`` over ``d n`` steps).
-  Its q-quantile over the class's requests (:meth:`FluidModel.prefill_excess_quantile`)
-  takes, per output length, the larger tail of a lognormal with the sum's two moments
-  (many overlaps) and of one big shot (few). This is what a chunk cap trades: short
-  outputs that meet a long prompt's chunks set the tail, and a smaller chunk spreads that
-  prompt over more steps. The context reads (``x E[(O - 1) (r + k (P + O/2))^2]`` of
-  variance) last a neighbour's residual decode life and average over the request's steps
-  as in :func:`tpot_noise_quantiles`. A TPOT is at most a full step: the budget's tokens
-  attending as deep as the q-quantile prompt. (The Gaussian token-count noise used before
-  saw neither the attention of deep chunks, 0.4 s for a 2048-token chunk at depth 50k on
-  an L40S, nor that a prompt's chunks come in a run: 3-5x optimistic there);
+- TPOT: a request's TPOT is the mean of its ``L = O - 1`` decode steps. Two mechanisms
+  slow them, and the model takes the worse, at most a full step (the budget's tokens
+  attending as deep as the q-quantile prompt):
+
+  * bursts filling steps: a step carrying ``D`` decodes and ``Tp + z sqrt(x E[P min(P,
+    c)] max(1, ca^2))`` prefill tokens (compound renewal counts; a prompt adds at most a
+    chunk ``c = min(L_cap, M - D)`` to each of its steps), capped by the budget, as
+    Sarathi-Serve bounds a step's chunk by the TPOT target. The mean of ``O - 1`` steps
+    correlated over ``tau = max(1, (ca^2 + cs^2)/2) / (1 - rho)`` steps (the prefill
+    queue's relaxation time) has the noise of ``(O - 1) / tau`` independent ones, so
+    ``z`` is the q-quantile of that averaged noise over the class's outputs
+    (:func:`tpot_noise_quantiles`), not the per-step ``Phi^-1(q)``;
+  * heavy prompts: a decode-only step, plus the prefill time other requests' prompts
+    add to its steps, plus the noise of its neighbours' context reads. A prompt of ``P``
+    tokens costs ``T(P) = a P + b P^2 / 2`` seconds (``a`` the GEMM's steepest slope per
+    token, ``b`` per attention pair, however it is chunked) over ``n = ceil(P / c)``
+    consecutive steps; about ``x (L + n)`` prompts overlap a request's decode (Poisson),
+    each sharing ``L n / (L + n)`` of its steps on average, so the request's extra time
+    is a compound sum of shots ``T(P) L / (L + n)`` (mean ``x L E[T]``, as the mean step
+    says). Its q-quantile over the class's requests
+    (:meth:`FluidModel.prefill_excess_quantile`) takes, per output length, the larger
+    tail of a lognormal with the sum's two moments (many overlaps) and of one big shot
+    (few). This is what a chunk cap trades for long prompts: short outputs that meet a
+    long prompt's deep chunks set the tail, and a smaller chunk spreads that prompt over
+    more steps. The context reads (``x E[(O - 1) (r + k (P + O/2))^2]`` of variance) last
+    a neighbour's residual decode life and average over the request's steps as the
+    burst noise does.
+
+  (The burst term alone saw neither the attention of deep chunks, 0.4 s for a 2048-token
+  chunk at depth 50k on an L40S, nor that a prompt's chunks come in a run: 3-5x
+  optimistic on long prompts. The heavy-prompt term alone, with its variance times
+  ``ca^2``, was 4-11x pessimistic on the bursty Azure code traffic; as clusters of
+  ``ca^2`` prompts, 13-38x optimistic there. Hence both, each for what it models.)
 - stability: ``T < M`` (demand per step below what one step serves), seats and KV.
 
 Every condition is non-decreasing in ``x``, so each gives a largest ``x``
