@@ -9,10 +9,11 @@ policy field it sets, so a space can only produce well-typed policies.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, TypeAdapter, ValidationError, field_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from servetune.schemas.base import Document
 from servetune.schemas.policy import Admission, Batching, LongRequests, Policy
@@ -102,20 +103,18 @@ class SearchSpace(Document):
             if len(set(map(repr, values))) != len(values):
                 raise ValueError(f"knob {path!r}: values repeat")
             out[path] = list(values)
-        points = 1
-        for values in out.values():
-            points *= len(values)
-        if points > MAX_SPACE_POINTS:
-            raise ValueError(
-                f"{points:,} combinations of knob values; at most {MAX_SPACE_POINTS:,} "
-                "(the space is a grid every method enumerates): list fewer values")
         return out
 
+    @model_validator(mode="after")
+    def _bounded(self) -> SearchSpace:
+        if self.size() > MAX_SPACE_POINTS:
+            raise ValueError(
+                f"{self.size():,} combinations of knob values; at most {MAX_SPACE_POINTS:,} "
+                "(the space is a grid every method enumerates): list fewer values")
+        return self
+
     def size(self) -> int:
-        n = 1
-        for values in self.knobs.values():
-            n *= len(values)
-        return n
+        return math.prod(len(values) for values in self.knobs.values())
 
     def points(self) -> Iterator[dict[str, Any]]:
         """Every combination, in a fixed order (last knob varies fastest)."""
