@@ -56,14 +56,16 @@ USAGE = (
     "(command-line flags override this file)"
 )
 # Where servetune knows when SGLang gained an option this exporter writes: the pull
-# request, since no release is pinned by a source read (facts from the PRs' pages). The
-# others are older than both.
+# request, since no release is pinned by a source read (facts from the PRs' pages: the
+# dates shown there; the merge dates were not shown). The others are older than both.
 SINCE: dict[str, Since] = {
-    "--config": (None, "YAML config files, sgl-project/sglang PR #10534, merged 2025-09"),
+    "--config": (None, "YAML config files, sgl-project/sglang PR #10534, opened "
+                 "2025-09-16, merged"),
     "enable-priority-scheduling": (None, "priority scheduling with preemption, PR #8746, "
-                                   "merged 2025-09"),
-    "schedule-low-priority-values-first": (None, "PR #8746, merged 2025-09"),
-    "priority-scheduling-preemption-threshold": (None, "PR #8746, merged 2025-09"),
+                                   "reviewed 2025-09-09, merged"),
+    "schedule-low-priority-values-first": (None, "PR #8746, reviewed 2025-09-09, merged"),
+    "priority-scheduling-preemption-threshold": (None, "PR #8746, reviewed 2025-09-09, "
+                                                 "merged"),
 }
 
 # SGLang's names for the knobs it expresses (the knob table's); it takes none as is.
