@@ -962,6 +962,7 @@ def document_targets() -> list[Target]:
         _doc_target("Workload", "workload.yaml", [REPO / "configs/workloads/azure-conv-2023.yaml",
                                                   DATA / "workload-modulated.yaml",
                                                   DATA / "workload-empirical.yaml",
+                                                  DATA / "workload-bootstrap.yaml",
                                                   PLACE / "workload.yaml"],
                     (("policy.yaml", POLICY),), [
             _cmd("workload", "show", "{in}/workload.yaml"),
