@@ -4,7 +4,11 @@ Arrivals are seconds from the first request, sorted; requests with equal arrival
 keep their file order (stable sort). Optional columns: a class label per request (an
 index into ``class_names``), a priority (lower is served first), a ``max_tokens`` cap,
 and prefix block ids for prefix reuse, stored as CSR (``prefix_offsets`` of length n+1
-into the flat ``prefix_block_ids``).
+into the flat ``prefix_block_ids``). Block ``m`` of a request's ids covers its tokens
+``[m * B, (m + 1) * B)`` with ``B = prefix_block_tokens`` (512 in the Mooncake traces), and
+an id names the whole prefix up to the end of its block (a chain hash): two requests
+whose ``m``-th ids are equal share their first ``(m + 1) * B`` tokens. Ids may cover the
+prompt only (Mooncake) or the prompt and the output (a session's next turn re-sends both).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class Trace:
     max_tokens: np.ndarray | None = None  # int64, the request's declared output cap
     prefix_offsets: np.ndarray | None = None  # int64, len n+1 (CSR)
     prefix_block_ids: np.ndarray | None = None  # int64 flat
+    prefix_block_tokens: int = 512  # tokens per prefix block id
     source: str = ""
     notices: tuple[str, ...] = field(default=())
 
@@ -90,6 +95,7 @@ class Trace:
             max_tokens=sel(self.max_tokens),
             prefix_offsets=offsets,
             prefix_block_ids=ids,
+            prefix_block_tokens=self.prefix_block_tokens,
             source=self.source,
             notices=self.notices,
         )
@@ -114,6 +120,7 @@ class Trace:
             max_tokens=self.max_tokens,
             prefix_offsets=self.prefix_offsets,
             prefix_block_ids=self.prefix_block_ids,
+            prefix_block_tokens=self.prefix_block_tokens,
             source=self.source,
             notices=self.notices,
         )
