@@ -113,11 +113,16 @@ EV_SHED = 4
 
 WINDOW_MAX = 4096  # longest jumped stretch (size of the allocation histogram)
 
+# --- prefix cache keys ------------------------------------------------------------------------
+EMPTY_KEY = -(1 << 62)  # a free hash-table entry (no block has this key)
+UNIQUE_STRIDE = 1 << 24  # blocks per request in the keys of blocks no other request can share
+
 # --- run_kernel's return codes -----------------------------------------------------------
 RC_DONE = 0
 RC_LOG_FULL = 1
 RC_STEP_LIMIT = 2
 RC_STUCK = 3
+RC_UNTIL = 4
 
 
 class Params(NamedTuple):
@@ -139,9 +144,11 @@ class Params(NamedTuple):
     lane_reserved_blocks: int
     lane_max_seqs: int
     lane_max_blocks: int
+    prefix_caching: bool  # freed blocks stay cached (LRU) and a prompt's cached prefix is free
     # KV pool and step time
     total_blocks: int
     block_size: int
+    prefix_block_tokens: int  # tokens per trace prefix id (Requests.prefix_ids)
     step_coef: np.ndarray  # float64[N_COEF], StepTimeModel.as_arrays(engine), host terms in
     step_pieces: np.ndarray  # float64 (k, 2)
     # SGLang environment constants (engines.md 2.2)
@@ -168,6 +175,10 @@ class Requests(NamedTuple):
     lane_blocks: np.ndarray  # int64, long lane footprint (0 for short requests)
     reserved_blocks: np.ndarray  # int64, TensorRT-LLM/TGI reservation (else 0)
     reject: np.ndarray  # int8, REASON_* it is rejected with at arrival (0: none)
+    prefix_start: np.ndarray  # int64[n + 1], CSR: r's ids are prefix_ids[start[r]:start[r + 1]]
+    prefix_ids: np.ndarray  # int64 >= 0, chain ids of prefix_block_tokens-token blocks
+    precomputed: np.ndarray  # int64, prompt tokens whose KV arrives with it (P/D decode side)
+    ready_delay: np.ndarray  # float64, s after first admission before it can run (KV transfer)
 
 
 # The scalars a run carries from step to step (State.scalars[0]): compiled, a numpy record
@@ -176,6 +187,7 @@ class Requests(NamedTuple):
 # tuple as seven machine words to every call.
 SCALARS = np.dtype([
     ("next_arrival", np.int64),  # next trace row to arrive
+    ("known", np.int64),  # rows of the trace known so far (a router appends them)
     ("n_running", np.int64),  # running list length
     ("batch_size", np.int64),  # requests in this step's batch
     ("steps", np.int64),
@@ -191,7 +203,15 @@ SCALARS = np.dtype([
     ("pure_decode", np.int64),  # 1: the last step only decoded (a stretch may be jumped)
     ("chunked_req", np.int64),  # SGLang's request in chunked prefill (-1: none)
     ("jumps", np.int64),  # jumped stretches
+    ("cached_free", np.int64),  # prefix cache: blocks no request holds, kept for reuse
+    ("lru_head", np.int64),  # their eviction order: a doubly linked list of cache slots
+    ("lru_tail", np.int64),
+    ("free_slots", np.int64),  # unused cache slots (a stack in State.slot_free)
+    ("hit_blocks", np.int64),  # blocks served from the cache, every admission
+    ("evictions", np.int64),
+    ("n_done", np.int64),  # completed requests, in State.done_order
     ("now", np.float64),  # clock (s)
+    ("until", np.float64),  # stop at the first step boundary at or after this (router)
     ("kv_integral", np.float64),  # integral of blocks in use over time
     ("token_ratio", np.float64),  # SGLang's new_token_ratio
     ("bin_width", np.float64),  # series bin width (s)
@@ -228,6 +248,20 @@ class State(NamedTuple):
     jump_hist: np.ndarray  # int64 scratch: blocks opened per step of a jumped stretch
     series: np.ndarray  # float64 (3, bins): time-weighted KV blocks, waiting, running
     victims: np.ndarray  # int64 scratch: SGLang's priority victims, queued after the pass
+    ready_s: np.ndarray  # float64, when an admitted request's KV is in place (P/D)
+    done_order: np.ndarray  # int64, completed requests in completion order (n_done of them)
+    # prefix cache (one row each when off): cache slots are physical blocks with a key;
+    # prefix_blocks[r] leading blocks of request r are held through slots (shared, counted
+    # once), its other blocks privately; a hash table (open addressing) maps key -> slot
+    prefix_blocks: np.ndarray  # int64 per request
+    hit_tokens: np.ndarray  # int64 per request: tokens served from the cache at first admission
+    table_key: np.ndarray  # int64[2^k], EMPTY_KEY where free
+    table_slot: np.ndarray  # int64[2^k]
+    slot_key: np.ndarray  # int64[total_blocks]
+    slot_ref: np.ndarray  # int64: running requests holding the slot (0: evictable)
+    lru_prev: np.ndarray  # int64
+    lru_next: np.ndarray  # int64
+    slot_free: np.ndarray  # int64 stack of unused slots
     scalars: Any  # SCALARS record array of 1 (reference mode: [namespace])
 
 
@@ -383,7 +417,7 @@ def _log_needs_room(p, rq, st, lg, t):
     drains them."""
     sc = st.scalars[0]
     lc = lg.counts[0]
-    n = rq.arrival.shape[0]
+    n = sc.known
     a = sc.next_arrival
     while a < n and rq.arrival[a] <= t:
         a += 1
@@ -395,8 +429,9 @@ def _log_needs_room(p, rq, st, lg, t):
 
 
 @jit
-def _series_add(st, t0, t1, kv, waiting, running):
-    """Add a step's time-weighted values to the coarse series (bins double when full)."""
+def _series_add(st, t0, t1, kv, waiting, running, cached):
+    """Add a step's time-weighted values to the coarse series (bins double when full):
+    blocks in use, waiting, running, and blocks kept only by the prefix cache."""
     if t1 <= t0:
         return
     sc = st.scalars[0]
@@ -405,10 +440,10 @@ def _series_add(st, t0, t1, kv, waiting, running):
     while t1 > nb * sc.bin_width:
         half = nb // 2
         for i in range(half):
-            for c in range(3):
+            for c in range(4):
                 ser[c, i] = ser[c, 2 * i] + ser[c, 2 * i + 1]
         for i in range(half, nb):
-            for c in range(3):
+            for c in range(4):
                 ser[c, i] = 0.0
         sc.bin_width = sc.bin_width * 2.0
     bw = sc.bin_width
@@ -423,8 +458,263 @@ def _series_add(st, t0, t1, kv, waiting, running):
         ser[0, b] += kv * dt
         ser[1, b] += waiting * dt
         ser[2, b] += running * dt
+        ser[3, b] += cached * dt
         t0 = end
         b += 1
+
+
+# --- the prefix cache ------------------------------------------------------------------------
+#
+# As vLLM's KV cache manager: a block is cached under a key naming the whole prefix up to
+# its end; a full block's key is registered as soon as it is computed (prompt blocks) or
+# when its request frees it (the rest); a freed block keeps its key, evictable, at the
+# tail of an LRU list (a request's blocks last to first, so its tail goes first), and is
+# taken from the head when a block is needed. An admission's longest run of cached
+# leading blocks is computed for free (at least the last token is recomputed); blocks
+# shared by running requests are counted once in ``used``. Keys: block ``j`` of request
+# ``r`` whose tokens lie within its known prefix ids has ``id * B + end offset`` (>= 1);
+# any other block a key of its own (< 0), which only the request itself can hit again
+# (after a preemption).
+
+
+@jit
+def _block_key(p, rq, r, j):
+    """Block ``j`` of request ``r``: the key it is cached under."""
+    bs = p.block_size
+    width = p.prefix_block_tokens
+    a = rq.prefix_start[r]
+    keyed = (rq.prefix_start[r + 1] - a) * width
+    total = rq.prompt[r] + rq.output[r]
+    if total < keyed:
+        keyed = total
+    end = (j + 1) * bs
+    if end <= keyed:
+        m = (end - 1) // width
+        return rq.prefix_ids[a + m] * width + (end - m * width)
+    return -(r * UNIQUE_STRIDE + j) - 1
+
+
+@inline
+def _hash(key):
+    h = (key ^ (key >> 23) ^ (key >> 41)) & 0x3FFFFFF
+    return (h * 2654435761) >> 16
+
+
+@jit
+def _slot_of(st, key):
+    """The cache slot holding ``key`` (-1: none)."""
+    mask = st.table_key.shape[0] - 1
+    i = _hash(key) & mask
+    while True:
+        k = st.table_key[i]
+        if k == key:
+            return st.table_slot[i]
+        if k == EMPTY_KEY:
+            return -1
+        i = (i + 1) & mask
+
+
+@jit
+def _table_put(st, key, slot):
+    mask = st.table_key.shape[0] - 1
+    i = _hash(key) & mask
+    while st.table_key[i] != EMPTY_KEY:
+        i = (i + 1) & mask
+    st.table_key[i] = key
+    st.table_slot[i] = slot
+
+
+@jit
+def _table_delete(st, key):
+    """Remove ``key`` (present) by backward-shift deletion (linear probing keeps no
+    tombstones)."""
+    mask = st.table_key.shape[0] - 1
+    i = _hash(key) & mask
+    while st.table_key[i] != key:
+        i = (i + 1) & mask
+    j = i
+    while True:
+        j = (j + 1) & mask
+        kj = st.table_key[j]
+        if kj == EMPTY_KEY:
+            break
+        h = _hash(kj) & mask
+        # the entry at j may move to i unless its home h lies cyclically in (i, j]
+        if (i <= j and i < h <= j) or (i > j and (h > i or h <= j)):
+            continue
+        st.table_key[i] = kj
+        st.table_slot[i] = st.table_slot[j]
+        i = j
+    st.table_key[i] = EMPTY_KEY
+
+
+@jit
+def _lru_append(st, s):
+    sc = st.scalars[0]
+    st.lru_prev[s] = sc.lru_tail
+    st.lru_next[s] = -1
+    if sc.lru_tail >= 0:
+        st.lru_next[sc.lru_tail] = s
+    else:
+        sc.lru_head = s
+    sc.lru_tail = s
+
+
+@jit
+def _lru_remove(st, s):
+    sc = st.scalars[0]
+    prev = st.lru_prev[s]
+    nxt = st.lru_next[s]
+    if prev >= 0:
+        st.lru_next[prev] = nxt
+    else:
+        sc.lru_head = nxt
+    if nxt >= 0:
+        st.lru_prev[nxt] = prev
+    else:
+        sc.lru_tail = prev
+
+
+@jit
+def _new_slot(st, key, ref):
+    sc = st.scalars[0]
+    sc.free_slots -= 1
+    s = st.slot_free[sc.free_slots]
+    st.slot_key[s] = key
+    st.slot_ref[s] = ref
+    _table_put(st, key, s)
+    return s
+
+
+@jit
+def _evict_to_fit(p, st):
+    """Evict cached blocks from the LRU head until the blocks in use and the cached ones
+    fit the pool."""
+    sc = st.scalars[0]
+    while sc.used + sc.cached_free > p.total_blocks and sc.cached_free > 0:
+        s = sc.lru_head
+        _lru_remove(st, s)
+        _table_delete(st, st.slot_key[s])
+        st.slot_free[sc.free_slots] = s
+        sc.free_slots += 1
+        sc.cached_free -= 1
+        sc.evictions += 1
+
+
+@jit
+def _cache_hits(p, rq, st, r, target):
+    """Request ``r``'s cached leading blocks for a (re-)prefill of ``target`` tokens (at
+    most ``(target - 1) // block_size``: the last token is always computed), and how many
+    of them are evictable (held by no request: taking them uses free blocks)."""
+    most = (target - 1) // p.block_size
+    k = 0
+    evictable = 0
+    while k < most:
+        s = _slot_of(st, _block_key(p, rq, r, k))
+        if s < 0:
+            break
+        if st.slot_ref[s] == 0:
+            evictable += 1
+        k += 1
+    return k, evictable
+
+
+@jit
+def _cache_take(p, rq, st, r, k):
+    """Request ``r`` (holding nothing) takes its ``k`` cached leading blocks: they are
+    computed and held through their slots."""
+    sc = st.scalars[0]
+    for j in range(k):
+        s = _slot_of(st, _block_key(p, rq, r, j))
+        if st.slot_ref[s] == 0:
+            _lru_remove(st, s)
+            sc.cached_free -= 1
+            sc.used += 1
+        st.slot_ref[s] += 1
+    st.prefix_blocks[r] = k
+    st.held[r] += k
+    st.computed[r] = k * p.block_size
+    if p.lanes and rq.is_long[r] == 1:
+        sc.long_held += k
+    if sc.used > sc.peak:
+        sc.peak = sc.used
+    sc.hit_blocks += k
+
+
+@jit
+def _cache_register(p, rq, st, r):
+    """Register request ``r``'s newly computed full prompt blocks under their keys; a key
+    another request registered first is shared, and ``r``'s own copy freed."""
+    sc = st.scalars[0]
+    full = rq.prompt[r]
+    if st.computed[r] < full:
+        full = st.computed[r]
+    full = full // p.block_size
+    j = st.prefix_blocks[r]
+    while j < full:
+        key = _block_key(p, rq, r, j)
+        s = _slot_of(st, key)
+        if s < 0:
+            _new_slot(st, key, 1)
+        else:
+            if st.slot_ref[s] == 0:
+                _lru_remove(st, s)  # cached, now in use: its blocks replace r's copy
+                sc.cached_free -= 1
+            else:
+                sc.used -= 1  # held by another request: r's copy is freed
+            st.slot_ref[s] += 1
+        j += 1
+    st.prefix_blocks[r] = j
+
+
+@jit
+def _cache_release(p, rq, st, r):
+    """Request ``r`` gives its blocks back (finish or preemption): its full blocks stay
+    cached (last to first into the LRU), the rest is freed. Returns the blocks that
+    leave ``used``."""
+    sc = st.scalars[0]
+    full = st.computed[r] // p.block_size
+    if full > st.held[r]:
+        full = st.held[r]
+    freed = st.held[r] - full
+    shared = st.prefix_blocks[r]
+    j = full - 1
+    while j >= 0:
+        key = _block_key(p, rq, r, j)
+        if j < shared:
+            s = _slot_of(st, key)
+            st.slot_ref[s] -= 1
+            if st.slot_ref[s] == 0:
+                _lru_append(st, s)
+                sc.cached_free += 1
+                freed += 1
+        else:
+            freed += 1
+            if _slot_of(st, key) < 0:
+                _lru_append(st, _new_slot(st, key, 0))
+                sc.cached_free += 1
+        j -= 1
+    st.prefix_blocks[r] = 0
+    return freed
+
+
+@entry
+def cached_prefix_blocks(p, st, ids, width, tokens):
+    """Leading blocks of a prompt of ``tokens`` tokens with prefix ids ``ids`` (of
+    ``width`` tokens each) that this engine's cache holds (a router's probe)."""
+    bs = p.block_size
+    most = (tokens - 1) // bs
+    keyed = ids.shape[0] * width
+    k = 0
+    while k < most:
+        end = (k + 1) * bs
+        if end > keyed:
+            break
+        m = (end - 1) // width
+        if _slot_of(st, ids[m] * width + (end - m * width)) < 0:
+            break
+        k += 1
+    return k
 
 
 # --- blocks and the batch --------------------------------------------------------------------
@@ -439,13 +729,18 @@ def _alloc(p, rq, st, r, nblocks):
         sc.long_held += nblocks
     if sc.used > sc.peak:
         sc.peak = sc.used
+    if p.prefix_caching:
+        _evict_to_fit(p, st)
 
 
 @jit
 def _release(p, rq, st, r):
     """Give back a request's blocks and its seat accounting (finish or preemption)."""
     sc = st.scalars[0]
-    sc.used -= st.held[r]
+    if p.prefix_caching:
+        sc.used -= _cache_release(p, rq, st, r)
+    else:
+        sc.used -= st.held[r]
     if p.lanes and rq.is_long[r] == 1:
         sc.long_held -= st.held[r]
         sc.long_running -= 1
@@ -595,27 +890,30 @@ def _headroom(p, rq, st, r):
 
 
 @jit
-def _kv_refused(p, rq, st, r, target, chunk):
-    """The engine's KV check refuses request ``r`` (a (re-)prefill of ``target`` tokens whose
-    first chunk is ``chunk``): what the admission needs does not fit beside what is committed,
-    less the headroom. vLLM: the whole (re-)prefill (``reserve_full_prompt``), else this
-    chunk, beside the blocks in use (``KVCacheManager.allocate_slots`` with
-    ``full_sequence_must_fit``; the blocks other in-flight prefills still need are kept
-    back only for a request whose KV a connector loads asynchronously, which servetune
-    does not model); SGLang: the whole (re-)prefill beside the blocks in use (servetune's
-    watermark and lane check; SGLang's own token check is in ``_admit_waiting``); TensorRT-LLM
-    and TGI: the prompt + max output reservation beside the running requests'
-    reservations."""
+def _kv_refused(p, rq, st, r, target, chunk, base, hit, hit_evictable):
+    """The engine's KV check refuses request ``r`` (a (re-)prefill of ``target`` tokens whose first
+    ``base`` tokens are in KV already (``hit`` cached blocks, ``hit_evictable`` of them held
+    by no request, or KV that arrived with it) and whose first chunk is ``chunk``): what the
+    admission needs does not fit beside what is committed, less the headroom. Cached blocks
+    that no request holds count as needed (taking them uses free blocks), those held by
+    running requests do not (vLLM's ``allocate_slots``). vLLM: the whole (re-)prefill
+    (``reserve_full_prompt``), else this chunk, beside the blocks in use
+    (``KVCacheManager.allocate_slots`` with ``full_sequence_must_fit``; the blocks other in-
+    flight prefills still need are kept back only for a request whose KV a connector loads
+    asynchronously, which servetune does not model); SGLang: the whole (re-)prefill beside
+    the blocks in use (servetune's watermark and lane check; SGLang's own token check is in
+    ``_admit_waiting``); TensorRT-LLM and TGI: the prompt + max output reservation beside
+    the running requests' reservations."""
     sc = st.scalars[0]
     if p.engine == E_VLLM:
         committed = sc.used
         if p.reserve_full_prompt:
-            need = _blocks(target, p.block_size)
+            need = _blocks(target, p.block_size) - hit + hit_evictable
         else:
-            need = _blocks(chunk, p.block_size)
+            need = _blocks(base + chunk, p.block_size) - hit + hit_evictable
     elif p.engine == E_SGLANG:
         committed = sc.used
-        need = _blocks(target, p.block_size)
+        need = _blocks(target, p.block_size) - hit + hit_evictable
     else:
         committed = sc.reserved_sum
         need = rq.reserved_blocks[r]
@@ -735,14 +1033,20 @@ def _reject_head(p, rq, st, lg, lane):
 
 
 @jit
-def _admit(p, rq, st, lg, lane, nblocks, t):
-    """Move the head of waiting ``lane`` to the end of the running list with ``nblocks``
-    blocks allocated."""
+def _admit(p, rq, st, lg, lane, hit, base, chunk, t):
+    """Move the head of waiting ``lane`` to the end of the running list, its first ``base``
+    tokens in KV (``hit`` cached blocks, or KV that arrived with it) and blocks allocated
+    for its first ``chunk`` tokens beyond; returns the blocks allocated."""
     sc = st.scalars[0]
     r = st.heap_id[lane][0]
     _pop_head(st, lane)
     st.running[sc.n_running] = r
     sc.n_running += 1
+    if hit > 0:
+        _cache_take(p, rq, st, r, hit)
+    else:
+        st.computed[r] = base
+    nblocks = _blocks(base + chunk, p.block_size) - st.held[r]
     _alloc(p, rq, st, r, nblocks)
     if p.lanes and rq.is_long[r] == 1:
         sc.long_running += 1
@@ -750,7 +1054,10 @@ def _admit(p, rq, st, lg, lane, nblocks, t):
     sc.reserved_sum += rq.reserved_blocks[r]
     if st.admitted_s[r] != st.admitted_s[r]:  # nan: first admission
         st.admitted_s[r] = t
-    _log_event(p, lg, EV_ADMIT, r, 0)
+        st.hit_tokens[r] = hit * p.block_size
+        st.ready_s[r] = t + rq.ready_delay[r]
+    _log_event(p, lg, EV_ADMIT, r, base)
+    return nblocks
 
 
 @jit
@@ -796,7 +1103,17 @@ def _admit_waiting(p, rq, st, lg, t, budget, ratio):
         if not seat and not (preempts and tried != r):
             break
         target = rq.prompt[r] + st.generated[r]
-        chunk = _long_prefill_cap(p, target)
+        hit = 0
+        hit_evictable = 0
+        base = 0  # tokens in KV before its first chunk
+        if p.prefix_caching:
+            hit, hit_evictable = _cache_hits(p, rq, st, r, target)
+            base = hit * bs
+        if st.preemptions[r] == 0 and rq.precomputed[r] > base:
+            hit = 0
+            hit_evictable = 0
+            base = rq.precomputed[r]
+        chunk = _long_prefill_cap(p, target - base)
         waits = False
         if chunk > budget:
             if not p.chunked_prefill and chunk <= p.budget:
@@ -805,10 +1122,10 @@ def _admit_waiting(p, rq, st, lg, t, budget, ratio):
                 chunk = budget  # (off: a re-prefill over the whole budget is chunked)
         total = 0.0
         if sglang:
-            total = float(target + _sglang_clipped(p, rq.max_tokens[r] - st.generated[r])
-                          + bs)
+            total = float(target - base
+                          + _sglang_clipped(p, rq.max_tokens[r] - st.generated[r]) + bs)
         others = (not waits and _lane_has_room(p, rq, st, r)
-                  and not _kv_refused(p, rq, st, r, target, chunk))
+                  and not _kv_refused(p, rq, st, r, target, chunk, base, hit, hit_evictable))
         fits = seat and others and (not sglang or total < rem)
         if not fits and preempts and tried != r and others:
             tried = r
@@ -829,16 +1146,15 @@ def _admit_waiting(p, rq, st, lg, t, budget, ratio):
                     blocked1 = True
                 continue
             break  # strict head-of-line blocking
-        nblocks = _blocks(chunk, bs)
-        _admit(p, rq, st, lg, lane, nblocks, t)
+        nblocks = _admit(p, rq, st, lg, lane, hit, base, chunk, t)
         if sglang:
             rem -= nblocks * bs + bs
-            if chunk == target:
+            if base + chunk == target:
                 rem -= _sglang_clipped(p, rq.max_tokens[r])
         _grant(st, r, chunk)
         budget -= chunk
         nadm += 1
-        if sglang and chunk < target:
+        if sglang and base + chunk < target:
             sc.chunked_req = r
             break
     for i in range(nvict):
@@ -868,11 +1184,12 @@ def reject_at_arrival(p, rq, st):
     for r in range(rq.arrival.shape[0]):
         prompt = rq.prompt[r]
         last = prompt + rq.output[r] - 1  # tokens in KV when its last token is sampled
-        chunk = _long_prefill_cap(p, prompt)
+        base = rq.precomputed[r]
+        chunk = _long_prefill_cap(p, prompt - base)
         over_budget = not p.chunked_prefill and chunk > p.budget
         if chunk > p.budget:
             chunk = p.budget
-        refused = _kv_refused(p, rq, st, r, prompt, chunk)
+        refused = _kv_refused(p, rq, st, r, prompt, chunk, base, 0, 0)
         if p.engine == E_TRTLLM or p.engine == E_TGI:
             never_fits = _blocks(last, bs) + _headroom(p, rq, st, r) > total
             reservation = refused
@@ -902,7 +1219,7 @@ def _arrivals(p, rq, st, lg, t):
     """Arrivals up to ``t`` enter the waiting queue, or are rejected (``rq.reject``) or
     shed (queue caps); returns whether any arrived."""
     sc = st.scalars[0]
-    n = rq.arrival.shape[0]
+    n = sc.known
     arrived = False
     while sc.next_arrival < n and rq.arrival[sc.next_arrival] <= t:
         r = sc.next_arrival
@@ -956,6 +1273,9 @@ def _grant_running(p, rq, st, lg):
         if budget <= 0 and not tgi:
             break
         r = st.running[i]
+        if st.ready_s[r] > sc.now:  # its KV is still on the way
+            i += 1
+            continue
         target = rq.prompt[r] + st.generated[r]
         new = target - st.computed[r]
         decoding = st.generated[r] >= 1 and new == 1
@@ -1100,12 +1420,15 @@ def _execute_step(p, rq, st, lg, t, nadm, preempted, prefill_step):
     waiting = _waiting(st)
     nrun_step = sc.n_running
     sc.kv_integral += used * dur
-    _series_add(st, t, t + dur, float(used), float(waiting), float(nrun_step))
+    _series_add(st, t, t + dur, float(used), float(waiting), float(nrun_step),
+                float(sc.cached_free))
     t_end = t + dur
     nfin = 0
     for q in range(nsched):
         r = st.batch_req[q]
         st.computed[r] += st.batch_tokens[q]
+        if p.prefix_caching:
+            _cache_register(p, rq, st, r)
         _log_event(p, lg, EV_SCHED, r, st.batch_tokens[q])
         if st.computed[r] == rq.prompt[r] + st.generated[r]:
             st.generated[r] += 1
@@ -1117,6 +1440,8 @@ def _execute_step(p, rq, st, lg, t, nadm, preempted, prefill_step):
             if st.generated[r] == rq.output[r]:
                 st.status[r] = COMPLETED
                 st.finish_s[r] = t_end
+                st.done_order[sc.n_done] = r
+                sc.n_done += 1
                 _release(p, rq, st, r)
                 sc.resolved += 1
                 nfin += 1
@@ -1165,7 +1490,7 @@ def _jump(p, rq, st, lg):
     """
     sc = st.scalars[0]
     lc = lg.counts[0]
-    n = rq.arrival.shape[0]
+    n = sc.known
     run = st.running
     comp = st.computed
     nrun = sc.n_running
@@ -1218,11 +1543,17 @@ def _jump(p, rq, st, lg):
     step0 = sc.steps
     fD = float(nrun)
     done = 0
+    cached0 = sc.cached_free
     while done < k:
-        if done > 0 and sc.next_arrival < n and rq.arrival[sc.next_arrival] <= t:
+        if done > 0 and ((sc.next_arrival < n and rq.arrival[sc.next_arrival] <= t)
+                         or t >= sc.until):
             break
         j = done + 1
         used += hist[j]
+        # the prefix cache gives up its LRU blocks as the pool fills (evicted at the end)
+        cached = cached0
+        if cached > p.total_blocks - used:
+            cached = p.total_blocks - used
         C = csum + (j - 1) * nrun
         dur = _step_seconds(p.step_coef, p.step_pieces, fD, fD, fD, float(C), 0.0)
         if p.log:
@@ -1230,7 +1561,7 @@ def _jump(p, rq, st, lg):
             lg.repeat_kv_used[lc.repeats] = used
             lc.repeats += 1
         sc.kv_integral += used * dur
-        _series_add(st, t, t + dur, float(used), float(waiting), fD)
+        _series_add(st, t, t + dur, float(used), float(waiting), fD, float(cached))
         t = t + dur
         if engine == E_SGLANG:
             ratio = sc.token_ratio - p.ratio_decay
@@ -1247,6 +1578,8 @@ def _jump(p, rq, st, lg):
             sc.long_held += nb - st.held[r]
         st.held[r] = nb
     sc.used = used
+    if p.prefix_caching:
+        _evict_to_fit(p, st)
     sc.steps = step0 + done
     sc.now = t
     sc.jumps += 1
@@ -1259,17 +1592,20 @@ def _jump(p, rq, st, lg):
 
 @entry
 def run_kernel(p, rq, st, lg, max_steps):
-    """Run the engine until every request is resolved (RC_DONE), the step log needs to
-    grow (RC_LOG_FULL), ``max_steps`` steps ran (RC_STEP_LIMIT), or no progress is
-    possible (RC_STUCK, a bug guard)."""
+    """Run the engine until every known request is resolved (RC_DONE), the step log needs
+    to grow (RC_LOG_FULL), ``max_steps`` steps ran (RC_STEP_LIMIT), the clock reached
+    ``until`` at a step boundary (RC_UNTIL: a router appends the next arrival), or no
+    progress is possible (RC_STUCK, a bug guard)."""
     sc = st.scalars[0]
     lc = lg.counts[0]
-    n = rq.arrival.shape[0]
+    n = sc.known
     steps_here = 0
     while True:
         if steps_here >= max_steps:
             return RC_STEP_LIMIT
         t = sc.now
+        if t >= sc.until:
+            return RC_UNTIL
         if p.log and _log_needs_room(p, rq, st, lg, t):
             return RC_LOG_FULL
 
@@ -1298,9 +1634,19 @@ def run_kernel(p, rq, st, lg, max_steps):
             sc.pure_decode = 0
             if sc.n_running == 0 and _waiting(st) == 0:
                 continue  # every waiting request was turned away: end or idle at the top
-            if (sc.n_running == 0 and sc.next_arrival < n
-                    and rq.arrival[sc.next_arrival] > t):
-                sc.now = rq.arrival[sc.next_arrival]  # only blocked requests wait: idle
+            # idle until the next arrival, or until a running request's KV arrives
+            wake = np.inf
+            if sc.next_arrival < n:
+                wake = rq.arrival[sc.next_arrival]
+            transfer = False
+            for q in range(sc.n_running):
+                ready = st.ready_s[st.running[q]]
+                if ready > t:
+                    transfer = True
+                    if ready < wake:
+                        wake = ready
+            if (sc.n_running == 0 or transfer) and t < wake < np.inf:
+                sc.now = wake
                 continue
             return RC_STUCK
         _execute_step(p, rq, st, lg, t, nadm, preempted, prefill_step)

@@ -110,6 +110,7 @@ def replay(start_s, end_s, repeat, events_end, ev_kind, ev_req, ev_value, arriva
                     k = _close(phase, phase_s, r, t0, lo, hi, ints, times, k)
                 phase[r] = PHASE_REPREFILL if again else PHASE_PREFILL
                 phase_s[r] = t0
+                computed[r] = ev_value[e]  # tokens in KV at admission (prefix cache, P/D)
         prefill_tokens = 0
         decode_rows = 0
         for e in range(e0, e1):

@@ -206,6 +206,8 @@ class SimResult:
                 "peak_util": finite_or_none(self.output.kv_util_peak),
             },
             "preemptions": int(preemptions.sum()),
+            **({"prefix_cache": prefix_cache_summary(self.trace, self.output)}
+               if getattr(self.output, "prefix_caching", False) else {}),
         }
 
     def turned_away(self) -> dict[str, Any]:
@@ -282,6 +284,26 @@ class SimResult:
         write_timeline(path, self.timeline(window))
 
 
+def prefix_cache_summary(trace: Trace, output: EngineOutput) -> dict[str, Any]:
+    """Prefix-cache hits of a run: the share of admitted prompt tokens (and of their full
+    blocks) served from the cache at first admission, evictions, and the mean share of the
+    pool the cache kept beside the blocks in use."""
+    admitted = ~np.isnan(np.asarray(output.admitted_s))
+    prompt = np.asarray(trace.prompt_tokens, dtype=np.int64)[admitted]
+    hits = np.asarray(output.hit_tokens, dtype=np.int64)[admitted]
+    bs = int(output.block_size)
+    prompt_blocks = int((prompt // bs).sum())
+    cached = output.series.get("kv_cached")
+    return {
+        "hit_rate_tokens": float(hits.sum() / prompt.sum()) if prompt.sum() else 0.0,
+        "hit_rate_blocks": float((hits // bs).sum() / prompt_blocks) if prompt_blocks else 0.0,
+        "hit_tokens": int(hits.sum()),
+        "prompt_tokens": int(prompt.sum()),
+        "evictions": int(output.cache_evictions),
+        "cached_util_mean": float(np.mean(cached)) if cached is not None and len(cached) else 0.0,
+    }
+
+
 def simulate(
     source: Trace | Workload,
     policy: Policy,
@@ -298,8 +320,10 @@ def simulate(
     timeline: bool = False,
     timeline_window: Window | None = None,
     progress: Callable[..., Any] | None = None,
+    prefix_caching: bool | None = None,
 ) -> SimResult:
     """Simulate ``policy`` serving ``source`` (Trace or Workload) on ``profile``.
+    ``prefix_caching`` overrides the policy's ``caching.enable_prefix_caching``.
 
     ``step_log=True`` keeps the whole step log (``SimResult.step_log``, ``write_steps``,
     and a timeline of any window); ``steps_file`` spools it as JSON lines for
@@ -342,6 +366,7 @@ def simulate(
         reference=reference,
         step_log=step_log,
         progress=progress,
+        prefix_caching=prefix_caching,
         **extra,
     )
     wall = time.perf_counter() - started

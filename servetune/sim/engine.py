@@ -187,6 +187,11 @@ class EngineOutput:
     engine: str = "vllm"
     jumps: int = 0  # jumped stretches (fast mode)
     kv_blocks_in_use_end: int = 0  # 0 when every block was given back
+    prefix_caching: bool = False
+    hit_tokens: np.ndarray | None = None  # int64, prompt tokens served from the prefix
+    # cache at first admission (None when caching is off)
+    cache_evictions: int = 0
+    block_size: int = 16
 
 
 _pure_module: ModuleType | None = None
@@ -262,21 +267,31 @@ def kernel_params(
     step_time: StepTimeModel,
     reference: bool = False,
     step_log: bool = False,
+    prefix_caching: bool | None = None,
+    prefix_block_tokens: int = 512,
 ) -> K.Params:
     """The kernel's run constants: ``engine``, ``policy``'s knobs in tokens and blocks of a
     pool of ``kv_blocks`` blocks of ``block_size`` tokens, the step-time coefficients,
-    SGLang's constants, and the mode (``reference``: no jumps; ``step_log``)."""
+    SGLang's constants, and the mode (``reference``: no jumps; ``step_log``).
+    ``prefix_caching`` overrides the policy's ``caching.enable_prefix_caching``;
+    ``prefix_block_tokens`` is the trace's tokens per prefix id."""
     total = int(kv_blocks)
     ratio_init = min(SGLANG_INIT_NEW_TOKEN_RATIO, 1.0)
     ratio_floor = ratio_init * SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
     coef, pieces = step_time.as_arrays(engine)
+    values = knobs.sim_values(policy, total, engine)
+    caching = bool(values.pop("prefix_caching", False))
+    if prefix_caching is not None:
+        caching = bool(prefix_caching)
     return K.Params(
         engine=kernel_id(engine),
         # the policy's knobs, as the knob table encodes them
-        **knobs.sim_values(policy, total, engine),
+        **values,
+        prefix_caching=caching,
         # the pool and the step time
         total_blocks=total,
         block_size=int(block_size),
+        prefix_block_tokens=max(int(prefix_block_tokens), 1),
         step_coef=coef,
         step_pieces=pieces,
         # SGLang's environment constants
@@ -340,6 +355,7 @@ def kernel_requests(
     if kernel_id(engine) in (K.E_TRTLLM, K.E_TGI):
         # GUARANTEED_NO_EVICT / TGI: prompt + max output - 1 tokens reserved at admission
         reserved = _blocks(prompt + declared - 1, bs)
+    prefix_start, prefix_ids = prefix_columns(trace)
     return K.Requests(
         arrival=arrival,
         prompt=prompt,
@@ -350,7 +366,26 @@ def kernel_requests(
         lane_blocks=lane_blocks,
         reserved_blocks=reserved,
         reject=np.zeros(n, dtype=np.int8),
+        prefix_start=prefix_start,
+        prefix_ids=prefix_ids,
+        precomputed=np.zeros(n, dtype=np.int64),
+        ready_delay=np.zeros(n, dtype=np.float64),
     )
+
+
+def prefix_columns(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """The trace's prefix ids as the kernel reads them: CSR offsets (n + 1) and the ids
+    renumbered densely from 0 in order of first appearance (so that ``id * B + offset``
+    keys cannot overflow, whatever the trace's hash values)."""
+    n = len(trace)
+    if trace.prefix_offsets is None or trace.prefix_block_ids is None:
+        return np.zeros(n + 1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    ids = np.asarray(trace.prefix_block_ids, dtype=np.int64)
+    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    rank = np.empty(len(first), dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first), dtype=np.int64)
+    dense = rank[inverse] if len(ids) else np.zeros(1, dtype=np.int64)
+    return np.ascontiguousarray(trace.prefix_offsets, dtype=np.int64), dense
 
 
 def _scalar_holder(dtype: np.dtype, reference: bool, **values: float) -> Any:
@@ -367,12 +402,18 @@ def _scalar_holder(dtype: np.dtype, reference: bool, **values: float) -> Any:
     return holder
 
 
-def _initial_state(params: K.Params, requests: K.Requests, reference: bool) -> K.State:
-    """An empty engine at time 0 with every request still to arrive."""
+def _initial_state(params: K.Params, requests: K.Requests, reference: bool,
+                   *, known: int | None = None, horizon_s: float | None = None) -> K.State:
+    """An empty engine at time 0 with every request still to arrive: ``known`` of the
+    rows are known now (default: all; a router appends the rest), ``horizon_s`` sizes
+    the coarse series (default: the last arrival)."""
     n = len(requests.arrival)
     n_long = int(requests.is_long.sum())
     width = min(params.max_seqs, n) + 1
-    bin_width = max(float(requests.arrival[-1]), 1.0) / (SERIES_BINS // 2)
+    last = float(requests.arrival[-1]) if horizon_s is None else float(horizon_s)
+    bin_width = max(last, 1.0) / (SERIES_BINS // 2)
+    cache_slots = int(params.total_blocks) if params.prefix_caching else 1
+    table = 1 << max(int(2 * cache_slots - 1).bit_length(), 1)
     return K.State(
         computed=np.zeros(n, dtype=np.int64),
         generated=np.zeros(n, dtype=np.int64),
@@ -392,10 +433,23 @@ def _initial_state(params: K.Params, requests: K.Requests, reference: bool) -> K
         batch_req=np.zeros(width, dtype=np.int64),
         batch_tokens=np.zeros(width, dtype=np.int64),
         jump_hist=np.zeros(K.WINDOW_MAX + 2, dtype=np.int64),
-        series=np.zeros((3, SERIES_BINS), dtype=np.float64),
+        series=np.zeros((4, SERIES_BINS), dtype=np.float64),
         victims=np.zeros(max(n, 1), dtype=np.int64),
+        ready_s=np.zeros(n, dtype=np.float64),
+        done_order=np.zeros(n, dtype=np.int64),
+        prefix_blocks=np.zeros(n, dtype=np.int64),
+        hit_tokens=np.zeros(n, dtype=np.int64),
+        table_key=np.full(table, K.EMPTY_KEY, dtype=np.int64),
+        table_slot=np.zeros(table, dtype=np.int64),
+        slot_key=np.zeros(cache_slots, dtype=np.int64),
+        slot_ref=np.zeros(cache_slots, dtype=np.int64),
+        lru_prev=np.zeros(cache_slots, dtype=np.int64),
+        lru_next=np.zeros(cache_slots, dtype=np.int64),
+        slot_free=np.arange(cache_slots - 1, -1, -1, dtype=np.int64),
         scalars=_scalar_holder(K.SCALARS, reference, chunked_req=-1, token_ratio=params.ratio_init,
-                        bin_width=bin_width),
+                               bin_width=bin_width, known=n if known is None else known,
+                               until=np.inf, lru_head=-1, lru_tail=-1,
+                               free_slots=cache_slots),
     )
 
 
@@ -495,6 +549,7 @@ def run_engine(
     progress: Callable[[int, int], None] | None = None,
     expected_output: np.ndarray | None = None,
     on_step_log: Callable[[StepChunk], Any] | None = None,
+    prefix_caching: bool | None = None,
 ) -> EngineOutput:
     """Simulate ``trace`` on one engine; see the module docstring for the semantics.
 
@@ -507,7 +562,8 @@ def run_engine(
     ``progress(done, total)`` is called between chunks of steps with the number of
     requests resolved so far. ``expected_output`` (per request or per class) overrides
     the trace's class mean output in the long-request test when the trace has no
-    ``max_tokens``.
+    ``max_tokens``. ``prefix_caching`` overrides the policy's
+    ``caching.enable_prefix_caching``.
     """
     _validate(trace, kv_blocks, block_size, engine)
     n = len(trace)
@@ -516,7 +572,9 @@ def run_engine(
                                expected_output=expected_output)
     logging = step_log or on_step_log is not None
     params = kernel_params(policy, engine=engine, kv_blocks=kv_blocks, block_size=block_size,
-                           step_time=step_time, reference=reference, step_log=logging)
+                           step_time=step_time, reference=reference, step_log=logging,
+                           prefix_caching=prefix_caching,
+                           prefix_block_tokens=trace.prefix_block_tokens)
     state = _initial_state(params, requests, reference)
     scalars = state.scalars[0]
     width = len(state.running)
@@ -586,6 +644,10 @@ def run_engine(
         engine=engine,
         jumps=int(scalars.jumps),
         kv_blocks_in_use_end=int(scalars.used),
+        prefix_caching=bool(params.prefix_caching),
+        hit_tokens=state.hit_tokens if params.prefix_caching else None,
+        cache_evictions=int(scalars.evictions),
+        block_size=int(block_size),
     )
 
 
@@ -600,6 +662,7 @@ def _series(ser: np.ndarray, bin_w: float, sim_end: float, total: int) -> dict[s
         "kv_util": ser[0, :nb] / widths / total,
         "waiting": ser[1, :nb] / widths,
         "running": ser[2, :nb] / widths,
+        "kv_cached": ser[3, :nb] / widths / total,
     }
 
 
@@ -628,6 +691,7 @@ def _step_records(log: K.StepLog, total: int, first: int, stop: int) -> list[dic
         preempted: list[int] = []
         finished: list[int] = []
         admitted: list[int] = []
+        cached: list[list[int]] = []
         shed: list[int] = []
         for kind, req, value in events[ev_start - ev0:ev_end - ev0]:
             if kind == sched:
@@ -638,6 +702,8 @@ def _step_records(log: K.StepLog, total: int, first: int, stop: int) -> list[dic
                 finished.append(req)
             elif kind == admit:
                 admitted.append(req)
+                if value > 0:
+                    cached.append([req, value])
             else:
                 shed.append(req)
         rec: dict[str, Any] = {
@@ -654,6 +720,8 @@ def _step_records(log: K.StepLog, total: int, first: int, stop: int) -> list[dic
             "waiting": waiting,
             "running": running,
         }
+        if cached:
+            rec["cached_tokens"] = cached  # admitted with this many tokens in KV already
         if repeat > 1:
             rec["repeat"] = repeat
             rec["step_durations_s"] = rep_durations[rep_start - rep0:rep_end - rep0]
