@@ -220,6 +220,31 @@ class _Progress:
         self.progress.update(self.task, completed=int(done))
 
 
+def _on_off(value: str | None, option: str) -> bool | None:
+    if value is None:
+        return None
+    if value.lower() in ("on", "true", "yes", "1"):
+        return True
+    if value.lower() in ("off", "false", "no", "0"):
+        return False
+    raise ServetuneError(f"argument `{option}` {value!r}: give on or off")
+
+
+def replica_table(cluster: dict[str, Any]) -> Table:
+    """The cluster's replicas, one row each."""
+    table = Table(title=f"{cluster['topology']}, router {cluster['router']}")
+    for name in ("replica", "role", "requests", "completed", "turned away", "KV mean",
+                 "KV peak", "prefix hits"):
+        table.add_column(name, justify="left" if name == "role" else "right")
+    for rep in cluster["replicas"]:
+        hits = rep.get("hit_rate_tokens")
+        table.add_row(str(rep["replica"]), rep["role"], str(rep["requests"]),
+                      str(rep["completed"]), str(rep["shed"] + rep["rejected"]),
+                      f"{rep['kv_mean_util']:.1%}", f"{rep['kv_peak_util']:.1%}",
+                      "-" if hits is None else f"{hits:.1%}")
+    return table
+
+
 def _json_text(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=2, allow_nan=False) + "\n"
 
@@ -278,18 +303,61 @@ def register(app: typer.Typer) -> None:
         columns: ColumnsOption = None,
         arrival_unit: ArrivalUnitOption = None,
         on_bad_row: OnBadRowOption = "error",
+        prefix_caching: str | None = typer.Option(
+            None, "--prefix-caching", help="on | off (default: the policy's "
+            "caching.enable_prefix_caching, else the engine's own)"),
+        replicas: int = typer.Option(
+            1, "--replicas", min=1, help="engine replicas behind a router (same profile "
+            "and policy)"),
+        router: str = typer.Option(
+            "round_robin", "--router", help="round_robin | least_loaded | least_kv | "
+            "prefix_aware | session"),
+        disagg: str | None = typer.Option(
+            None, "--disagg", help="P:D prefill and decode replicas (disaggregated "
+            "serving; replaces --replicas)"),
+        link: str = typer.Option(
+            "infiniband", "--link", help="KV transfer link under --disagg: nvlink | "
+            "infiniband | roce"),
     ) -> None:
-        """Simulate a policy serving a trace or a sampled workload.
+        """Simulate a policy serving a trace or a sampled workload, on one engine or a
+        cluster of replicas behind a router (--replicas, --router, --disagg).
 
         Example: servetune simulate --trace ../shared/traces/AzureLLMInferenceTrace_conv.csv
         --profile h200-llama-3.1-8b --policy configs/policies/vllm-serve-defaults.yaml
         --slo configs/slos/mlperf-llama-3.1-8b-server.yaml --json-out out.json
         --timeline t.json --timeline-window 600:660   (open t.json in ui.perfetto.dev)
+
+        A cluster: servetune simulate --trace mooncake_trace.jsonl --profile
+        h200-llama-3.1-8b --policy configs/policies/vllm-serve-defaults.yaml
+        --prefix-caching on --replicas 4 --router prefix_aware (or --disagg 2:2)
         """
         # lazy: the simulator package adds 35 ms to every command's start-up
         from servetune.sim import simulate
+        from servetune.sim.api import simulate_cluster
+        from servetune.sim.cluster import (
+            LINKS,
+            ROUTERS,
+            ReplicaSpec,
+            parse_disagg,
+            replica_summaries,
+        )
         from servetune.sim.records import check_records_path
         from servetune.sim.timeline import parse_window
+
+        caching = _on_off(prefix_caching, "--prefix-caching")
+        if router not in ROUTERS:
+            raise ServetuneError(f"argument `--router` {router!r}: choose one of "
+                                 f"{', '.join(ROUTERS)}")
+        if link not in LINKS:
+            raise ServetuneError(f"argument `--link` {link!r}: choose one of "
+                                 f"{', '.join(LINKS)}")
+        split = parse_disagg(disagg) if disagg is not None else None
+        if split is not None and replicas != 1:
+            raise ServetuneError("give --replicas or --disagg P:D, not both")
+        clustered = split is not None or replicas > 1
+        if clustered and (steps is not None or timeline is not None):
+            raise ServetuneError("--steps and --timeline show one engine; drop them, or "
+                                 "simulate one replica (no --replicas / --disagg)")
 
         window = parse_window(timeline_window) if timeline_window is not None else None
         if window is not None and timeline is None:
@@ -315,13 +383,32 @@ def register(app: typer.Typer) -> None:
             # both written while simulating: the run never holds the whole step log
             steps_file=steps, timeline=timeline is not None, timeline_window=window,
         )
+        cluster = None
         with compile_notice(quiet, console_say(console)):
-            if show:
+            if clustered:
+                if split is not None:
+                    specs = ([ReplicaSpec(prof, pol, engine, "prefill")] * split[0]
+                             + [ReplicaSpec(prof, pol, engine, "decode")] * split[1])
+                else:
+                    specs = [ReplicaSpec(prof, pol, engine)] * replicas
+                result, cluster = simulate_cluster(
+                    source, specs, router=router, link=LINKS[link], reference=reference,
+                    seed=seed, n_requests=requests, duration_s=duration,
+                    rate_scale=rate_scale, prefix_caching=caching)
+            elif show:
                 with _Progress(console, expected, "simulating") as bar:
-                    result = simulate(source, pol, prof, progress=bar, **kwargs)
+                    result = simulate(source, pol, prof, progress=bar,
+                                      prefix_caching=caching, **kwargs)
             else:
-                result = simulate(source, pol, prof, **kwargs)
+                result = simulate(source, pol, prof, prefix_caching=caching, **kwargs)
         summary = result.summary(slo_set)
+        if cluster is not None:
+            summary["cluster"] = {
+                "router": router,
+                "topology": (f"disaggregated {split[0]}:{split[1]} over {link}"
+                             if split is not None else f"{replicas} replicas"),
+                "replicas": replica_summaries(cluster, result.trace),
+            }
         meets = result.meets_slo(slo_set) if slo_set is not None else None
         writers: list[tuple[Path, Callable[[], None]]] = []
         file = json_to.file
@@ -353,6 +440,12 @@ def register(app: typer.Typer) -> None:
         if len(summary["per_class"]) > 1:
             out.print(class_table(summary))
         out.print(counts_table(summary, meets))
+        if "prefix_cache" in summary:
+            pc = summary["prefix_cache"]
+            out.print(f"prefix cache: {pc['hit_rate_tokens']:.1%} of admitted prompt tokens "
+                      f"served from the cache ({pc['evictions']} evictions)", highlight=False)
+        if cluster is not None:
+            out.print(replica_table(summary["cluster"]))
 
     @app.command("goodput")
     def goodput_command(

@@ -383,6 +383,40 @@ def simulate(
     )
 
 
+def simulate_cluster(
+    source: Trace | Workload,
+    specs: Sequence[Any],
+    *,
+    router: str = "round_robin",
+    link: Any = None,
+    reference: bool = False,
+    seed: int = 0,
+    n_requests: int | None = None,
+    duration_s: float | None = None,
+    rate_scale: float = 1.0,
+    prefix_caching: bool | None = None,
+    progress: Callable[..., Any] | None = None,
+) -> tuple[SimResult, Any]:
+    """Serve ``source`` on a cluster of replicas (:mod:`servetune.sim.cluster`): the
+    whole cluster's run as a :class:`SimResult` (its per-request arrays, the replicas'
+    totals) and the :class:`~servetune.sim.cluster.ClusterOutput` with each replica's."""
+    from servetune.sim.cluster import run_cluster
+
+    trace = prepare_trace(
+        source, seed=seed, n_requests=n_requests, duration_s=duration_s, rate_scale=rate_scale
+    )
+    started = time.perf_counter()
+    out = run_cluster(trace, specs, router=router, link=link, reference=reference,
+                      prefix_caching=prefix_caching, progress=progress)
+    wall = time.perf_counter() - started
+    first = specs[0]
+    result = SimResult(trace=trace, output=out.merged, engine=first.engine,
+                       reference=reference, sim_wall_s=wall,
+                       policy_name=getattr(first.policy, "name", ""),
+                       profile_name=getattr(first.profile, "name", ""))
+    return result, out
+
+
 def goodput(
     source: Trace | Workload,
     policy: Policy,

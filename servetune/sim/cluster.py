@@ -1,0 +1,504 @@
+"""Many engine replicas behind a router, in one event loop; and disaggregated prefill/decode.
+
+Each replica is one engine model (:mod:`servetune.sim._kernel`, its own policy, profile,
+KV pool and prefix cache). Requests reach the replicas in arrival order; at each arrival the
+router picks a replica from the replicas' state at that moment: every replica has run the
+steps that start before the arrival (the step in progress when it comes is finished first,
+so the router sees the state at that step's end, as a real router's stats lag by a step),
+then the request joins the chosen replica's queue at its next step boundary, exactly as in a
+single-engine run. Routers (:data:`ROUTERS`):
+
+- ``round_robin``: the i-th request to replica ``i mod N``;
+- ``session``: by the request's first prefix id (a conversation or a shared system prompt:
+  requests that start alike go to the same replica), ``id mod N``; requests with no prefix
+  ids go round robin;
+- ``least_loaded``: the fewest waiting + running requests;
+- ``least_kv``: the least KV committed: blocks in use plus the blocks of queued prompts, as a
+  share of the replica's pool;
+- ``prefix_aware``: the lowest cost ``prompt blocks not cached there + blocks committed
+  there`` (the form of Dynamo's KV router, with weight 1 on the prefill term): a replica
+  that holds the prompt's prefix wins unless it is the busier by more than the prefix.
+
+Ties go to the lowest replica index. ``round_robin`` and ``session`` read no state, so their
+replicas run independently (each in one pass); the others advance every replica to each
+arrival.
+
+Disaggregated serving (``roles``): prefill replicas run each request's prompt and sample its
+first token (the request ends there, its blocks freed into the prefix cache); its KV then
+goes to a decode replica chosen by the router among the decode replicas (at the moment the
+prefill ends). The decode replica admits it like any request whose first ``prompt - 1``
+tokens are in KV already (vLLM recomputes at least the last token), so its KV check counts
+the whole prompt; it cannot run until the transfer is done: ``prompt * kv_bytes_per_token /
+bandwidth + latency`` after its admission, so a decode replica that cannot take the KV makes
+the transfer wait. The client's first token is the decode replica's first token (TTFT
+includes the prefill, the wait and the transfer). A request the prefill side turns away is
+not forwarded. Decode replicas must be vLLM (the kernel's KV-arrival rule is vLLM's).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from servetune.errors import ServetuneError
+from servetune.schemas.policy import Policy
+from servetune.schemas.profile import Profile
+from servetune.sim import _kernel as K
+from servetune.sim import engine as E
+from servetune.workloads.trace import Trace
+
+ROUTERS = ("round_robin", "least_loaded", "least_kv", "prefix_aware", "session")
+STATIC_ROUTERS = ("round_robin", "session")
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A KV transfer path: bytes per second per GPU and a fixed latency per transfer."""
+
+    name: str
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+
+# Nominal per-GPU rates (one direction): NVLink 4 on H100/H200 is 900 GB/s bidirectional;
+# one NDR InfiniBand port per GPU 400 Gb/s; one 200 GbE RoCE port per GPU. Latencies are a
+# transfer's fixed cost (connection, descriptors), not the wire's.
+LINKS = {
+    "nvlink": Link("nvlink", 450e9, 20e-6),
+    "infiniband": Link("infiniband", 50e9, 50e-6),
+    "roce": Link("roce", 25e9, 100e-6),
+}
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """One replica: its engine model, profile and policy, and its role."""
+
+    profile: Profile
+    policy: Policy
+    engine: str = "vllm"
+    role: str = "both"  # both | prefill | decode
+    name: str = ""
+
+
+@dataclass(eq=False)
+class ClusterOutput:
+    """The cluster's run: per-request arrays over the whole trace (as one engine's
+    :class:`~servetune.sim.engine.EngineOutput`, in ``merged``), the replica each request was
+    routed to (``replica``; ``decode_replica`` under disaggregation, -1: none), and each
+    replica's own engine output over its requests (``rows[k]``: their trace rows)."""
+
+    merged: E.EngineOutput
+    replica: np.ndarray
+    decode_replica: np.ndarray | None
+    specs: tuple[ReplicaSpec, ...]
+    outputs: list[E.EngineOutput]
+    rows: list[np.ndarray]
+    router: str
+    link: Link | None = None
+    transfer_s: np.ndarray | None = None  # per request (disaggregated), else None
+    notes: list[str] = field(default_factory=list)
+
+
+class _Replica:
+    """One replica's kernel state, fed rows as the router sends them."""
+
+    def __init__(self, index: int, spec: ReplicaSpec, trace: Trace, *, reference: bool,
+                 prefix_caching: bool | None, horizon_s: float) -> None:
+        self.index = index
+        self.spec = spec
+        profile = spec.profile
+        self.block_size = profile.block_size
+        self.total = profile.kv_blocks()
+        E._validate(trace, self.total, self.block_size, spec.engine)
+        role_trace = trace
+        if spec.role == "prefill":  # the prefill side samples the first token only
+            ones = np.ones(len(trace), dtype=np.int64)
+            role_trace = replace(trace, output_tokens=ones, max_tokens=ones)
+        self.km = E._kernel_module(reference)
+        self.params = E.kernel_params(
+            spec.policy, engine=spec.engine, kv_blocks=self.total, block_size=self.block_size,
+            step_time=profile.step_time, reference=reference, prefix_caching=prefix_caching,
+            prefix_block_tokens=trace.prefix_block_tokens)
+        full = E.kernel_requests(role_trace, spec.policy, engine=spec.engine,
+                                 block_size=self.block_size)
+        if spec.role == "decode":
+            full = full._replace(precomputed=np.maximum(full.prompt - 1, 0))
+        # which requests this replica could never run: its own checks on its empty engine
+        self.km.reject_at_arrival(self.params, full,
+                                  E._initial_state(self.params, full, reference, known=0))
+        self.full = full
+        n = len(trace)
+        width = int(full.prefix_start[-1])
+        self.rq = K.Requests(**{
+            name: (np.zeros(n + 1, np.int64) if name == "prefix_start"
+                   else np.zeros(max(width, 1), np.int64) if name == "prefix_ids"
+                   else np.zeros(n, getattr(full, name).dtype))
+            for name in K.Requests._fields
+        })
+        self.state = E._initial_state(self.params, self.rq, reference, known=0,
+                                      horizon_s=horizon_s)
+        # the lanes' queues are sized by the long requests: size them for every row
+        self.state = self.state._replace(
+            heap_key=(np.zeros(n, np.int64), np.zeros(n, np.int64)),
+            heap_id=(np.zeros(n, np.int64), np.zeros(n, np.int64)))
+        self.log = E._new_step_log(False, len(self.state.running), reference)
+        self.scalars = self.state.scalars[0]
+        self.rows: list[int] = []
+
+    def append(self, row: int, arrival_s: float, ready_delay_s: float = 0.0) -> None:
+        """Route trace row ``row`` here, arriving at ``arrival_s``."""
+        m = len(self.rows)
+        rq, full = self.rq, self.full
+        for name in ("prompt", "output", "max_tokens", "priority", "is_long", "lane_blocks",
+                     "reserved_blocks", "reject", "precomputed"):
+            getattr(rq, name)[m] = getattr(full, name)[row]
+        rq.arrival[m] = arrival_s
+        rq.ready_delay[m] = ready_delay_s
+        a, b = full.prefix_start[row], full.prefix_start[row + 1]
+        start = rq.prefix_start[m]
+        rq.prefix_ids[start:start + b - a] = full.prefix_ids[a:b]
+        rq.prefix_start[m + 1] = start + b - a
+        self.rows.append(row)
+        self.scalars.known = m + 1
+
+    def idle(self) -> bool:
+        sc = self.scalars
+        return (sc.next_arrival >= sc.known and sc.n_running == 0
+                and self.state.heap_size[0] + self.state.heap_size[1] == 0)
+
+    def advance(self, until: float) -> None:
+        """Run the steps that start before ``until`` (all of them: ``inf``)."""
+        sc = self.scalars
+        if self.idle() or sc.now >= until:
+            return
+        sc.until = until
+        while True:
+            rc = self.km.run_kernel(self.params, self.rq, self.state, self.log, 1 << 40)
+            if rc in (K.RC_DONE, K.RC_UNTIL):
+                return
+            if rc == K.RC_STUCK:
+                raise RuntimeError(f"replica {self.index} made no progress at t={sc.now:.6f} "
+                                   "(a bug)")
+
+    def completed_since(self, start: int) -> np.ndarray:
+        """Local rows completed after the first ``start`` completions, in order."""
+        return self.state.done_order[start:int(self.scalars.n_done)]
+
+    # -- what a router reads -------------------------------------------------------------
+    def load(self) -> int:
+        return int(self.scalars.n_running + self.state.heap_size[0] + self.state.heap_size[1])
+
+    def kv_committed_blocks(self) -> float:
+        sc = self.scalars
+        return float(sc.used) + float(sc.queued_prompt) / self.block_size
+
+    def cached_blocks(self, ids: np.ndarray, width: int, tokens: int) -> int:
+        if not self.params.prefix_caching or len(ids) == 0:
+            return 0
+        return int(self.km.cached_prefix_blocks(self.params, self.state, ids, width, tokens))
+
+    def output(self) -> E.EngineOutput:
+        """This replica's engine output over its rows (in routing order)."""
+        m = len(self.rows)
+        st, sc = self.state, self.scalars
+        sim_end = float(sc.now)
+        kv_mean = float(sc.kv_integral) / (sim_end * self.total) if sim_end > 0 else 0.0
+        return E.EngineOutput(
+            admitted_s=st.admitted_s[:m], first_token_s=st.first_token_s[:m],
+            finish_s=st.finish_s[:m], preemptions=st.preemptions[:m], status=st.status[:m],
+            reason=st.reason[:m], generated=st.generated[:m], steps=int(sc.steps),
+            kv_blocks_total=self.total, kv_util_mean=min(kv_mean, float(sc.peak) / self.total),
+            kv_util_peak=float(sc.peak) / self.total, sim_end_s=sim_end,
+            series=E._series(st.series, float(sc.bin_width), sim_end, self.total),
+            engine=self.spec.engine, jumps=int(sc.jumps), kv_blocks_in_use_end=int(sc.used),
+            prefix_caching=bool(self.params.prefix_caching),
+            hit_tokens=st.hit_tokens[:m] if self.params.prefix_caching else None,
+            cache_evictions=int(sc.evictions), block_size=self.block_size,
+        )
+
+
+class _Router:
+    """Picks a replica among ``pool`` for each request."""
+
+    def __init__(self, name: str, pool: list[_Replica], trace: Trace,
+                 prefix: tuple[np.ndarray, np.ndarray]) -> None:
+        self.name = name
+        self.pool = pool
+        self.trace = trace
+        self.prefix_start, self.prefix_ids = prefix
+        self.count = 0
+
+    def _ids(self, row: int) -> np.ndarray:
+        return self.prefix_ids[self.prefix_start[row]:self.prefix_start[row + 1]]
+
+    def pick(self, row: int) -> _Replica:
+        pool = self.pool
+        n = len(pool)
+        i = self.count
+        self.count += 1
+        if n == 1:
+            return pool[0]
+        if self.name == "round_robin":
+            return pool[i % n]
+        if self.name == "session":
+            ids = self._ids(row)
+            return pool[int(ids[0]) % n] if len(ids) else pool[i % n]
+        if self.name == "least_loaded":
+            return min(pool, key=lambda rep: (rep.load(), rep.index))
+        if self.name == "least_kv":
+            return min(pool, key=lambda rep: (rep.kv_committed_blocks() / rep.total,
+                                              rep.load(), rep.index))
+        # prefix_aware
+        ids = self._ids(row)
+        prompt = int(self.trace.prompt_tokens[row])
+        width = self.trace.prefix_block_tokens
+
+        def cost(rep: _Replica) -> tuple[float, int]:
+            blocks = -(-prompt // rep.block_size)
+            miss = blocks - rep.cached_blocks(ids, width, prompt)
+            return (miss + rep.kv_committed_blocks(), rep.index)
+
+        return min(pool, key=cost)
+
+
+def _check(specs: Sequence[ReplicaSpec], router: str) -> tuple[list[int], list[int]]:
+    if router not in ROUTERS:
+        raise ServetuneError(f"router {router!r} is unknown; choose one of {', '.join(ROUTERS)}")
+    if not specs:
+        raise ServetuneError("a cluster needs at least one replica")
+    for k, spec in enumerate(specs):
+        if spec.role not in ROLES:
+            raise ServetuneError(f"replica {k}: role {spec.role!r}; choose one of "
+                                 f"{', '.join(ROLES)}")
+    prefill = [k for k, s in enumerate(specs) if s.role == "prefill"]
+    decode = [k for k, s in enumerate(specs) if s.role == "decode"]
+    both = [k for k, s in enumerate(specs) if s.role == "both"]
+    if (prefill or decode) and (both or not prefill or not decode):
+        raise ServetuneError(
+            "a disaggregated cluster has prefill and decode replicas only (at least one "
+            f"of each); got {len(prefill)} prefill, {len(decode)} decode, {len(both)} both")
+    for k in decode:
+        if specs[k].engine != "vllm":
+            raise ServetuneError(f"replica {k}: decode replicas are simulated as vLLM's "
+                                 f"(got engine {specs[k].engine!r})")
+    return prefill, decode
+
+
+def run_cluster(
+    trace: Trace,
+    specs: Sequence[ReplicaSpec],
+    *,
+    router: str = "round_robin",
+    link: Link | None = None,
+    reference: bool = False,
+    prefix_caching: bool | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ClusterOutput:
+    """Serve ``trace`` on the replicas ``specs`` behind ``router`` (module docstring);
+    a disaggregated cluster (prefill and decode roles) moves KV over ``link`` (default
+    InfiniBand). ``prefix_caching`` overrides every replica's policy."""
+    prefill_idx, decode_idx = _check(specs, router)
+    disagg = bool(prefill_idx)
+    n = len(trace)
+    horizon = float(trace.arrival_s[-1]) if n else 0.0
+    replicas = [_Replica(k, spec, trace, reference=reference, prefix_caching=prefix_caching,
+                         horizon_s=horizon) for k, spec in enumerate(specs)]
+    prefix = E.prefix_columns(trace)
+    front = [replicas[k] for k in prefill_idx] if disagg else replicas
+    route = _Router(router, front, trace, prefix)
+    arrival = trace.arrival_s
+    replica_of = np.full(n, -1, dtype=np.int64)
+    local_of = np.full(n, -1, dtype=np.int64)
+    every = max(n // 100, 1)
+
+    if not disagg:
+        static = router in STATIC_ROUTERS
+        for row in range(n):
+            t = float(arrival[row])
+            if not static:
+                for rep in replicas:
+                    rep.advance(t)
+            rep = route.pick(row)
+            local_of[row] = len(rep.rows)
+            replica_of[row] = rep.index
+            rep.append(row, t)
+            if progress is not None and row % every == 0:
+                progress(row, n)
+        for rep in replicas:
+            rep.advance(np.inf)
+        outputs = [rep.output() for rep in replicas]
+        merged = _merge(trace, replicas, outputs, replica_of, local_of)
+        return ClusterOutput(merged=merged, replica=replica_of, decode_replica=None,
+                             specs=tuple(specs), outputs=outputs,
+                             rows=[np.asarray(rep.rows, dtype=np.int64) for rep in replicas],
+                             router=router)
+
+    # disaggregated: prefill pool -> KV transfer -> decode pool
+    link = link or LINKS["infiniband"]
+    back = [replicas[k] for k in decode_idx]
+    decode_route = _Router(router, back, trace, prefix)
+    kv_bytes = np.array([specs[k].profile.kv_bytes_per_token() for k in decode_idx])
+    transfer = np.full(n, np.nan)
+    decode_of = np.full(n, -1, dtype=np.int64)
+    decode_local = np.full(n, -1, dtype=np.int64)
+    seen = dict.fromkeys(prefill_idx, 0)
+    pending: list[tuple[float, int]] = []  # (prefill end, trace row)
+
+    def collect() -> None:
+        for k in prefill_idx:
+            rep = replicas[k]
+            done = rep.completed_since(seen[k])
+            seen[k] += len(done)
+            for local in done.tolist():
+                row = rep.rows[local]
+                heapq.heappush(pending, (float(rep.state.first_token_s[local]), row))
+
+    def hand_over(until: float) -> None:
+        while pending and pending[0][0] <= until:
+            t, row = heapq.heappop(pending)
+            if router not in STATIC_ROUTERS:
+                for rep in back:
+                    rep.advance(t)
+            rep = decode_route.pick(row)
+            pos = back.index(rep)
+            seconds = int(trace.prompt_tokens[row]) * kv_bytes[pos] / link.bandwidth_bytes_per_s
+            transfer[row] = seconds + link.latency_s
+            decode_of[row] = rep.index
+            decode_local[row] = len(rep.rows)
+            rep.append(row, t, float(transfer[row]))
+
+    for row in range(n):
+        t = float(arrival[row])
+        for rep in front:
+            rep.advance(t)
+        collect()
+        hand_over(t)
+        rep = route.pick(row)
+        local_of[row] = len(rep.rows)
+        replica_of[row] = rep.index
+        rep.append(row, t)
+        if progress is not None and row % every == 0:
+            progress(row, n)
+    for rep in front:
+        rep.advance(np.inf)
+    collect()
+    hand_over(np.inf)
+    for rep in back:
+        rep.advance(np.inf)
+    outputs = [rep.output() for rep in replicas]
+    merged = _merge(trace, replicas, outputs, replica_of, local_of, decode_of, decode_local)
+    return ClusterOutput(merged=merged, replica=replica_of, decode_replica=decode_of,
+                         specs=tuple(specs), outputs=outputs,
+                         rows=[np.asarray(rep.rows, dtype=np.int64) for rep in replicas],
+                         router=router, link=link, transfer_s=transfer)
+
+
+def _merge(trace: Trace, replicas: list[_Replica], outputs: list[E.EngineOutput],
+           replica_of: np.ndarray, local_of: np.ndarray,
+           decode_of: np.ndarray | None = None,
+           decode_local: np.ndarray | None = None) -> E.EngineOutput:
+    """The per-request arrays over the whole trace. Under disaggregation a forwarded
+    request's timestamps and status are its decode replica's (its admission and hits are
+    the prefill side's; preemptions are summed)."""
+    n = len(trace)
+
+    def gather(name: str, dtype: Any, fill: Any, which: np.ndarray, local: np.ndarray,
+               out: np.ndarray | None = None) -> np.ndarray:
+        col = np.full(n, fill, dtype=dtype) if out is None else out
+        for k, output in enumerate(outputs):
+            sel = which == k
+            values = getattr(output, name)
+            if values is not None and sel.any():
+                col[sel] = values[local[sel]]
+        return col
+
+    cols = {name: gather(name, dtype, fill, replica_of, local_of)
+            for name, dtype, fill in (("admitted_s", np.float64, np.nan),
+                                      ("first_token_s", np.float64, np.nan),
+                                      ("finish_s", np.float64, np.nan),
+                                      ("preemptions", np.int32, 0),
+                                      ("status", np.int8, K.PENDING),
+                                      ("reason", np.int8, 0),
+                                      ("generated", np.int64, 0),
+                                      ("hit_tokens", np.int64, 0))}
+    if decode_of is not None and decode_local is not None:
+        forwarded = decode_of >= 0
+        prefill_preemptions = cols["preemptions"].copy()
+        for name in ("first_token_s", "finish_s", "status", "reason", "generated",
+                     "preemptions"):
+            col = cols[name]
+            dec = gather(name, col.dtype, 0, decode_of, decode_local)
+            col[forwarded] = dec[forwarded]
+        cols["preemptions"][forwarded] += prefill_preemptions[forwarded]
+    caching = any(o.prefix_caching for o in outputs)
+    totals = sum(o.kv_blocks_total for o in outputs)
+    sim_end = max(o.sim_end_s for o in outputs)
+    kv_mean = (sum(o.kv_util_mean * o.kv_blocks_total * o.sim_end_s for o in outputs)
+               / (sim_end * totals)) if sim_end > 0 else 0.0
+    return E.EngineOutput(
+        admitted_s=cols["admitted_s"], first_token_s=cols["first_token_s"],
+        finish_s=cols["finish_s"], preemptions=cols["preemptions"], status=cols["status"],
+        reason=cols["reason"], generated=cols["generated"],
+        steps=sum(o.steps for o in outputs), kv_blocks_total=totals, kv_util_mean=kv_mean,
+        kv_util_peak=max(o.kv_util_peak for o in outputs), sim_end_s=sim_end,
+        series=outputs[0].series, engine=outputs[0].engine,
+        jumps=sum(o.jumps for o in outputs),
+        kv_blocks_in_use_end=sum(o.kv_blocks_in_use_end for o in outputs),
+        prefix_caching=caching, hit_tokens=cols["hit_tokens"] if caching else None,
+        cache_evictions=sum(o.cache_evictions for o in outputs),
+        block_size=replicas[0].block_size,
+    )
+
+
+def replica_summaries(out: ClusterOutput, trace: Trace) -> list[dict[str, Any]]:
+    """Per replica: its role, engine, profile and policy names, the requests routed to it
+    and how they ended, steps, KV use, and prefix-cache hits (the share of its admitted
+    prompt tokens served from its cache)."""
+    rows = []
+    for k, (spec, output, routed) in enumerate(zip(out.specs, out.outputs, out.rows,
+                                                   strict=True)):
+        status = np.asarray(output.status)
+        entry: dict[str, Any] = {
+            "replica": k,
+            "name": spec.name or f"{spec.role}-{k}",
+            "role": spec.role,
+            "engine": spec.engine,
+            "profile": spec.profile.name,
+            "policy": spec.policy.name,
+            "requests": int(len(routed)),
+            "completed": int((status == K.COMPLETED).sum()),
+            "shed": int((status == K.SHED).sum()),
+            "rejected": int((status == K.REJECTED).sum()),
+            "steps": int(output.steps),
+            "kv_mean_util": float(output.kv_util_mean),
+            "kv_peak_util": float(output.kv_util_peak),
+            "preemptions": int(np.asarray(output.preemptions).sum()),
+        }
+        if output.prefix_caching and output.hit_tokens is not None and len(routed):
+            admitted = ~np.isnan(np.asarray(output.admitted_s))
+            prompt = np.asarray(trace.prompt_tokens)[routed][admitted]
+            hits = np.asarray(output.hit_tokens)[admitted]
+            entry["hit_rate_tokens"] = float(hits.sum() / prompt.sum()) if prompt.sum() else 0.0
+            entry["cache_evictions"] = int(output.cache_evictions)
+        rows.append(entry)
+    return rows
+
+
+def parse_disagg(spec: str) -> tuple[int, int]:
+    """``"P:D"`` -> (prefill replicas, decode replicas), each at least 1."""
+    parts = spec.split(":")
+    try:
+        prefill, decode = (int(x) for x in parts)
+    except ValueError:
+        raise ServetuneError(f"argument `--disagg` {spec!r}: expected P:D, two whole numbers "
+                             "of replicas such as 2:2") from None
+    if prefill < 1 or decode < 1:
+        raise ServetuneError(f"argument `--disagg` {spec!r}: need at least one prefill and "
+                             "one decode replica")
+    return prefill, decode
