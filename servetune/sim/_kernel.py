@@ -1147,13 +1147,15 @@ def _admit_waiting(p, rq, st, lg, t, budget, ratio):
                 continue
             break  # strict head-of-line blocking
         nblocks = _admit(p, rq, st, lg, lane, hit, base, chunk, t)
+        nadm += 1
+        if st.ready_s[r] > t:
+            continue  # its KV is on the way (P/D): it holds its blocks and runs when ready
         if sglang:
             rem -= nblocks * bs + bs
             if base + chunk == target:
                 rem -= _sglang_clipped(p, rq.max_tokens[r])
         _grant(st, r, chunk)
         budget -= chunk
-        nadm += 1
         if sglang and base + chunk < target:
             sc.chunked_req = r
             break

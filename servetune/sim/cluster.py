@@ -190,13 +190,16 @@ class _Replica:
         """Local rows completed after the first ``start`` completions, in order."""
         return self.state.done_order[start:int(self.scalars.n_done)]
 
-    # -- what a router reads -------------------------------------------------------------
+    # -- what a router reads (requests sent but not yet at a step boundary count) --------
     def load(self) -> int:
-        return int(self.scalars.n_running + self.state.heap_size[0] + self.state.heap_size[1])
+        sc = self.scalars
+        return int(sc.n_running + self.state.heap_size[0] + self.state.heap_size[1]
+                   + sc.known - sc.next_arrival)
 
     def kv_committed_blocks(self) -> float:
         sc = self.scalars
-        return float(sc.used) + float(sc.queued_prompt) / self.block_size
+        sent = self.rq.prompt[sc.next_arrival:sc.known].sum()
+        return float(sc.used) + float(sc.queued_prompt + sent) / self.block_size
 
     def cached_blocks(self, ids: np.ndarray, width: int, tokens: int) -> int:
         if not self.params.prefix_caching or len(ids) == 0:

@@ -1,0 +1,177 @@
+"""Replicas behind a router and disaggregated prefill/decode (servetune.sim.cluster)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from servetune.cli import app
+from servetune.errors import ServetuneError
+from servetune.profiles.shipped import load_profile
+from servetune.profiles.steptime import step_seconds
+from servetune.schemas.policy import Policy
+from servetune.sim import cluster as C
+from servetune.sim import engine as E
+from servetune.workloads.trace import Trace
+
+PROFILE = load_profile("h200-llama-3.1-8b")
+MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / \
+    "mooncake_synthetic_trace.jsonl.gz"
+
+
+def _trace(arrivals, prompts, outputs, ids=None, width=16) -> Trace:
+    extra = {}
+    if ids is not None:
+        offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([len(x) for x in ids])
+        extra = dict(prefix_offsets=offsets, prefix_block_tokens=width,
+                     prefix_block_ids=np.concatenate([np.asarray(x, np.int64) for x in ids]))
+    return Trace(arrival_s=np.asarray(arrivals, float), prompt_tokens=np.asarray(prompts),
+                 output_tokens=np.asarray(outputs), **extra)
+
+
+def _specs(n, role="both"):
+    return [C.ReplicaSpec(PROFILE, Policy(), role=role)] * n
+
+
+def _random_trace(n=300, seed=3) -> Trace:
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(50, 4000, n)
+    ids = [[int(rng.integers(0, 5))] + [1000 * (r + 1) + j for j in range(p // 512 + 1)]
+           for r, p in enumerate(prompts)]
+    return _trace(np.sort(rng.uniform(0, 30, n)), prompts, rng.integers(1, 400, n), ids,
+                  width=512)
+
+
+def test_one_replica_is_the_single_engine_run():
+    trace = _random_trace()
+    single = E.run_engine(trace, Policy(), PROFILE.kv_blocks(), PROFILE.block_size,
+                          PROFILE.step_time, prefix_caching=True)
+    for router in ("least_kv", "round_robin"):
+        out = C.run_cluster(trace, _specs(1), router=router, prefix_caching=True).merged
+        for name in ("admitted_s", "first_token_s", "finish_s", "status", "hit_tokens"):
+            assert np.array_equal(getattr(single, name), getattr(out, name), equal_nan=True)
+
+
+def test_routers_decide_by_what_they_read():
+    # R0 and R1 arrive together: R0 goes to replica 0 (tie), R1 to replica 1 (replica 0
+    # has R0 in flight). Later, both idle: R2 shares R1's prefix, R3 R0's.
+    a = [1, 2, 3]
+    b = [5, 6, 7, 8]
+    trace = _trace([0.0, 0.0, 10.0, 20.0], [2048] * 4, [4] * 4, [a, b, b, a], width=512)
+    routed = {router: C.run_cluster(trace, _specs(2), router=router,
+                                    prefix_caching=True).replica.tolist()
+              for router in C.ROUTERS}
+    assert routed["prefix_aware"] == [0, 1, 1, 0]  # follows the cached prefix
+    assert routed["round_robin"] == [0, 1, 0, 1]
+    assert routed["least_loaded"] == [0, 1, 0, 0]  # idle replicas tie: the lowest index
+    assert routed["least_kv"] == [0, 1, 0, 0]
+    # by first id (renumbered densely: a's is 0, b's 3): the same conversation, the same
+    # replica
+    assert routed["session"] == [0, 1, 1, 0]
+
+
+def test_a_kv_transfer_worked_by_hand():
+    # 1 prefill + 1 decode replica, one request of 1000 prompt and 3 output tokens.
+    trace = _trace([0.0], [1000], [3])
+    link = C.Link("test", 10e9, 0.001)
+    out = C.run_cluster(trace, [*_specs(1, "prefill"), *_specs(1, "decode")], link=link,
+                        prefix_caching=False)
+    coef, pieces = PROFILE.step_time.as_arrays("vllm")
+
+    def step(T, S, D, Cx, W):
+        return step_seconds(coef, pieces, float(T), float(S), float(D), float(Cx), W)
+
+    prefill_end = 0.0 + step(1000, 1, 0, 0, 1000 * 500.0)
+    transfer = 1000 * PROFILE.kv_bytes_per_token() / 10e9 + 0.001
+    assert out.transfer_s[0] == pytest.approx(transfer, rel=1e-12)
+    # the decode replica admits it at once, waits for the KV, then recomputes the last
+    # prompt token (its first token), then decodes two more
+    first = prefill_end + transfer + step(1, 1, 0, 0, 1 * (999 + 0.5))
+    second = first + step(1, 1, 1, 1001, 0.0)
+    third = second + step(1, 1, 1, 1002, 0.0)
+    assert out.merged.first_token_s[0] == pytest.approx(first, rel=1e-12)
+    assert out.merged.finish_s[0] == pytest.approx(third, rel=1e-12)
+    assert out.outputs[0].first_token_s[0] == pytest.approx(prefill_end, rel=1e-12)
+    assert out.decode_replica.tolist() == [1]
+
+
+def test_a_decode_replica_without_room_makes_the_transfer_wait():
+    # Decode pool of 70 blocks: two 1000-token prompts (63 blocks each) cannot both be
+    # admitted; the second waits for the first to finish before its KV moves.
+    trace = _trace([0.0, 0.0], [1000, 1000], [50, 50])
+    small = PROFILE.model_copy(deep=True)
+    small.memory.kv_blocks_override = 71  # 70 usable
+    specs = [C.ReplicaSpec(PROFILE, Policy(), role="prefill"),
+             C.ReplicaSpec(small, Policy(), role="decode")]
+    out = C.run_cluster(trace, specs, link=C.LINKS["nvlink"])
+    dec = out.outputs[1]
+    first_done = np.nanmin(dec.finish_s)
+    assert np.nanmax(dec.admitted_s) >= first_done
+    assert np.nanmax(out.merged.first_token_s) > first_done + out.transfer_s[1]
+    assert (out.merged.status == 0).all()
+
+
+@pytest.mark.parametrize("router", C.ROUTERS)
+def test_every_request_is_accounted_for_once(router):
+    trace = _random_trace(400)
+    agg = C.run_cluster(trace, _specs(4), router=router, prefix_caching=True)
+    assert sorted(np.concatenate(agg.rows).tolist()) == list(range(len(trace)))
+    assert (agg.merged.status >= 0).all()
+    assert sum(int((o.status >= 0).sum()) for o in agg.outputs) == len(trace)
+    dis = C.run_cluster(trace, [*_specs(2, "prefill"), *_specs(2, "decode")], router=router,
+                        prefix_caching=True)
+    forwarded = dis.decode_replica >= 0
+    prefill_ok = np.concatenate([o.status for o in dis.outputs[:2]]) == 0
+    assert forwarded.sum() == prefill_ok.sum()
+    assert (dis.merged.status >= 0).all()
+    decoded = np.concatenate(dis.rows[2:])
+    assert sorted(decoded.tolist()) == np.flatnonzero(forwarded).tolist()
+    ttft = dis.merged.first_token_s - trace.arrival_s
+    assert (ttft[forwarded] > dis.transfer_s[forwarded]).all()
+
+
+def test_fast_and_reference_clusters_agree():
+    trace = _random_trace(150)
+    runs = [C.run_cluster(trace, [*_specs(1, "prefill"), *_specs(2, "decode")],
+                          router="least_kv", reference=ref, prefix_caching=True)
+            for ref in (False, True)]
+    assert np.array_equal(runs[0].decode_replica, runs[1].decode_replica)
+    for name in ("first_token_s", "finish_s", "status", "hit_tokens"):
+        assert np.array_equal(getattr(runs[0].merged, name), getattr(runs[1].merged, name),
+                              equal_nan=True)
+
+
+def test_bad_topologies_say_what_to_do():
+    trace = _trace([0.0], [10], [2])
+    with pytest.raises(ServetuneError, match="router 'nearest' is unknown"):
+        C.run_cluster(trace, _specs(2), router="nearest")
+    with pytest.raises(ServetuneError, match="prefill and decode replicas only"):
+        C.run_cluster(trace, [*_specs(1, "prefill"), *_specs(1)])
+    with pytest.raises(ServetuneError, match="decode replicas are simulated as vLLM"):
+        C.run_cluster(trace, [*_specs(1, "prefill"),
+                              C.ReplicaSpec(PROFILE, Policy(), "sglang", "decode")])
+    with pytest.raises(ServetuneError, match="expected P:D"):
+        C.parse_disagg("2-2")
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="../shared/traces (Mooncake) not present")
+def test_cli_replays_mooncake_on_four_replicas_and_a_2_2_disaggregated_cluster(tmp_path):
+    runner = CliRunner()
+    base = ["simulate", "--trace", str(MOONCAKE), "--profile", "h200-llama-3.1-8b",
+            "--policy", "configs/policies/vllm-serve-defaults.yaml", "--requests", "600",
+            "--prefix-caching", "on", "--json"]
+    for extra in (["--replicas", "4", "--router", "prefix_aware"], ["--disagg", "2:2"]):
+        res = runner.invoke(app, base + extra)
+        assert res.exit_code == 0, res.output
+        data = json.loads(res.stdout)
+        assert data["requests"] == 600
+        assert data["completed"] + data["shed"] + data["rejected"] == 600
+        assert data["prefix_cache"]["hit_rate_tokens"] > 0
+        assert len(data["cluster"]["replicas"]) == 4
+    res = runner.invoke(app, base + ["--replicas", "2", "--disagg", "1:1"])
+    assert res.exit_code == 2 and "not both" in res.output

@@ -1,0 +1,157 @@
+"""Prefix caching in the engine model: hits, evictions, shared blocks, and both modes alike.
+
+Hand-worked cases use 16-token blocks and 16-token prefix ids, so that block ``j`` of a
+request is exactly its id ``j``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from servetune.profiles.shipped import load_profile
+from servetune.schemas.policy import Policy
+from servetune.sim import api
+from servetune.sim import engine as E
+from servetune.workloads.trace import Trace
+
+MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / \
+    "mooncake_synthetic_trace.jsonl.gz"
+PROFILE = load_profile("h200-llama-3.1-8b")
+
+
+def _trace(arrivals, prompts, outputs, ids, width=16) -> Trace:
+    offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(x) for x in ids])
+    return Trace(arrival_s=np.asarray(arrivals, float), prompt_tokens=np.asarray(prompts),
+                 output_tokens=np.asarray(outputs), prefix_offsets=offsets,
+                 prefix_block_ids=np.concatenate([np.asarray(x, np.int64) for x in ids]),
+                 prefix_block_tokens=width)
+
+
+def _run(trace: Trace, blocks: int, *, reference: bool = False, step_log: bool = False,
+         caching: bool = True) -> E.EngineOutput:
+    return E.run_engine(trace, Policy(), blocks, 16, PROFILE.step_time, reference=reference,
+                        step_log=step_log, prefix_caching=caching)
+
+
+def test_a_repeated_prompt_is_served_from_the_cache_but_its_last_token():
+    # 2000 tokens = 125 blocks; the second request hits 124 blocks (1984 tokens: the last
+    # token is always computed); the third shares the first two 512-token ids: 1024 tokens.
+    ids = [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 9]]
+    trace = _trace([0.0, 10.0, 20.0], [2000, 2000, 1500], [5, 5, 5], ids, width=512)
+    out = _run(trace, 10_000, step_log=True)
+    assert out.hit_tokens.tolist() == [0, 1984, 1024]
+    admit = [rec for rec in out.step_log if 1 in rec["admitted"]][0]
+    assert admit["cached_tokens"] == [[1, 1984]]
+    assert admit["scheduled"] == [[1, 16]]  # only the rest of the prompt is computed
+    off = _run(trace, 10_000, caching=False, step_log=True)
+    assert off.hit_tokens is None
+    assert [rec for rec in off.step_log if 1 in rec["admitted"]][0]["scheduled"] == [[1, 2000]]
+
+
+def test_lru_evicts_the_tail_of_the_oldest_freed_request_first():
+    # Pool of 10 blocks. A (4 prompt blocks) finishes: its 4 full blocks stay cached.
+    # B (6 prompt blocks) needs a 7th block for its second token: 6 used + 4 cached = 10,
+    # so one cached block goes, A's last (freed tail first). C asks for A's 4 blocks plus
+    # one more: it finds only 3 of them (48 tokens). With a large pool it finds all 4.
+    trace = _trace([0.0, 10.0, 20.0], [64, 96, 65], [2, 2, 2],
+                   [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 11]])
+    small = _run(trace, 10)
+    assert small.hit_tokens.tolist() == [0, 0, 48]
+    assert small.cache_evictions == 2  # A's block 4 for B, then B's tail for C's decode
+    assert _run(trace, 100).hit_tokens.tolist() == [0, 0, 64]
+    for out in (small, _run(trace, 10, reference=True)):
+        assert (out.status == 0).all()
+        assert out.kv_blocks_in_use_end == 0
+
+
+def test_blocks_shared_by_running_requests_are_counted_once():
+    # Two requests with the same 8-block prompt, the second admitted while the first is
+    # decoding: it takes the first's 7 registered blocks (the last token is recomputed),
+    # so the pool holds 8 + 1 blocks for both prompts, not 16.
+    ids = [list(range(8)), list(range(8))]
+    trace = _trace([0.0, 0.5], [128, 128], [400, 400], ids)
+    out = _run(trace, 100)
+    assert out.hit_tokens.tolist() == [0, 112]
+    # the peak (both decoding) is lower by at least the 7 shared blocks than without
+    # the cache, where B holds a copy of its own
+    peak = round(out.kv_util_peak * 100)
+    assert round(_run(trace, 100, caching=False).kv_util_peak * 100) - peak >= 7
+    assert round(_run(trace, 100, reference=True).kv_util_peak * 100) == peak
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm", "tgi"])
+def test_fast_and_reference_modes_agree_with_caching_on(engine):
+    rng = np.random.default_rng(7)
+    n = 120
+    arrivals = np.sort(rng.uniform(0, 20, n))
+    prompts = rng.integers(20, 900, n)
+    outputs = rng.integers(1, 300, n)
+    # a few shared system prompts of 1-3 ids, then ids of the request's own
+    ids = []
+    for r in range(n):
+        head = list(range(100 * int(rng.integers(0, 4)), 100 * int(rng.integers(0, 4)) + 3))
+        own = [10_000 + 100 * r + j for j in range(int(prompts[r]) // 64 + 1)]
+        ids.append(head[: int(rng.integers(0, 4))] + own)
+    trace = _trace(arrivals, prompts, outputs, ids, width=64)
+    runs = [E.run_engine(trace, Policy(), 60, 16, PROFILE.step_time, engine=engine,
+                         reference=ref, step_log=True, prefix_caching=True)
+            for ref in (False, True)]
+    fast, slow = runs
+    for name in ("admitted_s", "first_token_s", "finish_s", "preemptions", "status",
+                 "generated", "hit_tokens"):
+        assert np.array_equal(getattr(fast, name), getattr(slow, name), equal_nan=True), name
+    assert fast.cache_evictions == slow.cache_evictions > 0
+    assert E.expand_repeats(fast.step_log) == slow.step_log
+    assert np.array_equal(fast.series["kv_cached"], slow.series["kv_cached"])
+    assert fast.kv_blocks_in_use_end == 0
+
+
+def _mooncake_rows():
+    with gzip.open(MOONCAKE, "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="../shared/traces (Mooncake) not present")
+def test_mooncake_hit_rate_matches_an_independent_lru_at_low_load():
+    """Outside check: replayed at 1/20 of its rate (requests rarely overlap), the engine's
+    hit rate matches a plain LRU over the trace's 512-token ids (Python's OrderedDict) of
+    the same capacity in tokens, and, with a pool too large to evict, the ideal rate."""
+    from servetune.workloads.formats import load_trace
+
+    rows = _mooncake_rows()
+    trace = load_trace(str(MOONCAKE)).rate_scaled(0.05)
+
+    def oracle(capacity_ids: int) -> float:
+        lru: OrderedDict[int, None] = OrderedDict()
+        hit = total = 0
+        for row in rows:
+            ids = row["hash_ids"]
+            k = 0
+            while k < len(ids) and ids[k] in lru:
+                k += 1
+            prompt = row["input_length"]
+            hit += min(k * 512, (prompt - 1) // 16 * 16)
+            total += prompt
+            for x in reversed(ids):  # a request's tail is evicted first
+                lru[x] = None
+                lru.move_to_end(x)
+            while len(lru) > capacity_ids:
+                lru.popitem(last=False)
+        return hit / total
+
+    blocks = PROFILE.kv_blocks()
+    sim = api.simulate(trace, Policy(), PROFILE, prefix_caching=True)
+    rate = sim.summary()["prefix_cache"]["hit_rate_tokens"]
+    assert rate == pytest.approx(oracle(blocks * 16 // 512), abs=0.015)
+    big = E.run_engine(trace, Policy(), 3_000_000, 16, PROFILE.step_time, prefix_caching=True)
+    ideal = oracle(10**9)
+    assert big.cache_evictions == 0
+    assert big.hit_tokens.sum() / trace.prompt_tokens.sum() == pytest.approx(ideal, abs=0.005)
+    assert ideal == pytest.approx(0.651, abs=0.001)
