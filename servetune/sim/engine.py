@@ -80,6 +80,22 @@ The policy's extensions act at admission for every engine:
   admission checks on the empty engine. A preempted request whose re-prefill has outgrown
   the pool less that headroom is rejected when even an empty engine could not re-admit it.
 
+Prefix caching (``caching.enable_prefix_caching``, or ``prefix_caching=``): as vLLM's KV cache
+manager, for every engine (SGLang's radix cache is modelled at block granularity, and
+TensorRT-LLM's and TGI's reservations are not reduced by hits). A full block is cached under a
+key naming its whole prefix: from the trace's prefix ids (``Trace.prefix_block_ids``, ids of
+``prefix_block_tokens``-token blocks, chain hashes) where they cover the block, else a key
+only the request itself can hit again (after a preemption). Prompt blocks are registered as
+they are computed (a block another running request registered first is shared, counted
+once); a request's other full blocks when it frees them. Freed blocks stay cached and are
+evicted least recently freed first (a request's blocks last to first) when blocks are
+needed. At admission the longest cached run of leading blocks, at most ``(prompt +
+generated - 1) // block_size`` blocks, is computed for free; the KV check counts the
+cached blocks no running request holds (taking them uses free blocks). A request admitted
+with KV that arrives with it (``Requests.precomputed``, the decode side of disaggregated
+serving, :mod:`servetune.sim.cluster`) holds blocks for it and runs once ``ready_delay``
+has passed.
+
 Time: arrivals enter the waiting queue at step boundaries; an idle engine jumps to the
 next arrival; a step's duration is ``step_seconds(T, S, D, C, W)`` with T tokens, S rows
 sampled, D decoding requests, C = sum over decoding requests of their context after this
