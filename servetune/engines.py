@@ -131,7 +131,7 @@ class Engine:
     host: HostOverhead = UNMEASURED_HOST
 
     def export_function(self) -> Callable[..., Any]:
-        """The exporter, ``export(policy, facts) -> ExportResult``."""
+        """The exporter, ``export(policy, facts, role=None) -> ExportResult``."""
         module, function = self.exporter.split(":")
         return getattr(importlib.import_module(module), function)
 

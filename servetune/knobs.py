@@ -7,7 +7,8 @@ A knob is a tunable Policy setting, named by its dotted path (``batching.max_num
   ``servetune.models.fluid.Knobs``; the others take their first search-space value);
 - ``sim_param`` / ``sim_encode``: the simulator kernel parameter it feeds (a field of
   ``servetune.sim._kernel.Params``) and how the policy's value becomes it
-  (:func:`sim_values`);
+  (:func:`sim_values`; a row whose parameter the kernel does not have yet feeds nothing,
+  :func:`simulated`);
 - ``off_at_or_above``: how candidates compare for equivalence: a value at or above that
   other knob's value acts as off (a per-request chunk cap at or above the step budget caps
   nothing), so the simulator cannot tell it from the default (:func:`equivalence_key`);
@@ -142,7 +143,8 @@ class Knob:
 
     @property
     def section(self) -> str:
-        """``batching``, ``admission``, ``long_requests``; ``scheduling`` for itself."""
+        """``batching``, ``admission``, ``long_requests``, ``caching``; ``scheduling`` for
+        itself."""
         return self.path.split(".", 1)[0]
 
     @property
@@ -227,6 +229,25 @@ KNOBS: tuple[Knob, ...] = (
          _engines(vllm=_NONE, sglang=_NONE, trtllm=_NONE, tgi=_NONE), switch=_LANES),
     Knob("long_requests.max_kv_fraction", "lane_max_blocks", _share_of_pool,
          _engines(vllm=_NONE, sglang=_NONE, trtllm=_NONE, tgi=_NONE), switch=_LANES),
+    # Prefix caching. None: each engine's own default, on in all four:
+    # - vLLM: CacheConfig.enable_prefix_caching = True (vllm/config/cache.py; engines.md 1.3);
+    #   the file says `enable-prefix-caching: true` or `no-enable-prefix-caching: true`: a
+    #   true value is a flag for every `--config` loader, while older loaders dropped a false
+    #   one silently (vllm/utils FlexibleArgumentParser.load_config_file);
+    # - SGLang: the radix cache, on unless `--disable-radix-cache` (default False,
+    #   server_args.py; engines.md 2.1), so only off is written;
+    # - TensorRT-LLM: KvCacheConfig.enable_block_reuse = True (LLM-API reference,
+    #   nvidia.github.io/TensorRT-LLM .../llm-api/reference/KvCacheConfig.html, 1.3-1.4);
+    # - TGI: the launcher sets the environment variable PREFIX_CACHING to "true" unless the
+    #   model is a VLM or seq2seq, has LoRA adapters, or runs paged attention (no flag;
+    #   launcher/src/main.rs resolve_attention; the server reads "1"/"true" as on).
+    # Written only when the policy sets it, so a policy that leaves it unset exports as before.
+    Knob("caching.enable_prefix_caching", "prefix_caching", _flag,
+         _engines(vllm=converted("enable-prefix-caching", "no-enable-prefix-caching"),
+                  sglang=converted("disable-radix-cache"),
+                  trtllm=converted("kv_cache_config.enable_block_reuse"),
+                  tgi=converted("PREFIX_CACHING")),
+         engine_defaults={"vllm": True, "sglang": True, "trtllm": True, "tgi": True}),
 )
 
 BY_PATH: dict[str, Knob] = {k.path: k for k in KNOBS}
@@ -313,13 +334,28 @@ def value_for(path: str, policy: Policy, engine: str) -> Any:
     return BY_PATH[path].value_for(policy, engine)
 
 
+# Transitional: kernel parameters a row names that ``servetune.sim._kernel.Params`` does not
+# have yet (``prefix_caching`` comes with the prefix-caching kernel); their rows feed
+# nothing until then. A set here rather than a look at ``Params._fields``: the knob table
+# is core and may not import the simulator. tests/test_knobs.py checks that it is exactly
+# the missing parameters, so it fails once the kernel has one: delete the entry then.
+KERNEL_PENDING: frozenset[str] = frozenset({"prefix_caching"})
+
+
+def simulated() -> tuple[Knob, ...]:
+    """The rows whose ``sim_param`` the simulator kernel has (a field of
+    ``servetune.sim._kernel.Params``): all but those in :data:`KERNEL_PENDING`."""
+    return tuple(k for k in KNOBS if k.sim_param not in KERNEL_PENDING)
+
+
 def sim_values(policy: Policy, kv_blocks: int, engine: str = "vllm") -> dict[str, int | bool]:
     """The simulator kernel's parameters that ``policy``'s knobs set (fields of
-    ``servetune.sim._kernel.Params``) on ``engine``, for a pool of ``kv_blocks`` blocks:
-    fractions of the pool become blocks, an unset cap -1, a knob whose switch is off its
-    default, and a knob left to the engine the engine's own default."""
+    ``servetune.sim._kernel.Params``, :func:`simulated`) on ``engine``, for a pool of
+    ``kv_blocks`` blocks: fractions of the pool become blocks, an unset cap -1, a knob
+    whose switch is off its default, and a knob left to the engine the engine's own
+    default."""
     out: dict[str, int | bool] = {}
-    for k in KNOBS:
+    for k in simulated():
         value = k.value_for(policy, engine) if switched_on(k, policy) else k.default
         if value is None and k.engine_defaults is not None:
             value = k.engine_defaults[engine]
@@ -369,6 +405,7 @@ def not_expressible(engine: str) -> list[Knob]:
 
 __all__ = [
     "BY_PATH",
+    "KERNEL_PENDING",
     "KNOBS",
     "MODELED",
     "NOT_EXPRESSIBLE",
@@ -383,6 +420,7 @@ __all__ = [
     "not_expressible",
     "plain_names",
     "sim_values",
+    "simulated",
     "summary_text",
     "switched_on",
     "value_for",

@@ -35,6 +35,8 @@ VLLM_KEYS = {
     "scheduler-cls", "disable-hybrid-kv-cache-manager", "stream-interval",
     "block-size", "gpu-memory-utilization", "kv-cache-memory-bytes", "num-gpu-blocks-override",
     "enable-prefix-caching", "kv-cache-dtype", "kv-offloading-size", "kv-offloading-backend",
+    # prefix caching off (BooleanOptionalAction's --no- form) and the P/D connector
+    "no-enable-prefix-caching", "kv-transfer-config",
 }
 VLLM_REMOVED = {"max-num-partial-prefills", "max-long-partial-prefills"}
 VLLM_VALUES = {"scheduling-policy": {"fcfs", "priority"}}
@@ -48,6 +50,8 @@ SGLANG_KEYS = {
     "disable-priority-preemption", "default-priority-value", "retraction-policy", "page-size",
     "enable-mixed-chunk", "prefill-decode-interval", "num-continuous-decode-steps",
     "disable-radix-cache", "disable-overlap-schedule",
+    # PD disaggregation (SGLang's pd_disaggregation page)
+    "disaggregation-mode", "disaggregation-transfer-backend",
 }
 SGLANG_VALUES = {
     "schedule-policy": {"lpm", "random", "fcfs", "dfs-weight", "lof", "priority", "routing-key"},
@@ -58,6 +62,8 @@ SGLANG_VALUES = {
 TRTLLM_KEYS = {
     "max_batch_size", "max_num_tokens", "max_seq_len", "enable_chunked_prefill", "backend",
     "tp_size", "pp_size", "ep_size", "kv_cache_config", "scheduler_config",
+    # disaggregated serving (TensorRT-LLM's disagg-serving page)
+    "cache_transceiver_config", "disable_overlap_scheduler",
 }
 TRTLLM_NESTED = {
     "kv_cache_config": {"free_gpu_memory_fraction", "enable_block_reuse", "max_tokens",
@@ -66,11 +72,13 @@ TRTLLM_NESTED = {
                          "waiting_queue_policy", "context_scheduling_policy",
                          "enable_prefix_aware_scheduling", "gen_preemption",
                          "use_python_scheduler", "dynamic_batch_config"},
+    "cache_transceiver_config": {"backend", "max_tokens_in_buffer"},
 }
 TRTLLM_VALUES = {
     "capacity_scheduler_policy": {"GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH"},
     "context_chunking_policy": {"FIRST_COME_FIRST_SERVED", "EQUAL_PROGRESS"},
 }
+TRTLLM_TRANSCEIVER_BACKENDS = {"DEFAULT", "UCX", "NIXL", "MOONCAKE", "MPI"}
 
 # 3. TGI launcher flags (env var = UPPER_SNAKE), plus PREFILL_CHUNKING (env only).
 TGI_FLAGS = {
@@ -79,12 +87,14 @@ TGI_FLAGS = {
     "--max-batch-size", "--waiting-served-ratio", "--max-waiting-tokens",
     "--cuda-memory-fraction",
 }
-# TGI_WIGGLE_ROOM: the server's share of free memory for KV (models/globals.py), env only.
+# TGI_WIGGLE_ROOM: the server's share of free memory for KV (models/globals.py), env only;
+# PREFIX_CACHING: read by the launcher (launcher/src/main.rs resolve_attention), env only.
 TGI_ENV = {f.lstrip("-").replace("-", "_").upper() for f in TGI_FLAGS} | {
-    "PREFILL_CHUNKING", "TGI_WIGGLE_ROOM"}
+    "PREFILL_CHUNKING", "TGI_WIGGLE_ROOM", "PREFIX_CACHING"}
 
-# Which policy knob each engine expresses, and by which key. A knob that is not here (or
-# whose key is absent for the given policy) must be named in `unsupported`.
+# Which policy knob each engine expresses, and by which key (or keys: one of them). A knob
+# that is not here (or whose keys are absent for the given policy) must be named in
+# `unsupported`.
 EXPRESSED = {
     "vllm": {
         "scheduling": "scheduling-policy",
@@ -96,6 +106,7 @@ EXPRESSED = {
         "admission.reserve_full_prompt": "scheduler-reserve-full-isl",
         "admission.max_queued_requests": "max-num-queued-reqs",
         "admission.max_queued_prompt_tokens": "max-num-queued-tokens",
+        "caching.enable_prefix_caching": ("enable-prefix-caching", "no-enable-prefix-caching"),
     },
     "sglang": {
         "scheduling": "enable-priority-scheduling",
@@ -103,16 +114,20 @@ EXPRESSED = {
         "batching.max_num_batched_tokens": "chunked-prefill-size",
         "batching.enable_chunked_prefill": "chunked-prefill-size",
         "admission.max_queued_requests": "max-queued-requests",
+        # off is written; on is SGLang's default, written as nothing
+        "caching.enable_prefix_caching": ("disable-radix-cache", None),
     },
     "trtllm": {
         "batching.max_num_seqs": "max_batch_size",
         "batching.max_num_batched_tokens": "max_num_tokens",
         "batching.enable_chunked_prefill": "enable_chunked_prefill",
+        "caching.enable_prefix_caching": "kv_cache_config.enable_block_reuse",
     },
     "tgi": {
         "batching.max_num_batched_tokens": "max-batch-prefill-tokens",
         "batching.enable_chunked_prefill": "PREFILL_CHUNKING",
         "admission.max_queued_requests": "max-concurrent-requests",
+        "caching.enable_prefix_caching": "PREFIX_CACHING",
     },
 }
 
@@ -176,6 +191,8 @@ def check_keys(engine: str, result) -> None:
         for key, allowed in TRTLLM_VALUES.items():
             if key in data.get("scheduler_config", {}):
                 assert data["scheduler_config"][key] in allowed
+        if "cache_transceiver_config" in data:
+            assert data["cache_transceiver_config"]["backend"] in TRTLLM_TRANSCEIVER_BACKENDS
     else:
         flags = result.args[0::2]
         assert set(flags) <= TGI_FLAGS, set(flags) - TGI_FLAGS
@@ -186,9 +203,12 @@ def check_keys(engine: str, result) -> None:
 
 
 def emitted(engine: str, result) -> set[str]:
+    """The keys written: top-level ones, nested ones as dotted paths, TGI's variables."""
     if engine == "tgi":
         return set(result.settings) | set(result.env)
-    return set(result.settings)
+    nested = {f"{key}.{name}" for key, value in result.settings.items()
+              if isinstance(value, dict) for name in value}
+    return set(result.settings) | nested
 
 
 def check_nothing_dropped(engine: str, policy: Policy, result) -> None:
@@ -201,9 +221,12 @@ def check_nothing_dropped(engine: str, policy: Policy, result) -> None:
             continue
         if value == neutral[path]:
             continue
-        key = EXPRESSED[engine].get(path)
-        if key is not None and key in emitted(engine, result):
+        keys = EXPRESSED[engine].get(path)
+        keys = (keys,) if isinstance(keys, str) else keys or ()
+        if any(key in emitted(engine, result) for key in keys if key is not None):
             continue
+        if engine == "sglang" and path == "caching.enable_prefix_caching" and value:
+            continue  # on: SGLang's default (the radix cache), nothing to write
         token = "long_requests" if path.startswith("long_requests.") else path
         assert token in listed, f"{engine}: {path}={value!r} neither exported nor listed"
     if policy.scheduling == "priority" and policy.classes and engine in ("vllm", "sglang"):
@@ -433,6 +456,7 @@ def policies(draw):
             "max_queued_prompt_tokens": draw(st.sampled_from([None, 1, 50_000])),
         },
         long_requests=long_requests,
+        caching={"enable_prefix_caching": draw(st.sampled_from([None, True, False]))},
         classes=draw(st.sampled_from([{}, {"a": {"priority": 1}, "b": {"priority": -2}}])),
     )
 

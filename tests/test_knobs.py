@@ -37,7 +37,10 @@ OFF_DEFAULT = {
                   "max_queued_requests": 256, "max_queued_prompt_tokens": 100_000},
     "long_requests": {"threshold_tokens": 8192, "reserved_seqs": 2, "max_seqs": 4,
                       "reserved_kv_fraction": 0.1, "max_kv_fraction": 0.5},
+    "caching": {"enable_prefix_caching": False},
 }
+# Other values of knobs whose export is spelled per value (prefix caching on and off).
+OTHER_VALUES = {"caching.enable_prefix_caching": [True]}
 
 
 def policy_with(**sections) -> Policy:
@@ -58,10 +61,13 @@ def only_off_default(path: str) -> Policy:
 
 
 def emitted(engine_name: str, result) -> dict[str, object]:
-    """The keys (or flags and environment variables) an export wrote, with values."""
+    """The keys (or flags and environment variables) an export wrote, with values; nested
+    keys also as dotted paths (``kv_cache_config.enable_block_reuse``)."""
     if engine_name == "tgi":
         return {**dict(zip(result.args[0::2], result.args[1::2], strict=True)), **result.env}
-    return dict(result.settings)
+    nested = {f"{key}.{name}": v for key, value in result.settings.items()
+              if isinstance(value, dict) for name, v in value.items()}
+    return {**result.settings, **nested}
 
 
 # --- the knob table and the Policy ---------------------------------------------------------
@@ -142,21 +148,29 @@ def test_summary_text_names_the_summary_knobs():
     )
 
 
+def in_kernel(values: dict) -> dict:
+    """``values`` less the parameters the kernel does not have yet (``prefix_caching``
+    until the prefix-caching kernel is merged; knobs.KERNEL_PENDING)."""
+    return {k: v for k, v in values.items() if k not in knobs.KERNEL_PENDING}
+
+
 def test_sim_values():
-    assert knobs.sim_values(Policy(), 1000) == {
+    assert knobs.sim_values(Policy(), 1000) == in_kernel({
         "priority_scheduling": False, "max_seqs": 1024, "budget": 8192,
         "long_prefill_threshold": 0, "chunked_prefill": True, "watermark_blocks": 0,
         "reserve_full_prompt": True, "max_queued_requests": -1,
         "max_queued_prompt_tokens": -1, "lanes": False, "lane_reserved_seqs": 0,
         "lane_reserved_blocks": 0, "lane_max_seqs": 1024, "lane_max_blocks": 1000,
-    }
-    assert knobs.sim_values(policy_with(**OFF_DEFAULT), 1000) == {
+        "prefix_caching": True,
+    })
+    assert knobs.sim_values(policy_with(**OFF_DEFAULT), 1000) == in_kernel({
         "priority_scheduling": True, "max_seqs": 64, "budget": 2048,
         "long_prefill_threshold": 512, "chunked_prefill": False, "watermark_blocks": 20,
         "reserve_full_prompt": False, "max_queued_requests": 256,
         "max_queued_prompt_tokens": 100_000, "lanes": True, "lane_reserved_seqs": 2,
         "lane_reserved_blocks": 100, "lane_max_seqs": 4, "lane_max_blocks": 500,
-    }
+        "prefix_caching": False,
+    })
     # lane sizes without the switch are simulated at their defaults
     sizes_only = policy_with(long_requests={"reserved_seqs": 3, "max_kv_fraction": 0.5})
     values = knobs.sim_values(sizes_only, 1000)
@@ -178,7 +192,7 @@ def test_only_the_knob_table_feeds_the_simulator_from_a_policy():
 
     default, changed = packed(Policy()), packed(policy_with(**OFF_DEFAULT))
     moved = {f for f in default if default[f] != changed[f]}
-    assert moved == {k.sim_param for k in KNOBS}
+    assert moved == {k.sim_param for k in knobs.simulated()}
     assert {f: changed[f] for f in moved} == knobs.sim_values(policy_with(**OFF_DEFAULT), 1000)
 
 
@@ -206,6 +220,10 @@ def test_converted_names_are_written(engine_name):
         cell = k.exports[engine_name]
         if isinstance(cell, Converted):
             out = emitted(engine_name, export_policy(only_off_default(k.path), engine_name))
+            for value in OTHER_VALUES.get(k.path, []):
+                section, name = k.path.split(".")
+                other = policy_with(**{section: {name: value}})
+                out |= emitted(engine_name, export_policy(other, engine_name))
             for name in cell.names:
                 assert name in out, (k.path, name)
 
@@ -383,6 +401,30 @@ def test_the_default_space_spans_what_the_issue_asks():
     assert (min(space["batching.max_num_seqs"]), max(space["batching.max_num_seqs"])) == (4, 2048)
     tokens = space["batching.max_num_batched_tokens"]
     assert (min(tokens), max(tokens)) == (256, 32768)
+
+
+def test_pending_kernel_parameters_are_exactly_the_missing_ones():
+    # knobs.KERNEL_PENDING lets a row name a parameter the kernel lacks: it must list
+    # exactly those (a misspelt name fails here; so does a stale entry once the kernel
+    # has the parameter: delete it from the set then).
+    from servetune.sim._kernel import Params
+
+    assert knobs.KERNEL_PENDING == {k.sim_param for k in KNOBS} - set(Params._fields)
+    assert knobs.KERNEL_PENDING <= {"prefix_caching"}
+    assert [k.sim_param for k in knobs.simulated()] == [
+        k.sim_param for k in KNOBS if k.sim_param in Params._fields]
+    assert ("prefix_caching" in knobs.sim_values(Policy(), 1000)) == (
+        "prefix_caching" in Params._fields)
+
+
+def test_prefix_caching_row_encodes_each_engines_default():
+    # what sim_values gives the kernel once it has the parameter (test_sim_values then
+    # checks it too): unset is on in every engine, a set value is that value everywhere
+    row = knobs.knob("caching.enable_prefix_caching")
+    off = policy_with(caching={"enable_prefix_caching": False})
+    for engine_name in ENGINE_NAMES:
+        assert row.sim_encode(row.value_for(Policy(), engine_name), Policy(), 1000) is True
+        assert row.sim_encode(row.value_for(off, engine_name), off, 1000) is False
 
 
 def test_chunked_prefill_unset_is_each_engines_default():

@@ -10,7 +10,7 @@ import typer
 
 from servetune.cli.options import JsonOption, print_json
 from servetune.errors import ServetuneError
-from servetune.export import ENGINES, export_policy
+from servetune.export import ENGINES, ROLES, export_policy
 from servetune.io import check_outputs, write_text_atomic
 from servetune.schemas.base import load_document
 from servetune.schemas.policy import Policy
@@ -41,6 +41,11 @@ def register(app: typer.Typer) -> None:
         output: Path | None = typer.Option(
             None, "-o", "--output", help="Write the config here (atomically); default: stdout."
         ),
+        role: str | None = typer.Option(
+            None, "--role",
+            help=f"One of: {', '.join(ROLES)}: the config of that instance of a disaggregated "
+            "prefill/decode pair (vllm, sglang, trtllm); default: an aggregated instance.",
+        ),
         as_json: JsonOption = False,
     ) -> None:
         """Write POLICY as ENGINE's config file, and list what the engine cannot express.
@@ -48,7 +53,9 @@ def register(app: typer.Typer) -> None:
         vllm: `vllm serve --config` YAML; sglang: `--config` YAML; trtllm:
         `--extra_llm_api_options` YAML; tgi: a shell file of launcher environment
         variables and arguments. Every policy setting the engine has no knob for is
-        listed at the top of the file and on stderr, with what to do instead.
+        listed at the top of the file and on stderr, with what to do instead. With
+        --role, the file also carries the engine's prefill/decode disaggregation settings
+        (the KV transfer over NIXL); TGI has none.
 
         Example: servetune export --policy policy.yaml --engine vllm -o vllm.yaml
         """
@@ -56,9 +63,13 @@ def register(app: typer.Typer) -> None:
             raise ServetuneError(
                 f"--engine {engine!r} is not supported; choose one of {', '.join(ENGINES)}"
             )
+        if role is not None and role not in ROLES:
+            raise ServetuneError(
+                f"--role {role!r} is not supported; choose one of {', '.join(ROLES)}"
+            )
         check_outputs({"-o/--output": output}, {"--policy": policy, "--profile": profile})
         pol = load_document(policy, Policy)
-        result = export_policy(pol, engine, profile=load_profile_arg(profile))
+        result = export_policy(pol, engine, profile=load_profile_arg(profile), role=role)
         for item in result.warnings:
             typer.echo(f"warning: {item}", err=True)
         if output is not None:

@@ -58,6 +58,7 @@ ARGUMENT_FLAGS = {
     "prompt_edges": "--prompt-edges",
     "rate_scale": "--rate-scale",
     "rate_windows_s": "--rate-windows",
+    "role": "--role",
     "sim_engine": "--sim-engine",
     "slo_path": "--slo",
     "space_path": "--space",

@@ -1,10 +1,18 @@
 """Engine config export: a servetune Policy as the config file each engine reads.
 
-``export_policy(policy, engine, profile=None)`` returns an :class:`ExportResult` with
-the file's text, the policy settings the engine cannot express (``unsupported``: each
+``export_policy(policy, engine, profile=None, role=None)`` returns an :class:`ExportResult`
+with the file's text, the policy settings the engine cannot express (``unsupported``: each
 says what the user needs instead, a router rule or a gateway limit), approximations
 (``notes``) and the conventional file name. Both lists are also written as comments at
 the top of the file, so nothing is dropped silently.
+
+``role`` (``prefill`` or ``decode``; None: an aggregated instance, the file as before
+roles existed) makes the file one instance of a disaggregated prefill/decode pair: the
+engine's P/D settings are added (vLLM's ``kv-transfer-config``, SGLang's
+``disaggregation-mode``, TensorRT-LLM's ``cache_transceiver_config``; each exporter cites
+its sources) and the notes say how the pair is wired. TGI has no P/D serving: a role is
+refused with one line naming the engine. All three write NIXL as the KV transfer library,
+so one transport serves every engine.
 
 Engines and their formats (``docs/engines.md`` sections 1.2-1.5, 2.1, 3, 4, 6):
 
@@ -43,6 +51,9 @@ if TYPE_CHECKING:
     from servetune.schemas.profile import Profile
 
 ENGINES: tuple[str, ...] = ENGINE_NAMES
+
+# The instances of a disaggregated prefill/decode pair an export may be for.
+ROLES: tuple[str, ...] = ("prefill", "decode")
 
 FILENAMES: dict[str, str] = CONFIG_FILES
 
@@ -202,10 +213,12 @@ def requires_text(engine_title: str, since: Mapping[str, Since], used: Any) -> s
 
 
 def header(engine_title: str, usage: str, policy: Policy, unsupported: list[str],
-           notes: list[str], requires: str = "") -> str:
-    """The comment block at the top of every exported file."""
+           notes: list[str], requires: str = "", role: str | None = None) -> str:
+    """The comment block at the top of every exported file (``role``: the P/D instance
+    it configures, named in the first line)."""
+    instance = f" for a {role} instance" if role is not None else ""
     lines = [
-        f"{engine_title} config exported by servetune {__version__} from policy "
+        f"{engine_title} config{instance} exported by servetune {__version__} from policy "
         f"{policy.name!r}.",
         f"Use: {usage}",
     ]
@@ -337,11 +350,13 @@ def unsupported_settings(policy: Policy, engine: str, instead: dict[str, Instead
 
 
 def yaml_result(engine: str, title: str, usage: str, policy: Policy, settings: dict[str, Any],
-                unsupported: list[str], notes: list[str], requires: str = "") -> ExportResult:
+                unsupported: list[str], notes: list[str], requires: str = "",
+                role: str | None = None) -> ExportResult:
     """An engine's YAML config: the comment header, then the settings."""
     return ExportResult(
         engine=engine,
-        text=header(title, usage, policy, unsupported, notes, requires) + dump_yaml(settings),
+        text=header(title, usage, policy, unsupported, notes, requires, role)
+        + dump_yaml(settings),
         unsupported=unsupported,
         filename=FILENAMES[engine],
         notes=notes,
@@ -419,8 +434,10 @@ def export_policy(
     *,
     profile: Profile | Mapping[str, Any] | MemoryFacts | None = None,
     check_provenance: bool = True,
+    role: str | None = None,
 ) -> ExportResult:
-    """Translate ``policy`` into ``engine``'s config file (see the module docstring).
+    """Translate ``policy`` into ``engine``'s config file (see the module docstring), for
+    an aggregated instance or, with ``role``, one instance of a prefill/decode pair.
 
     With ``check_provenance`` (the default), :func:`mismatch_warnings` (tuned under
     another engine's model, or for another GPU or model than a Profile ``profile``) go to
@@ -430,8 +447,12 @@ def export_policy(
         raise ServetuneError(
             f"engine {engine!r} is not supported; choose one of {', '.join(ENGINES)}"
         )
+    if role is not None and role not in ROLES:
+        raise ServetuneError(
+            f"argument `role` {role!r} is not supported; choose one of {', '.join(ROLES)}"
+        )
     facts = memory_facts(policy, profile)
-    result = BY_NAME[engine].export_function()(policy, facts)
+    result = BY_NAME[engine].export_function()(policy, facts, role=role)
     if not check_provenance:
         return result
     given = profile if profile is not None and hasattr(profile, "memory_summary") else None
@@ -441,6 +462,7 @@ def export_policy(
 __all__ = [
     "ENGINES",
     "FILENAMES",
+    "ROLES",
     "ExportResult",
     "Instead",
     "MemoryFacts",

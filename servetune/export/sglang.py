@@ -21,7 +21,22 @@ Mapping:
   utilization minus the activation reserve) and ``max-total-tokens`` (the KV pool in
   tokens the policy was tuned for);
 - ``schedule-conservativeness`` stays 1.0: SGLang reserves future output instead of a
-  watermark, and no scale of it is equivalent to one.
+  watermark, and no scale of it is equivalent to one;
+- ``caching.enable_prefix_caching: false`` -> ``disable-radix-cache: true``; true or unset
+  writes nothing: the radix (prefix) cache is on unless ``--disable-radix-cache`` (default
+  False; server_args.py, engines.md 2.1), and SGLang's ``--config`` loader skips a
+  store_true flag given as false (``ConfigArgumentMerger._add_boolean_arg``,
+  python/sglang/srt/server_args_config_parser.py), so ``false`` would say nothing either.
+
+A prefill or decode instance (``role``) gets ``disaggregation-mode: prefill|decode`` and
+``disaggregation-transfer-backend: nixl``, as SGLang's PD disaggregation page gives them
+(https://docs.sglang.io/docs/advanced_features/pd_disaggregation, source
+docs/advanced_features/pd_disaggregation.md: "Currently, we support Mooncake and NIXL as
+the transfer engine"; its NIXL examples launch ``--disaggregation-mode prefill`` /
+``decode`` with ``--disaggregation-transfer-backend nixl`` and pair them with
+``python -m sglang_router.launch_router --pd-disaggregation --prefill URL --decode URL``).
+server_args.py's choices for the backend are ``mooncake`` (its default) and ``nixl``;
+the file writes ``nixl``, the transfer library the vLLM and TensorRT-LLM exports use too.
 
 Not expressible: ``long_prefill_token_threshold`` (no per-request chunk cap; sgl-project/sglang
 PR #34554 was closed unmerged), ``kv_watermark``, ``reserve_full_prompt: false``,
@@ -73,6 +88,11 @@ SINCE: dict[str, Since] = {
 CHUNK_KEY, PREFILL_KEY = export_names("sglang", "batching.max_num_batched_tokens")
 (PRIORITY_KEY,) = export_names("sglang", "scheduling")
 (QUEUE_KEY,) = export_names("sglang", "admission.max_queued_requests")
+(NO_PREFIX_CACHE_KEY,) = export_names("sglang", "caching.enable_prefix_caching")
+# A P/D instance: its mode and the KV transfer library (module docstring).
+MODE_KEY = "disaggregation-mode"
+TRANSFER_KEY = "disaggregation-transfer-backend"
+TRANSFER_BACKEND = "nixl"
 # The priority gap the simulated model preempts at (servetune.sim.engine's
 # SGLANG_PRIORITY_PREEMPTION_THRESHOLD; the export layer may not import the simulator).
 SGLANG_PRIORITY_PREEMPTION_THRESHOLD = 10
@@ -116,7 +136,17 @@ def mem_fraction_static(facts: MemoryFacts) -> float | None:
     ) / facts.gpu_memory_bytes
 
 
-def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
+def _role_note(role: str) -> str:
+    flag = "--prefill" if role == "prefill" else "--decode"
+    return (
+        f"{role} instance: {MODE_KEY} {role} with {TRANSFER_KEY} {TRANSFER_BACKEND} (SGLang's "
+        "default is mooncake; the other instance of the pair must use the same backend); "
+        "pair it with the other role through python -m sglang_router.launch_router "
+        f"--pd-disaggregation, which takes this instance's URL under {flag}"
+    )
+
+
+def export(policy: Policy, facts: MemoryFacts, role: str | None = None) -> ExportResult:
     b, a = policy.batching, policy.admission
     chunked = knobs.value_for("batching.enable_chunked_prefill", policy, "sglang")
     settings: dict[str, Any] = {
@@ -165,8 +195,15 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
         )
     if facts.kv_tokens is not None:
         settings["max-total-tokens"] = facts.kv_tokens
+    if policy.caching.enable_prefix_caching is False:
+        settings[NO_PREFIX_CACHE_KEY] = True
+    if role is not None:
+        settings[MODE_KEY] = role
+        settings[TRANSFER_KEY] = TRANSFER_BACKEND
+        notes.append(_role_note(role))
 
     unsupported += unsupported_settings(policy, "sglang", INSTEAD)
 
     requires = requires_text(TITLE, SINCE, ["--config", *settings])
-    return yaml_result("sglang", TITLE, USAGE, policy, settings, unsupported, notes, requires)
+    return yaml_result("sglang", TITLE, USAGE, policy, settings, unsupported, notes, requires,
+                       role)

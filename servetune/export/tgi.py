@@ -27,10 +27,18 @@ exceed 1.0, the file sets 1.0, says how much smaller TGI's pool is, and nightly'
 simulates that pool (:func:`tgi_memory`). ``TGI_WIGGLE_ROOM`` is written too, so the
 arithmetic holds whatever default a TGI release has.
 
+``caching.enable_prefix_caching`` -> ``PREFIX_CACHING`` (``1`` or ``0``, only when the
+policy sets it), an environment variable with no launcher flag: the launcher reads it and,
+when it is unset, sets it to ``true`` unless the model is a VLM or seq2seq, has LoRA
+adapters or runs paged attention (``resolve_attention``, launcher/src/main.rs); the server
+takes ``1`` or ``true`` as on.
+
 Not expressible: the running-batch cap ``max_num_seqs`` (``--max-batch-size`` applies
 only to padded hardware), priorities (TGI is strictly FIFO), the per-request chunk cap,
 the watermark (TGI reserves prompt + max_new_tokens up front and never over-commits),
-``max_queued_prompt_tokens``, long-request lanes.
+``max_queued_prompt_tokens``, long-request lanes. TGI serves prefill and decode in one
+process and has no disaggregated mode: an export for a prefill or decode instance
+(``role``) is refused.
 """
 
 from __future__ import annotations
@@ -62,8 +70,10 @@ USAGE = (
     "set -a; . ./tgi.sh; set +a; text-generation-launcher --model-id MODEL   "
     "(or: text-generation-launcher --model-id MODEL $TGI_ARGS)"
 )
-# The environment variable (no launcher flag) that switches chunked prefill.
+# The environment variables (no launcher flag) that switch chunked prefill and prefix
+# caching.
 (CHUNKING_ENV,) = export_names("tgi", "batching.enable_chunked_prefill")
+(PREFIX_CACHING_ENV,) = export_names("tgi", "caching.enable_prefix_caching")
 
 
 def _max_seqs_instead(policy: Policy) -> str:
@@ -193,7 +203,18 @@ def _value(value: object) -> str:
     return str(value)
 
 
-def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
+def _and_list(names: list[str]) -> str:
+    """``A``, ``A and B``, ``A, B and C``."""
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+
+
+def export(policy: Policy, facts: MemoryFacts, role: str | None = None) -> ExportResult:
+    if role is not None:
+        raise ServetuneError(
+            f"argument `role` {role!r}: TGI has no disaggregated prefill/decode serving, so "
+            "there is no TGI prefill or decode instance to configure; export the pair for "
+            "vllm, sglang or trtllm, or export TGI without a role"
+        )
     a = policy.admission
     flags: dict[str, object] = plain_settings(policy, "tgi")
     notes: list[str] = [
@@ -222,6 +243,8 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
     env = {env_name(flag): _value(value) for flag, value in flags.items()}
     chunked = value_for("batching.enable_chunked_prefill", policy, "tgi")
     env[CHUNKING_ENV] = "1" if chunked else "0"
+    if policy.caching.enable_prefix_caching is not None:
+        env[PREFIX_CACHING_ENV] = "1" if policy.caching.enable_prefix_caching else "0"
     if mem is not None:
         env[WIGGLE_ENV] = _value(mem.wiggle_room)  # the fraction above assumes it
 
@@ -230,7 +253,7 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
     body = ["# Environment variables (without `export`, the lines suit docker --env-file):"]
     body += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
     env_only = [name for name in env if name not in {env_name(f) for f in flags}]
-    body.append(f"# The same settings as launcher arguments ({' and '.join(env_only)} "
+    body.append(f"# The same settings as launcher arguments ({_and_list(env_only)} "
                 f"{'has' if len(env_only) == 1 else 'have'} no flag):")
     body.append(f"TGI_ARGS={shlex.quote(shlex.join(args))}")
     text = header(TITLE, USAGE, policy, unsupported, notes) + "\n".join(body) + "\n"

@@ -20,8 +20,29 @@ the pool in tokens as well (the smaller of the two wins) and ``tokens_per_block`
 block size. Without M, W and u (from the policy's ``metadata.profile`` or ``--profile``)
 the export fails with a message naming what is missing.
 
+``caching.enable_prefix_caching`` -> ``kv_cache_config.enable_block_reuse``, only when
+the policy sets it: block reuse is on by default (``KvCacheConfig(enable_block_reuse: bool =
+True, ...)``, https://nvidia.github.io/TensorRT-LLM/llm-api/reference/KvCacheConfig.html, the
+1.3 and 1.4 release pages alike).
+
 Not expressible: priorities (TensorRT-LLM schedules FCFS), per-request chunk cap, queue
 caps, watermark, long-request lanes.
+
+A prefill or decode instance (``role``; TensorRT-LLM says context and generation server)
+gets ``cache_transceiver_config: {backend: NIXL}``, and a prefill instance
+``disable_overlap_scheduler: true``, as TensorRT-LLM's disaggregated serving page gives
+them (https://nvidia.github.io/TensorRT-LLM/features/disagg-serving.html, source
+docs/source/features/disagg-serving.md): "We use the ``cache_transceiver_config``
+configuration to set up disaggregated serving"; ``backend`` takes ``DEFAULT``, ``UCX``,
+``NIXL`` or ``MPI`` (the CacheTransceiverConfig reference adds ``MOONCAKE``), and the
+default the page states differs between versions (NIXL in one, UCX after the edit of
+NVIDIA/TensorRT-LLM PR #9352), so the backend is written, not left to a release's
+default; the context servers' example config
+sets ``disable_overlap_scheduler: True`` because the overlap scheduler is "not supported
+for disaggregated context servers yet". ``max_tokens_in_buffer`` is recommended at or
+above the longest prompt (ISL), which the policy does not know: it is left to the engine,
+and a note says so. The pair is joined by ``trtllm-serve disaggregated -c
+disagg_config.yaml`` listing context_servers and generation_servers.
 """
 
 from __future__ import annotations
@@ -44,6 +65,7 @@ from servetune.export import (
     unsupported_settings,
     yaml_result,
 )
+from servetune.knobs import export_names
 from servetune.schemas.policy import Policy
 
 TITLE = engine("trtllm").title
@@ -98,6 +120,31 @@ INSTEAD: dict[str, Instead] = {
 }
 
 
+# TensorRT-LLM's name for prefix caching (the knob table's): a kv_cache_config field.
+(BLOCK_REUSE_PATH,) = export_names("trtllm", "caching.enable_prefix_caching")
+BLOCK_REUSE_KEY = BLOCK_REUSE_PATH.removeprefix("kv_cache_config.")
+# A P/D instance (module docstring).
+TRANSCEIVER_KEY = "cache_transceiver_config"
+TRANSCEIVER_BACKEND = "NIXL"
+OVERLAP_KEY = "disable_overlap_scheduler"
+SERVER_KINDS = {"prefill": "context_servers", "decode": "generation_servers"}
+
+
+def _role_notes(role: str) -> list[str]:
+    notes = [
+        f"{role} instance: {TRANSCEIVER_KEY}.backend {TRANSCEIVER_BACKEND} (the other instance "
+        "of the pair must use the same); list this server's URL under "
+        f"{SERVER_KINDS[role]} in the config of trtllm-serve disaggregated -c "
+        "disagg_config.yaml, which marks requests context-only or generation-only",
+        f"{TRANSCEIVER_KEY}.max_tokens_in_buffer not set: TensorRT-LLM recommends at least "
+        "the longest prompt (ISL) you serve; set it to that",
+    ]
+    if role == "prefill":
+        notes.append(f"{OVERLAP_KEY}: true: TensorRT-LLM's overlap scheduler is not supported "
+                     "on disaggregated context (prefill) servers")
+    return notes
+
+
 def free_gpu_memory_fraction(facts: MemoryFacts) -> float:
     """TensorRT-LLM's share of free memory (after weights and buffers) that gives the
     same KV bytes as vLLM's share ``gpu_memory_utilization`` of total memory."""
@@ -128,7 +175,7 @@ def free_gpu_memory_fraction(facts: MemoryFacts) -> float:
     return kv_bytes / free_after_weights
 
 
-def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
+def export(policy: Policy, facts: MemoryFacts, role: str | None = None) -> ExportResult:
     kv_cache_config: dict[str, Any] = {
         "free_gpu_memory_fraction": round(free_gpu_memory_fraction(facts), 4),
     }
@@ -136,6 +183,8 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
         kv_cache_config["max_tokens"] = facts.kv_tokens
     if facts.block_size is not None:
         kv_cache_config["tokens_per_block"] = facts.block_size
+    if policy.caching.enable_prefix_caching is not None:
+        kv_cache_config[BLOCK_REUSE_KEY] = policy.caching.enable_prefix_caching
     settings: dict[str, Any] = {
         **plain_settings(policy, "trtllm"),
         "kv_cache_config": kv_cache_config,
@@ -161,7 +210,13 @@ def export(policy: Policy, facts: MemoryFacts) -> ExportResult:
             "cannot be scheduled (servetune's simulator rejects it); set "
             "batching.enable_chunked_prefill: true in the policy to chunk"
         )
+    if role is not None:
+        settings[TRANSCEIVER_KEY] = {"backend": TRANSCEIVER_BACKEND}
+        if role == "prefill":
+            settings[OVERLAP_KEY] = True
+        notes += _role_notes(role)
     unsupported = unsupported_settings(policy, "trtllm", INSTEAD)
 
     requires = requires_text(TITLE, SINCE, settings)
-    return yaml_result("trtllm", TITLE, USAGE, policy, settings, unsupported, notes, requires)
+    return yaml_result("trtllm", TITLE, USAGE, policy, settings, unsupported, notes, requires,
+                       role)

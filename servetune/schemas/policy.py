@@ -4,7 +4,9 @@ Defaults reproduce ``vllm serve`` on a GPU with >= 70 GiB that is not an A100
 (docs/engines.md 1.2-1.4): FCFS, 1024 sequences, 8192 batched tokens, no per-request chunk
 cap, chunked prefill as the engine does it (``enable_chunked_prefill: null``: on in vLLM,
 SGLang and TGI, off in ``trtllm-serve``; ``true`` or ``false`` asks every engine for it),
-full prompt reserved at admission, watermark 0, no queue caps, no long-request lanes.
+full prompt reserved at admission, watermark 0, no queue caps, no long-request lanes, prefix
+caching as the engine does it (``caching.enable_prefix_caching: null``: on in all four engines;
+``true`` or ``false`` asks every engine for it).
 
 Long-request lanes (``long_requests``) are servetune's extension. A request is *long*
 when its prompt plus expected output (its ``max_tokens`` when the request carries one,
@@ -85,8 +87,24 @@ class LongRequests(Strict):
         return self
 
 
+class Caching(Strict):
+    enable_prefix_caching: bool | None = Field(
+        None, description="reuse the KV blocks an earlier request computed for the same prompt "
+        "prefix; null = the engine's own default (on in vLLM, SGLang, trtllm-serve and TGI)"
+    )
+
+
 class ClassPolicy(Strict):
     priority: int = Field(0, description="lower value is served first (vLLM convention)")
+
+
+# The sections that hold knobs, in the order of Policy.knobs() (and of the knob table).
+SECTIONS: dict[str, type[Strict]] = {
+    "batching": Batching,
+    "admission": Admission,
+    "long_requests": LongRequests,
+    "caching": Caching,
+}
 
 
 class Policy(Document):
@@ -97,6 +115,7 @@ class Policy(Document):
     batching: Batching = Field(default_factory=Batching)
     admission: Admission = Field(default_factory=Admission)
     long_requests: LongRequests = Field(default_factory=LongRequests)
+    caching: Caching = Field(default_factory=Caching)
     classes: dict[str, ClassPolicy] = Field(
         default_factory=dict, description="per-class settings (priority), by class name"
     )
@@ -133,7 +152,7 @@ class Policy(Document):
     def knobs(self) -> dict[str, Any]:
         """The tunable settings as flat dotted paths (``batching.max_num_seqs`` ...)."""
         out: dict[str, Any] = {"scheduling": self.scheduling}
-        for section in ("batching", "admission", "long_requests"):
+        for section in SECTIONS:
             for key, value in getattr(self, section).model_dump().items():
                 out[f"{section}.{key}"] = value
         return out

@@ -16,13 +16,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from servetune.schemas.base import Document
-from servetune.schemas.policy import Admission, Batching, LongRequests, Policy
-
-_SECTIONS: dict[str, type] = {
-    "batching": Batching,
-    "admission": Admission,
-    "long_requests": LongRequests,
-}
+from servetune.schemas.policy import SECTIONS as _SECTIONS
+from servetune.schemas.policy import Policy
 
 
 def knob_paths() -> list[str]:
@@ -50,6 +45,8 @@ def _field_adapter(path: str) -> TypeAdapter:
         return TypeAdapter(Policy.model_fields["scheduling"].annotation)
     section, name = path.split(".")
     field = _SECTIONS[section].model_fields[name]
+    if not field.metadata:  # Annotated needs at least one annotation (a bare bool field)
+        return TypeAdapter(field.annotation)
     return TypeAdapter(Annotated[field.annotation, *field.metadata])
 
 
