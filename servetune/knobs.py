@@ -334,28 +334,15 @@ def value_for(path: str, policy: Policy, engine: str) -> Any:
     return BY_PATH[path].value_for(policy, engine)
 
 
-# Transitional: kernel parameters a row names that ``servetune.sim._kernel.Params`` does not
-# have yet (``prefix_caching`` comes with the prefix-caching kernel); their rows feed
-# nothing until then. A set here rather than a look at ``Params._fields``: the knob table
-# is core and may not import the simulator. tests/test_knobs.py checks that it is exactly
-# the missing parameters, so it fails once the kernel has one: delete the entry then.
-KERNEL_PENDING: frozenset[str] = frozenset({"prefix_caching"})
-
-
-def simulated() -> tuple[Knob, ...]:
-    """The rows whose ``sim_param`` the simulator kernel has (a field of
-    ``servetune.sim._kernel.Params``): all but those in :data:`KERNEL_PENDING`."""
-    return tuple(k for k in KNOBS if k.sim_param not in KERNEL_PENDING)
-
 
 def sim_values(policy: Policy, kv_blocks: int, engine: str = "vllm") -> dict[str, int | bool]:
     """The simulator kernel's parameters that ``policy``'s knobs set (fields of
-    ``servetune.sim._kernel.Params``, :func:`simulated`) on ``engine``, for a pool of
+    ``servetune.sim._kernel.Params``) on ``engine``, for a pool of
     ``kv_blocks`` blocks: fractions of the pool become blocks, an unset cap -1, a knob
     whose switch is off its default, and a knob left to the engine the engine's own
     default."""
     out: dict[str, int | bool] = {}
-    for k in simulated():
+    for k in KNOBS:
         value = k.value_for(policy, engine) if switched_on(k, policy) else k.default
         if value is None and k.engine_defaults is not None:
             value = k.engine_defaults[engine]
@@ -405,7 +392,6 @@ def not_expressible(engine: str) -> list[Knob]:
 
 __all__ = [
     "BY_PATH",
-    "KERNEL_PENDING",
     "KNOBS",
     "MODELED",
     "NOT_EXPRESSIBLE",
@@ -420,7 +406,6 @@ __all__ = [
     "not_expressible",
     "plain_names",
     "sim_values",
-    "simulated",
     "summary_text",
     "switched_on",
     "value_for",

@@ -22,6 +22,10 @@ def trace_of(rows: list[tuple], **columns: object) -> Trace:
 
 
 def policy(**sections: dict) -> Policy:
+    """A policy for the hand-worked cases, which work the rules without prefix caching
+    (a re-prefill recomputes everything) unless a case asks for it; the cache's own cases
+    are in test_prefix_cache.py."""
+    sections.setdefault("caching", {"enable_prefix_caching": False})
     return Policy(**sections)
 
 

@@ -148,29 +148,23 @@ def test_summary_text_names_the_summary_knobs():
     )
 
 
-def in_kernel(values: dict) -> dict:
-    """``values`` less the parameters the kernel does not have yet (``prefix_caching``
-    until the prefix-caching kernel is merged; knobs.KERNEL_PENDING)."""
-    return {k: v for k, v in values.items() if k not in knobs.KERNEL_PENDING}
-
-
 def test_sim_values():
-    assert knobs.sim_values(Policy(), 1000) == in_kernel({
+    assert knobs.sim_values(Policy(), 1000) == {
         "priority_scheduling": False, "max_seqs": 1024, "budget": 8192,
         "long_prefill_threshold": 0, "chunked_prefill": True, "watermark_blocks": 0,
         "reserve_full_prompt": True, "max_queued_requests": -1,
         "max_queued_prompt_tokens": -1, "lanes": False, "lane_reserved_seqs": 0,
         "lane_reserved_blocks": 0, "lane_max_seqs": 1024, "lane_max_blocks": 1000,
         "prefix_caching": True,
-    })
-    assert knobs.sim_values(policy_with(**OFF_DEFAULT), 1000) == in_kernel({
+    }
+    assert knobs.sim_values(policy_with(**OFF_DEFAULT), 1000) == {
         "priority_scheduling": True, "max_seqs": 64, "budget": 2048,
         "long_prefill_threshold": 512, "chunked_prefill": False, "watermark_blocks": 20,
         "reserve_full_prompt": False, "max_queued_requests": 256,
         "max_queued_prompt_tokens": 100_000, "lanes": True, "lane_reserved_seqs": 2,
         "lane_reserved_blocks": 100, "lane_max_seqs": 4, "lane_max_blocks": 500,
         "prefix_caching": False,
-    })
+    }
     # lane sizes without the switch are simulated at their defaults
     sizes_only = policy_with(long_requests={"reserved_seqs": 3, "max_kv_fraction": 0.5})
     values = knobs.sim_values(sizes_only, 1000)
@@ -192,7 +186,7 @@ def test_only_the_knob_table_feeds_the_simulator_from_a_policy():
 
     default, changed = packed(Policy()), packed(policy_with(**OFF_DEFAULT))
     moved = {f for f in default if default[f] != changed[f]}
-    assert moved == {k.sim_param for k in knobs.simulated()}
+    assert moved == {k.sim_param for k in KNOBS}
     assert {f: changed[f] for f in moved} == knobs.sim_values(policy_with(**OFF_DEFAULT), 1000)
 
 
@@ -403,18 +397,11 @@ def test_the_default_space_spans_what_the_issue_asks():
     assert (min(tokens), max(tokens)) == (256, 32768)
 
 
-def test_pending_kernel_parameters_are_exactly_the_missing_ones():
-    # knobs.KERNEL_PENDING lets a row name a parameter the kernel lacks: it must list
-    # exactly those (a misspelt name fails here; so does a stale entry once the kernel
-    # has the parameter: delete it from the set then).
+def test_every_knob_feeds_a_kernel_parameter():
     from servetune.sim._kernel import Params
 
-    assert knobs.KERNEL_PENDING == {k.sim_param for k in KNOBS} - set(Params._fields)
-    assert knobs.KERNEL_PENDING <= {"prefix_caching"}
-    assert [k.sim_param for k in knobs.simulated()] == [
-        k.sim_param for k in KNOBS if k.sim_param in Params._fields]
-    assert ("prefix_caching" in knobs.sim_values(Policy(), 1000)) == (
-        "prefix_caching" in Params._fields)
+    assert {k.sim_param for k in KNOBS} <= set(Params._fields)
+
 
 
 def test_prefix_caching_row_encodes_each_engines_default():

@@ -129,6 +129,22 @@ def test_fcfs_preempts_the_request_itself_when_it_is_the_last_admitted():
     assert out.preemptions.tolist() == [0, 1]
 
 
+def test_a_preempted_request_resumes_from_its_cached_blocks():
+    # The case above with prefix caching on (vLLM's default): B's first block (its 4
+    # prompt tokens) stays cached when B is preempted, so its re-prefill of 4 prompt + 1
+    # generated tokens computes only the last one.
+    tr = trace_of([(0, 4, 4), (0.5, 4, 3)], priority=np.array([1, 0], dtype=np.int32))
+    pol = policy(batching={"max_num_seqs": 4, "max_num_batched_tokens": 64},
+                 caching={"enable_prefix_caching": True})
+    out, log = both_modes(tr, pol, kv_blocks=3, block_size=4)
+    assert compact(log)[4:] == [
+        (4.0, [(1, 1)], [], [1], [], 2, 0, 1),
+        (5.0, [(1, 1)], [], [], [1], 2, 0, 1),
+    ]
+    assert log[4]["cached_tokens"] == [[1, 4]]
+    assert out.preemptions.tolist() == [0, 1]
+
+
 def test_no_admission_in_a_step_that_preempted():
     # C (1 block, high priority) arrives at 0.5. In step 1 B is preempted, which frees
     # a block C would fit in, but a step that preempted admits nothing: C waits a step.

@@ -148,7 +148,9 @@ from servetune.workloads.trace import Trace
 # 5: SGLang as PrefillAdder does it: a new request's own output counted in full and refused
 # on >= (plus a page), chunked prefills allocated per chunk, priority preemption and
 # priority retraction under priority scheduling.
-ENGINE_MODEL_VERSION = 5
+# 6: prefix caching, on by default as in every engine (a preempted request's re-prefill
+# finds its own blocks while they are cached; traces with prefix ids share blocks).
+ENGINE_MODEL_VERSION = 6
 ENGINES = ENGINE_NAMES  # in kernel-id order: ENGINES.index(name) is the kernel's E_* id
 
 # Why a request did not complete: the codes and texts live in the kernel, which records them.
@@ -296,7 +298,7 @@ def kernel_params(
     ratio_floor = ratio_init * SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
     coef, pieces = step_time.as_arrays(engine)
     values = knobs.sim_values(policy, total, engine)
-    caching = bool(values.pop("prefix_caching", False))
+    caching = bool(values.pop("prefix_caching"))
     if prefix_caching is not None:
         caching = bool(prefix_caching)
     return K.Params(

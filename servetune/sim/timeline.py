@@ -110,12 +110,13 @@ def chunk_of_records(step_log: Iterable[dict[str, Any]]) -> StepChunk:
     values: list[int] = []
     ends: list[int] = []
     for rec in recs:
+        cached = {int(rid): int(tokens) for rid, tokens in rec.get("cached_tokens", ())}
         for kind, key in ((EV_SHED, "shed"), (EV_PREEMPT, "preempted"), (EV_ADMIT, "admitted"),
                           (EV_FINISH, "finished")):
             for rid in rec.get(key, ()):
                 kinds.append(kind)
                 reqs.append(int(rid))
-                values.append(0)
+                values.append(cached.get(int(rid), 0) if kind == EV_ADMIT else 0)
         for rid, new_tokens in rec.get("scheduled", ()):
             kinds.append(EV_SCHED)
             reqs.append(int(rid))
