@@ -463,8 +463,11 @@ def main(argv: list[str] | None = None) -> int:
 
     py = None if args.skip_peer else peer_python()
     if not args.skip_peer and py is None:
-        print(f"cluster_speed: peer skipped: {PEER_VENV_PYTHON} not found and DYNAMO_PYTHON "
-              f"unset; install it with: {PEER_INSTALL}", file=sys.stderr)
+        where = (f"DYNAMO_PYTHON={os.environ['DYNAMO_PYTHON']} does not exist"
+                 if os.environ.get("DYNAMO_PYTHON")
+                 else f"{PEER_VENV_PYTHON} not found and DYNAMO_PYTHON unset")
+        print(f"cluster_speed: peer skipped: {where}; install it with: {PEER_INSTALL}",
+              file=sys.stderr)
     sources = args.trace or [make_mooncake_trace.SHARED_TRACE]
     for s in sources:
         if not s.exists():
