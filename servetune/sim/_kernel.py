@@ -501,17 +501,22 @@ def _hash(key):
 
 
 @jit
-def _slot_of(st, key):
+def _probe(table_key, table_slot, key):
     """The cache slot holding ``key`` (-1: none)."""
-    mask = st.table_key.shape[0] - 1
+    mask = table_key.shape[0] - 1
     i = _hash(key) & mask
     while True:
-        k = st.table_key[i]
+        k = table_key[i]
         if k == key:
-            return st.table_slot[i]
+            return table_slot[i]
         if k == EMPTY_KEY:
             return -1
         i = (i + 1) & mask
+
+
+@inline
+def _slot_of(st, key):
+    return _probe(st.table_key, st.table_slot, key)
 
 
 @jit
@@ -699,10 +704,10 @@ def _cache_release(p, rq, st, r):
 
 
 @entry
-def cached_prefix_blocks(p, st, ids, width, tokens):
-    """Leading blocks of a prompt of ``tokens`` tokens with prefix ids ``ids`` (of
-    ``width`` tokens each) that this engine's cache holds (a router's probe)."""
-    bs = p.block_size
+def cached_prefix_blocks(table_key, table_slot, bs, ids, width, tokens):
+    """Leading blocks of ``bs`` tokens of a prompt of ``tokens`` tokens with prefix ids
+    ``ids`` (of ``width`` tokens each) that an engine's cache (``State.table_key`` and
+    ``table_slot``) holds: a router's probe (only the table, so that a call is cheap)."""
     most = (tokens - 1) // bs
     keyed = ids.shape[0] * width
     k = 0
@@ -711,7 +716,7 @@ def cached_prefix_blocks(p, st, ids, width, tokens):
         if end > keyed:
             break
         m = (end - 1) // width
-        if _slot_of(st, ids[m] * width + (end - m * width)) < 0:
+        if _probe(table_key, table_slot, ids[m] * width + (end - m * width)) < 0:
             break
         k += 1
     return k

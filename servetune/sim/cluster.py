@@ -149,7 +149,25 @@ class _Replica:
             heap_id=(np.zeros(n, np.int64), np.zeros(n, np.int64)))
         self.log = E._new_step_log(False, len(self.state.running), reference)
         self.scalars = self.state.scalars[0]
+        # the scalars the loop reads and writes, as 1-element views (a record's field
+        # access costs microseconds, and the router reads them at every arrival)
+        holder = self.state.scalars
+        self._view = {name: (np.zeros(1) if reference else holder[name])
+                      for name in ("now", "known", "next_arrival", "n_running", "used",
+                                   "queued_prompt", "until")}
+        self.heap_size = self.state.heap_size
         self.rows: list[int] = []
+
+    def _get(self, name: str) -> Any:
+        if self.km is not K:  # reference mode: a namespace of scalars
+            return getattr(self.scalars, name)
+        return self._view[name][0]
+
+    def _set(self, name: str, value: Any) -> None:
+        if self.km is not K:
+            setattr(self.scalars, name, value)
+        else:
+            self._view[name][0] = value
 
     def append(self, row: int, arrival_s: float, ready_delay_s: float = 0.0) -> None:
         """Route trace row ``row`` here, arriving at ``arrival_s``."""
@@ -165,19 +183,18 @@ class _Replica:
         rq.prefix_ids[start:start + b - a] = full.prefix_ids[a:b]
         rq.prefix_start[m + 1] = start + b - a
         self.rows.append(row)
-        self.scalars.known = m + 1
+        self._set("known", m + 1)
 
     def idle(self) -> bool:
-        sc = self.scalars
-        return (sc.next_arrival >= sc.known and sc.n_running == 0
-                and self.state.heap_size[0] + self.state.heap_size[1] == 0)
+        return (self._get("next_arrival") >= self._get("known") and self._get("n_running") == 0
+                and self.heap_size[0] + self.heap_size[1] == 0)
 
     def advance(self, until: float) -> None:
         """Run the steps that start before ``until`` (all of them: ``inf``)."""
-        sc = self.scalars
-        if self.idle() or sc.now >= until:
+        if self._get("now") >= until or self.idle():
             return
-        sc.until = until
+        self._set("until", until)
+        sc = self.scalars
         while True:
             rc = self.km.run_kernel(self.params, self.rq, self.state, self.log, 1 << 40)
             if rc in (K.RC_DONE, K.RC_UNTIL):
@@ -192,19 +209,19 @@ class _Replica:
 
     # -- what a router reads (requests sent but not yet at a step boundary count) --------
     def load(self) -> int:
-        sc = self.scalars
-        return int(sc.n_running + self.state.heap_size[0] + self.state.heap_size[1]
-                   + sc.known - sc.next_arrival)
+        return int(self._get("n_running") + self.heap_size[0] + self.heap_size[1]
+                   + self._get("known") - self._get("next_arrival"))
 
     def kv_committed_blocks(self) -> float:
-        sc = self.scalars
-        sent = self.rq.prompt[sc.next_arrival:sc.known].sum()
-        return float(sc.used) + float(sc.queued_prompt + sent) / self.block_size
+        first, known = int(self._get("next_arrival")), int(self._get("known"))
+        sent = int(self.rq.prompt[first:known].sum()) if known > first else 0
+        return float(self._get("used")) + float(self._get("queued_prompt") + sent) / self.block_size
 
     def cached_blocks(self, ids: np.ndarray, width: int, tokens: int) -> int:
         if not self.params.prefix_caching or len(ids) == 0:
             return 0
-        return int(self.km.cached_prefix_blocks(self.params, self.state, ids, width, tokens))
+        return int(self.km.cached_prefix_blocks(self.state.table_key, self.state.table_slot,
+                                                self.block_size, ids, width, tokens))
 
     def output(self) -> E.EngineOutput:
         """This replica's engine output over its rows (in routing order)."""
