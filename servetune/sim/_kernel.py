@@ -254,6 +254,7 @@ class State(NamedTuple):
     # prefix_blocks[r] leading blocks of request r are held through slots (shared, counted
     # once), its other blocks privately; a hash table (open addressing) maps key -> slot
     prefix_blocks: np.ndarray  # int64 per request
+    hit_slots: np.ndarray  # int64 scratch: the slots of the cached blocks an admission found
     hit_tokens: np.ndarray  # int64 per request: tokens served from the cache at first admission
     table_key: np.ndarray  # int64[2^k], EMPTY_KEY where free
     table_slot: np.ndarray  # int64[2^k]
@@ -477,20 +478,22 @@ def _series_add(st, t0, t1, kv, waiting, running, cached):
 # (after a preemption).
 
 
-@jit
-def _block_key(p, rq, r, j):
-    """Block ``j`` of request ``r``: the key it is cached under."""
-    bs = p.block_size
-    width = p.prefix_block_tokens
-    a = rq.prefix_start[r]
-    keyed = (rq.prefix_start[r + 1] - a) * width
+@inline
+def _keyed_tokens(p, rq, r):
+    """Request ``r``'s leading tokens its prefix ids name (blocks within them share keys)."""
+    keyed = (rq.prefix_start[r + 1] - rq.prefix_start[r]) * p.prefix_block_tokens
     total = rq.prompt[r] + rq.output[r]
-    if total < keyed:
-        keyed = total
-    end = (j + 1) * bs
+    return total if total < keyed else keyed
+
+
+@inline
+def _block_key(p, rq, r, j, keyed):
+    """Block ``j`` of request ``r`` (``keyed``: :func:`_keyed_tokens`): its cache key."""
+    end = (j + 1) * p.block_size
     if end <= keyed:
+        width = p.prefix_block_tokens
         m = (end - 1) // width
-        return rq.prefix_ids[a + m] * width + (end - m * width)
+        return rq.prefix_ids[rq.prefix_start[r] + m] * width + (end - m * width)
     return -(r * UNIQUE_STRIDE + j) - 1
 
 
@@ -612,25 +615,27 @@ def _cache_hits(p, rq, st, r, target):
     most ``(target - 1) // block_size``: the last token is always computed), and how many
     of them are evictable (held by no request: taking them uses free blocks)."""
     most = (target - 1) // p.block_size
+    keyed = _keyed_tokens(p, rq, r)
     k = 0
     evictable = 0
     while k < most:
-        s = _slot_of(st, _block_key(p, rq, r, k))
+        s = _slot_of(st, _block_key(p, rq, r, k, keyed))
         if s < 0:
             break
         if st.slot_ref[s] == 0:
             evictable += 1
+        st.hit_slots[k] = s  # for _cache_take, which follows at once
         k += 1
     return k, evictable
 
 
 @jit
 def _cache_take(p, rq, st, r, k):
-    """Request ``r`` (holding nothing) takes its ``k`` cached leading blocks: they are
-    computed and held through their slots."""
+    """Request ``r`` (holding nothing) takes its ``k`` cached leading blocks, the slots
+    :func:`_cache_hits` just found: they are computed and held through their slots."""
     sc = st.scalars[0]
     for j in range(k):
-        s = _slot_of(st, _block_key(p, rq, r, j))
+        s = st.hit_slots[j]
         if st.slot_ref[s] == 0:
             _lru_remove(st, s)
             sc.cached_free -= 1
@@ -655,9 +660,10 @@ def _cache_register(p, rq, st, r):
     if st.computed[r] < full:
         full = st.computed[r]
     full = full // p.block_size
+    keyed = _keyed_tokens(p, rq, r)
     j = st.prefix_blocks[r]
     while j < full:
-        key = _block_key(p, rq, r, j)
+        key = _block_key(p, rq, r, j, keyed)
         s = _slot_of(st, key)
         if s < 0:
             _new_slot(st, key, 1)
@@ -683,9 +689,10 @@ def _cache_release(p, rq, st, r):
         full = st.held[r]
     freed = st.held[r] - full
     shared = st.prefix_blocks[r]
+    keyed = _keyed_tokens(p, rq, r)
     j = full - 1
     while j >= 0:
-        key = _block_key(p, rq, r, j)
+        key = _block_key(p, rq, r, j, keyed)
         if j < shared:
             s = _slot_of(st, key)
             st.slot_ref[s] -= 1
