@@ -193,6 +193,8 @@ from servetune.schemas.workload import (
 )
 from servetune.workloads import bootstrap
 from servetune.workloads.bootstrap import BLOCK_S
+from servetune.workloads.prefixes import assign_prefix_ids, fit_prefix_reuse
+from servetune.workloads.prefixes import summary as prefix_summary
 from servetune.workloads.stats import gap_cv
 from servetune.workloads.trace import Trace, from_arrays
 
@@ -361,7 +363,8 @@ def class_stats_json(workload: Workload) -> dict[str, Any]:
         "rate_per_s": workload.total_rate_per_s,
         "arrival_model": arrival_model(workload),
         "classes": classes,
-    }
+    } | ({} if workload.prefix_reuse is None else {
+        "prefix_reuse": prefix_summary(workload.prefix_reuse)})
 
 
 # ----------------------------------------------------------------------------- fitting
@@ -892,15 +895,16 @@ def fit_workload(
             )
         workload = Workload(name=name, source=source, duration_s=round(span, 6),
                             classes=classes)
-        if arrival_process not in ("auto", "bootstrap"):
-            return workload
-        boot = _block_bootstrap(trace, workload, class_index if len(classes) > 1 else None,
-                                rate_windows_s, float(block_s),
-                                force=arrival_process == "bootstrap")
-        if boot is None:
+        boot = None
+        if arrival_process in ("auto", "bootstrap"):
+            boot = _block_bootstrap(trace, workload, class_index if len(classes) > 1 else None,
+                                    rate_windows_s, float(block_s),
+                                    force=arrival_process == "bootstrap")
+        prefix = fit_prefix_reuse(trace)
+        if boot is None and prefix is None:
             return workload
         return Workload(name=name, source=source, duration_s=round(span, 6),
-                        classes=classes, block_bootstrap=boot)
+                        classes=classes, block_bootstrap=boot, prefix_reuse=prefix)
     except ValidationError as err:
         where = trace.source or "trace"
         raise ServetuneError(
@@ -1251,7 +1255,7 @@ def sample_trace(
             "sample a longer duration or more requests"
         )
     priorities = np.array([c.priority for c in workload.classes.values()], dtype=np.int32)
-    return from_arrays(
+    trace = from_arrays(
         arrival,
         prompt,
         output,
@@ -1260,6 +1264,14 @@ def sample_trace(
         priority=priorities[class_id],
         source=f"workload:{workload.name} seed={seed}",
     )
+    model = workload.prefix_reuse
+    if model is None:
+        return trace
+    offsets, ids = assign_prefix_ids(model, trace.arrival_s, trace.prompt_tokens,
+                                     trace.output_tokens, seed=seed, rate_scale=rate_scale,
+                                     cycle_s=workload.duration_s)
+    return dataclasses.replace(trace, prefix_offsets=offsets, prefix_block_ids=ids,
+                               prefix_block_tokens=model.block_tokens)
 
 
 def _sample_classes(
