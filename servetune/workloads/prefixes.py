@@ -14,22 +14,25 @@ Mooncake trace (numbers in :mod:`servetune.workloads.reuse`):
   a drawn growth (searched in windows around that target that widen 4x at a time, up to
   the growth's 1-99% range or a quarter of the prompt, whichever is wider), and among
   those the one whose drawn think time ends nearest its arrival;
-- which requests are later turns depends on their length (Mooncake: 1-8% of the
-  shortest 30% of prompts, 41-78% of the longer ones; continued documents are long),
-  so the shares are per band of prompt length (up to MAX_BANDS quantile bands of at least
-  BAND_MIN_REQUESTS requests), weighted by ids (what the reuse ratio counts);
+- which requests are later turns depends on their length (Mooncake: 1-4% of the
+  shortest 30% of prompts, up to 913 tokens, and 39-72% of the longer ones: continued
+  documents are long), so the shares are per band of prompt length (up to MAX_BANDS
+  quantile bands of at least BAND_MIN_REQUESTS requests), weighted by ids (what the
+  reuse ratio counts);
 - the sampler keeps each band on its share: a request becomes a later turn when the
   band's shortfall so far plus its own expected ids exceeds a uniform draw of its ids,
   and a later turn that finds no session leaves the shortfall to the next request of its
-  band (capped at DEBT_REQUESTS requests' worth). Independent draws instead put Mooncake
-  samples 1-4 points low (a few 100k-token prompts decide whether a sample hits);
+  band (capped at DEBT_REQUESTS requests' worth). Independent draws with request-count
+  shares instead put Mooncake samples 1.5-4.5 points low (a few 100k-token prompts
+  decide whether a sample hits);
 - a cap on turns per session drawn from the trace's turn counts cut the sampled share of
   later turns from 37% to 20% (87% of Mooncake's sessions have one turn, while its long
   documents take most later turns): turns follow from the shares instead;
 - a first turn takes a system prompt that leaves it an own-token count within the
   trace's 1-99% range, weighted by popularity: Mooncake's shared prefixes are documents
-  (median 61 blocks) with 127-2,469 own tokens after them, so the length picks the prompt;
-  with short instruction prompts the range admits them all and the popularity picks;
+  (median 61 blocks) with 208-2,469 own tokens after them (1-99%), so the length picks
+  the prompt; with short instruction prompts the range admits them all and the
+  popularity picks;
 - the system prompts are those of the trace's span, with the popularity it showed there:
   a sample longer than the span makes them anew (new ids) for each span-long cycle.
   Kept for good, they would be hit ever more often (a Mooncake sample of 3 spans: 67%

@@ -40,7 +40,8 @@ requests, 121,877 references, ids cover the prompt) shows, with these definition
   share of requests that continue a session rises with the prompt length;
 - 443 first turns (17.6%) start with one of 143 system prompts, runs of 1-115 blocks
   (median 61: a shared document rather than an instruction header) used by 2-10
-  sessions each; after it a first turn has 127-2,469 own prompt tokens (1-99%). They
+  sessions each (two by one: runs nested in a longer one); after it a first turn has
+  208-2,469 own prompt tokens (1-99%). They
   make the other 13.9 points; modelled as independent prompts (no nesting), they would
   make 13.6.
 """
