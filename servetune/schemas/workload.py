@@ -65,25 +65,28 @@ own fields stay: the optimizer's models read them. While the section is there, a
 comes from it alone (a rate scale still compresses its times): to sample edited class
 rates or lengths, remove it.
 
-Optional ``prefix_reuse`` (workload level, written by ``servetune workload fit`` when the
-trace has prefix block ids: Mooncake ``hash_ids`` or a session column): how requests
-share prompt prefixes, so a sample carries chain-hash block ids (``Trace.prefix_block_ids``:
-block ``m`` names a request's first ``(m + 1) * block_tokens`` tokens) whose reuse is the
-trace's. It adds ids to the requests the classes (or the bootstrap) make and changes
-none of their arrivals or lengths. Requests fall into bands of prompt length
-(``prompt_band_edges``); per band, ``sessions.continue_share`` of the ids belong to
-requests that are a later turn of a session, and ``system_prompts.share`` of the other
-requests (first turns) start with a shared system prompt. A later turn continues an open
-session whose context (its last turn's covered tokens) its prompt extends by a growth
-drawn from ``sessions.growth_tokens`` (the nearest such session; the widening search is
-in :mod:`servetune.workloads.prefixes`), choosing among those the one whose think time,
-drawn from ``sessions.think_time_s`` after its last turn, ends nearest the arrival; it
-shares the session's blocks up to its own prompt. A session idle longer than the longest
-think time ends. A first turn with a system prompt takes one of ``system_prompts.tokens``
-(weights ``system_prompts.sessions``) that leaves it ``system_prompts.own_tokens`` prompt
-tokens (between their 1% and 99% quantiles) and shares its blocks with every other user
-of that prompt. Everything else gets new ids. Turns per session follow from the shares
-and the matching (there is no separate cap).
+Optional ``prefix_reuse`` (workload level, written by ``servetune workload fit`` when
+the trace has prefix block ids: Mooncake ``hash_ids`` or a session column): how requests
+share prompt prefixes, so a sample carries chain-hash block ids
+(``Trace.prefix_block_ids``: block ``m`` names a request's first ``(m + 1) *
+block_tokens`` tokens) whose reuse is the trace's. It adds ids to the requests the
+classes (or the bootstrap) make and changes none of their arrivals or lengths. Requests
+fall into bands of prompt length (``prompt_band_edges``); per band,
+``sessions.continue_share`` of the ids belong to requests that are a later turn of a
+session, and ``system_prompts.share`` of the other requests (first turns) start with a
+shared system prompt. A later turn continues an open session whose context (its last
+turn's covered tokens) its prompt extends by a growth drawn from
+``sessions.growth_tokens`` (contexts near that target, in windows that widen until one
+holds a session: :mod:`servetune.workloads.prefixes`), choosing among those the one
+whose think time, drawn from ``sessions.think_time_s`` after its last turn, ends nearest
+the arrival; it shares the session's blocks up to its own prompt. A session idle longer
+than the longest think time ends. A first turn with a system prompt takes one of
+``system_prompts.tokens`` (weights ``system_prompts.sessions``) that leaves it
+``system_prompts.own_tokens`` prompt tokens (between their 1% and 99% quantiles) and
+shares its blocks with every other user of that prompt (new ids for each prompt in each
+``duration_s``-long cycle of a longer sample, as a longer trace would show new prompts).
+Everything else gets new ids. Turns per session follow from the shares and the matching
+(there is no separate cap).
 """
 
 from __future__ import annotations

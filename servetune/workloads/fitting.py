@@ -135,6 +135,10 @@ by prompt-length quantile bands). Per class:
   (200,000) requests, every k-th stratum is kept (the smallest k that fits: a systematic
   sample of whole blocks evenly over the trace, so a day cycles through a shorter day),
   its times scaled by one factor so it arrives at the whole trace's mean rate.
+- prefix reuse (``Workload.prefix_reuse``, when the trace has prefix block ids: Mooncake
+  hashes or a session column): sessions and shared system prompts, fitted over all
+  classes (:mod:`servetune.workloads.prefixes`, statistics in
+  :mod:`servetune.workloads.reuse`).
 
 Sampling (``sample_trace``): each class is an independent stream, generated in fixed
 chunks of ``CHUNK`` requests from its own seeded generators: unit-mean exponential,
@@ -160,7 +164,9 @@ cycle c (``span_s`` seconds) lays out the strata in order, each stratum's blocks
 order drawn from a generator seeded by (seed, c), each block taking its own length with
 its requests at their offsets and keeping their class and lengths; ``rate_scale`` s
 divides the times by s. Cycles do not depend on how many are drawn: the prefix property
-holds.
+holds. With a ``prefix_reuse`` section the merged requests then get block ids, in arrival
+order from a generator of their own (:func:`servetune.workloads.prefixes.assign_prefix_ids`):
+arrivals and lengths stay as drawn, and the prefix property holds for the ids too.
 """
 
 from __future__ import annotations
