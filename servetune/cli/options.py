@@ -31,7 +31,7 @@ TRACE_FORMAT_HELP = (
 )
 COLUMNS_HELP = (
     "Column mapping for csv/jsonl: arrival=COL,prompt=COL,output=COL"
-    "[,class=COL,priority=COL,max_tokens=COL]."
+    "[,class=COL,priority=COL,max_tokens=COL,session=COL]."
 )
 ARRIVAL_UNIT_HELP = (
     "Unit of the mapped arrival column: s, ms, us, ns or datetime "

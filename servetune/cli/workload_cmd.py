@@ -111,6 +111,7 @@ def register(app: typer.Typer) -> None:
         """Fit a Workload to a trace: classes, arrival process, length distributions."""
         # lazy: as in class_table
         from servetune.workloads.fitting import arrival_model, fit_workload, save_workload
+        from servetune.workloads.prefixes import describe as describe_prefix_reuse
 
         if split_by not in SPLITS:
             raise ServetuneError(
@@ -146,6 +147,8 @@ def register(app: typer.Typer) -> None:
         if not quiet:
             Console(stderr=True).print(class_table(workload, f"wrote {output}"))
             Console(stderr=True).print(f"arrivals: {arrival_model(workload)}")
+            if workload.prefix_reuse is not None:
+                Console(stderr=True).print(describe_prefix_reuse(workload.prefix_reuse))
 
     @group.command(
         "show",
@@ -179,6 +182,10 @@ def register(app: typer.Typer) -> None:
                 print_json(json.dumps(class_stats_json(workload)) + "\n")
             else:
                 console.print(class_table(workload, f"{workload.name} ({path})"))
+                if workload.prefix_reuse is not None:
+                    from servetune.workloads.prefixes import describe
+
+                    console.print(describe(workload.prefix_reuse))
             return
         if sample < 1:
             raise ServetuneError(f"--sample must be >= 1 (got {sample})")

@@ -64,6 +64,29 @@ offsets, and repeats that with a new order per cycle of ``span_s`` seconds. The 
 own fields stay: the optimizer's models read them. While the section is there, a sample
 comes from it alone (a rate scale still compresses its times): to sample edited class
 rates or lengths, remove it.
+
+Optional ``prefix_reuse`` (workload level, written by ``servetune workload fit`` when
+the trace has prefix block ids: Mooncake ``hash_ids`` or a session column): how requests
+share prompt prefixes, so a sample carries chain-hash block ids
+(``Trace.prefix_block_ids``: block ``m`` names a request's first ``(m + 1) *
+block_tokens`` tokens) whose reuse is the trace's. It adds ids to the requests the
+classes (or the bootstrap) make and changes none of their arrivals or lengths. Requests
+fall into bands of prompt length (``prompt_band_edges``); per band,
+``sessions.continue_share`` of the ids belong to requests that are a later turn of a
+session, and ``system_prompts.share`` of the other requests (first turns) start with a
+shared system prompt. A later turn continues an open session whose context (its last
+turn's covered tokens) its prompt extends by a growth drawn from
+``sessions.growth_tokens`` (contexts near that target, in windows that widen until one
+holds a session: :mod:`servetune.workloads.prefixes`), choosing among those the one
+whose think time, drawn from ``sessions.think_time_s`` after its last turn, ends nearest
+the arrival; it shares the session's blocks up to its own prompt. A session idle longer
+than the longest think time ends. A first turn with a system prompt takes one of
+``system_prompts.tokens`` (weights ``system_prompts.sessions``) that leaves it
+``system_prompts.own_tokens`` prompt tokens (between their 1% and 99% quantiles) and
+shares its blocks with every other user of that prompt (new ids for each prompt in each
+``duration_s``-long cycle of a longer sample, as a longer trace would show new prompts).
+Everything else gets new ids. Turns per session follow from the shares and the matching
+(there is no separate cap).
 """
 
 from __future__ import annotations
@@ -572,6 +595,130 @@ class BlockBootstrap(Strict):
         return length
 
 
+class SignedKnots(QuantileKnots):
+    """Quantile knots of a quantity that may be negative (a change in tokens)."""
+
+
+class NonNegativeKnots(QuantileKnots):
+    """Quantile knots of a quantity >= 0 (seconds, tokens)."""
+
+    @classmethod
+    def _check_range(cls, v: list[float]) -> None:
+        if v[0] < 0:
+            raise ValueError(f"values must be >= 0 (got {v[0]})")
+
+
+def _shares(v: list[float]) -> list[float]:
+    bad = _first(~((np.asarray(v, dtype=np.float64) >= 0) & (np.asarray(v) <= 1)))
+    if bad is not None:
+        raise ValueError(f"entry {bad} is {v[bad]}; a share must be from 0 to 1")
+    return v
+
+
+class PrefixSessions(Strict):
+    """Sessions: later turns that extend an earlier turn's context."""
+
+    continue_share: list[float] = Field(
+        min_length=1, description="per prompt band: share of the band's block ids that belong "
+        "to requests continuing a session (0..1)")
+    think_time_s: NonNegativeKnots = Field(
+        description="seconds from a session's turn to its next turn's arrival (quantile knots)")
+    growth_tokens: SignedKnots = Field(
+        description="a later turn's prompt tokens minus its previous turn's covered tokens "
+        "(quantile knots; the new user text, or the change in prompt length when ids cover "
+        "the prompt only)")
+
+    @field_validator("continue_share")
+    @classmethod
+    def _in_unit(cls, v: list[float]) -> list[float]:
+        return _shares(v)
+
+
+class SystemPrompts(Strict):
+    """Shared system prompts: leading blocks that first turns of different sessions share."""
+
+    share: list[float] = Field(
+        min_length=1, description="per prompt band: share of first turns that start with a "
+        "system prompt (0..1)")
+    own_tokens: NonNegativeKnots = Field(
+        description="a first turn's prompt tokens after its system prompt (quantile knots)")
+    tokens: list[int] = Field(
+        min_length=1, description="each distinct system prompt's length in tokens, a positive "
+        "multiple of block_tokens")
+    sessions: list[int] = Field(
+        min_length=1, description="each system prompt's popularity: the fitted trace's sessions "
+        "that started with it (sampling weights, >= 1)")
+
+    @field_validator("share")
+    @classmethod
+    def _in_unit(cls, v: list[float]) -> list[float]:
+        return _shares(v)
+
+    @model_validator(mode="after")
+    def _paired(self) -> SystemPrompts:
+        if len(self.tokens) != len(self.sessions):
+            raise ValueError(
+                f"tokens has {len(self.tokens)} entries but sessions has {len(self.sessions)}; "
+                "give one popularity per system prompt")
+        bad = _first(np.asarray(self.sessions) < 1)
+        if bad is not None:
+            raise ValueError(f"sessions[{bad}] is {self.sessions[bad]}; popularity must be >= 1")
+        return self
+
+
+class PrefixReuse(Strict):
+    """How requests share prompt prefixes (see the module docstring)."""
+
+    block_tokens: int = Field(
+        512, ge=1, le=1 << 20, description="tokens per prefix block id (512 in Mooncake traces)")
+    covers_output: bool = Field(
+        False, description="ids cover the prompt and the output (a session's next turn "
+        "re-sends both), not the prompt only")
+    prompt_band_edges: list[float] = Field(
+        default_factory=list, description="upper prompt-token edges of the bands but the last, "
+        "strictly increasing: band b holds prompts with edges[b-1] < tokens <= edges[b]")
+    sessions: PrefixSessions | None = Field(
+        None, description="later turns of sessions; absent: no request continues another")
+    system_prompts: SystemPrompts | None = Field(
+        None, description="shared system prompts; absent: first turns share nothing")
+    trace_reuse_ratio: float | None = Field(
+        None, ge=0, le=1, description="for reference: the fitted trace's share of block "
+        "references that repeat an earlier id")
+
+    @field_validator("prompt_band_edges")
+    @classmethod
+    def _edges(cls, e: list[float]) -> list[float]:
+        a = np.asarray(e, dtype=np.float64)
+        if not np.all(np.isfinite(a)) or np.any(np.diff(a) <= 0):
+            raise ValueError("prompt_band_edges must be finite and strictly increasing")
+        return e
+
+    @model_validator(mode="after")
+    def _bands(self) -> PrefixReuse:
+        k = len(self.prompt_band_edges) + 1
+        for what, shares in (
+            ("sessions.continue_share", self.sessions and self.sessions.continue_share),
+            ("system_prompts.share", self.system_prompts and self.system_prompts.share),
+        ):
+            if shares and len(shares) != k:
+                raise ValueError(
+                    f"{what} has {len(shares)} entries but prompt_band_edges makes {k} "
+                    "bands; give one share per band")
+        if self.system_prompts is not None:
+            t = np.asarray(self.system_prompts.tokens)
+            bad = _first((t < self.block_tokens) | (t % self.block_tokens != 0))
+            if bad is not None:
+                raise ValueError(
+                    f"system_prompts.tokens[{bad}] is {int(t[bad])}; a system prompt is a "
+                    f"whole number of blocks of block_tokens {self.block_tokens}")
+        return self
+
+    def band(self, prompt_tokens: np.ndarray) -> np.ndarray:
+        """Each prompt's band index."""
+        return np.searchsorted(np.asarray(self.prompt_band_edges, dtype=np.float64),
+                               prompt_tokens, side="left")
+
+
 def _first(bad: np.ndarray) -> int | None:
     """The index of the first True, or None."""
     idx = np.flatnonzero(bad)
@@ -590,6 +737,9 @@ class Workload(Document):
     block_bootstrap: BlockBootstrap | None = Field(
         None, description="optional: the fitted trace's requests in time blocks; a sample "
         "resamples them (blocks permuted within strata) instead of drawing from the classes")
+    prefix_reuse: PrefixReuse | None = Field(
+        None, description="optional: sessions and shared system prompts; a sample then "
+        "carries prefix block ids that reuse prompts as the fitted trace did")
 
     @field_validator("duration_s")
     @classmethod

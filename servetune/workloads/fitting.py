@@ -135,6 +135,10 @@ by prompt-length quantile bands). Per class:
   (200,000) requests, every k-th stratum is kept (the smallest k that fits: a systematic
   sample of whole blocks evenly over the trace, so a day cycles through a shorter day),
   its times scaled by one factor so it arrives at the whole trace's mean rate.
+- prefix reuse (``Workload.prefix_reuse``, when the trace has prefix block ids: Mooncake
+  hashes or a session column): sessions and shared system prompts, fitted over all
+  classes (:mod:`servetune.workloads.prefixes`, statistics in
+  :mod:`servetune.workloads.reuse`).
 
 Sampling (``sample_trace``): each class is an independent stream, generated in fixed
 chunks of ``CHUNK`` requests from its own seeded generators: unit-mean exponential,
@@ -160,7 +164,9 @@ cycle c (``span_s`` seconds) lays out the strata in order, each stratum's blocks
 order drawn from a generator seeded by (seed, c), each block taking its own length with
 its requests at their offsets and keeping their class and lengths; ``rate_scale`` s
 divides the times by s. Cycles do not depend on how many are drawn: the prefix property
-holds.
+holds. With a ``prefix_reuse`` section the merged requests then get block ids, in arrival
+order from a generator of their own (:func:`servetune.workloads.prefixes.assign_prefix_ids`):
+arrivals and lengths stay as drawn, and the prefix property holds for the ids too.
 """
 
 from __future__ import annotations
@@ -193,6 +199,8 @@ from servetune.schemas.workload import (
 )
 from servetune.workloads import bootstrap
 from servetune.workloads.bootstrap import BLOCK_S
+from servetune.workloads.prefixes import assign_prefix_ids, fit_prefix_reuse
+from servetune.workloads.prefixes import summary as prefix_summary
 from servetune.workloads.stats import gap_cv
 from servetune.workloads.trace import Trace, from_arrays
 
@@ -361,7 +369,8 @@ def class_stats_json(workload: Workload) -> dict[str, Any]:
         "rate_per_s": workload.total_rate_per_s,
         "arrival_model": arrival_model(workload),
         "classes": classes,
-    }
+    } | ({} if workload.prefix_reuse is None else {
+        "prefix_reuse": prefix_summary(workload.prefix_reuse)})
 
 
 # ----------------------------------------------------------------------------- fitting
@@ -892,15 +901,16 @@ def fit_workload(
             )
         workload = Workload(name=name, source=source, duration_s=round(span, 6),
                             classes=classes)
-        if arrival_process not in ("auto", "bootstrap"):
-            return workload
-        boot = _block_bootstrap(trace, workload, class_index if len(classes) > 1 else None,
-                                rate_windows_s, float(block_s),
-                                force=arrival_process == "bootstrap")
-        if boot is None:
+        boot = None
+        if arrival_process in ("auto", "bootstrap"):
+            boot = _block_bootstrap(trace, workload, class_index if len(classes) > 1 else None,
+                                    rate_windows_s, float(block_s),
+                                    force=arrival_process == "bootstrap")
+        prefix = fit_prefix_reuse(trace)
+        if boot is None and prefix is None:
             return workload
         return Workload(name=name, source=source, duration_s=round(span, 6),
-                        classes=classes, block_bootstrap=boot)
+                        classes=classes, block_bootstrap=boot, prefix_reuse=prefix)
     except ValidationError as err:
         where = trace.source or "trace"
         raise ServetuneError(
@@ -1251,7 +1261,7 @@ def sample_trace(
             "sample a longer duration or more requests"
         )
     priorities = np.array([c.priority for c in workload.classes.values()], dtype=np.int32)
-    return from_arrays(
+    trace = from_arrays(
         arrival,
         prompt,
         output,
@@ -1260,6 +1270,14 @@ def sample_trace(
         priority=priorities[class_id],
         source=f"workload:{workload.name} seed={seed}",
     )
+    model = workload.prefix_reuse
+    if model is None:
+        return trace
+    offsets, ids = assign_prefix_ids(model, trace.arrival_s, trace.prompt_tokens,
+                                     trace.output_tokens, seed=seed, rate_scale=rate_scale,
+                                     cycle_s=workload.duration_s)
+    return dataclasses.replace(trace, prefix_offsets=offsets, prefix_block_ids=ids,
+                               prefix_block_tokens=model.block_tokens)
 
 
 def _sample_classes(

@@ -14,9 +14,12 @@ HPMLL/BurstGPT, kvcache-ai/Mooncake and vLLM's benchmark client):
   ``output_lens``, ``errors``; arrivals from ``start_times`` when saved, else evenly
   spaced at the run's rate (with a notice). Failed requests are dropped and counted;
 - ``csv`` / ``jsonl``: any CSV with a header or JSON Lines file, with a column mapping
-  ``arrival=..,prompt=..,output=..[,class=..,priority=..,max_tokens=..]`` and an arrival
-  unit (``s``, ``ms``, ``us``, ``ns`` or ``datetime``; by default seconds when the first
-  value is a number, else date-time text).
+  ``arrival=..,prompt=..,output=..[,class=..,priority=..,max_tokens=..,session=..]`` and an
+  arrival unit (``s``, ``ms``, ``us``, ``ns`` or ``datetime``; by default seconds when the
+  first value is a number, else date-time text). A ``session`` column (any non-empty text
+  or integer naming a conversation) makes prefix block ids: a session's rows in arrival
+  order are turns, each prompt extending the previous turn's prompt and output (the rule
+  and its 16-token blocks: :mod:`servetune.workloads.sessions`).
 
 Any file may be gzip-compressed (detected from its magic bytes). The format is detected
 from the header or first record unless given. CSV is parsed in fixed-size byte chunks with
@@ -45,10 +48,11 @@ import numpy.typing as npt
 
 from servetune.errors import ServetuneError
 from servetune.io import open_binary
+from servetune.workloads.sessions import SESSION_BLOCK_TOKENS, session_prefix_ids
 from servetune.workloads.trace import Trace, from_arrays
 
 FORMATS = ("azure", "burstgpt", "mooncake", "vllm-bench", "csv", "jsonl")
-ROLES = ("arrival", "prompt", "output", "class", "priority", "max_tokens")
+ROLES = ("arrival", "prompt", "output", "class", "priority", "max_tokens", "session")
 REQUIRED_ROLES = ("arrival", "prompt", "output")
 ARRIVAL_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 CHUNK_BYTES = 4 << 20
@@ -234,7 +238,9 @@ class _Rows:
     max_tokens: _Column = _column(np.int64)
     prefix_lengths: _Column = _column(np.int64)
     prefix_ids: _Column = _column(np.int64)
+    session: _Column = _column(np.int64)
     class_index: dict[str, int] = field(default_factory=dict)
+    session_index: dict[str, int] = field(default_factory=dict)
     skipped: int = 0
     first_skipped: str = ""
     blank: int = 0
@@ -275,6 +281,12 @@ class _Rows:
             dtype=np.int32,
         )
 
+    def session_codes_for(self, labels: list[str]) -> np.ndarray:
+        return np.array(
+            [self.session_index.setdefault(lbl, len(self.session_index)) for lbl in labels],
+            dtype=np.int64,
+        )
+
     def build(self, source_name: str) -> Trace:
         notices = list(self.notices)
         if self.blank:
@@ -308,7 +320,11 @@ class _Rows:
             optional["priority"] = self.priority.result()
         if self.max_tokens:
             optional["max_tokens"] = self.max_tokens.result()
-        if self.prefix_lengths:
+        if self.session:
+            offsets, ids = session_prefix_ids(self.session.result(), arrival, prompt, output)
+            optional.update(prefix_offsets=offsets, prefix_block_ids=ids,
+                            prefix_block_tokens=SESSION_BLOCK_TOKENS)
+        elif self.prefix_lengths:
             lengths = self.prefix_lengths.result()
             offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
             np.cumsum(lengths, out=offsets[1:])
@@ -610,6 +626,11 @@ def _load_csv(
                 ok &= (prio == np.floor(prio)) & (np.abs(prio) <= 2**31 - 1)
             check(ok, "priority", raw, "an integer priority")
         labels = parsed.fields[index["class"]] if "class" in index else None
+        sessions = None
+        if "session" in index:
+            raw = parsed.fields[index["session"]]
+            sessions = np.char.strip(raw)
+            check(sessions != b"", "session", raw, "a session id (text or a number), not empty")
 
         if problems:
             # report the first bad row of the chunk in file order
@@ -641,6 +662,11 @@ def _load_csv(
                 [bytes(u).decode("utf-8", errors="replace").strip() or "(empty)" for u in uniq]
             )
             rows.class_id.append(ids[inverse])
+        if sessions is not None:
+            uniq, inverse = np.unique(sessions[keep], return_inverse=True)
+            codes = rows.session_codes_for(
+                [bytes(u).decode("utf-8", errors="replace") for u in uniq])
+            rows.session.append(codes[inverse])
 
 
 # ----------------------------------------------------------------------------- JSON Lines
@@ -653,6 +679,16 @@ def _json_whole(value: Any, low: int) -> int | None:
         return value if low <= value <= MAX_TOKENS else None
     if isinstance(value, float) and math.isfinite(value) and value == int(value):
         return int(value) if low <= value <= MAX_TOKENS else None
+    return None
+
+
+def _json_session(value: Any) -> str | None:
+    """A session id as text: a non-empty string (stripped) or an integer (7 and "7" are
+    one session); None for anything else."""
+    if isinstance(value, str):
+        return value.strip() or None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
     return None
 
 
@@ -697,6 +733,7 @@ def _load_jsonl(
         max_tokens: list[int] = []
         prefix_len: list[int] = []
         prefix_ids: list[int] = []
+        sessions: list[str] = []
         for line in chunk.split(b"\n")[:-1]:
             line_no += 1
             text = line.strip()
@@ -746,6 +783,13 @@ def _load_jsonl(
                     rows.bad(line_no, f"{keys['max_tokens']}: expected a whole number >= 1, "
                              f"got {_shown(record[keys['max_tokens']])}")
                     extra_ok = False
+            session = None
+            if extra_ok and "session" in keys:
+                session = _json_session(record[keys["session"]])
+                if session is None:
+                    rows.bad(line_no, f"{keys['session']}: expected a session id (text or an "
+                             f"integer), not empty, got {_shown(record[keys['session']])}")
+                    extra_ok = False
             ids: list[int] = []
             if extra_ok and prefix_key is not None and prefix_key in record:
                 raw_ids = record[prefix_key]
@@ -774,6 +818,8 @@ def _load_jsonl(
                 prio.append(pr)
             if mt is not None:
                 max_tokens.append(mt)
+            if session is not None:
+                sessions.append(session)
             if prefix_key is not None:
                 prefix_len.append(len(ids))
                 prefix_ids.extend(ids)
@@ -788,6 +834,8 @@ def _load_jsonl(
             rows.priority.append(np.array(prio, dtype=np.int32))
         if "max_tokens" in keys:
             rows.max_tokens.append(np.array(max_tokens, dtype=np.int64))
+        if "session" in keys:
+            rows.session.append(rows.session_codes_for(sessions))
         if prefix_key is not None:
             rows.prefix_lengths.append(np.array(prefix_len, dtype=np.int64))
             rows.prefix_ids.append(np.array(prefix_ids, dtype=np.int64))

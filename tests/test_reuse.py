@@ -1,0 +1,295 @@
+"""Prefix reuse: statistics from chain-hash block ids (hand-worked and on the Mooncake
+trace), the fitted prefix_reuse model, and the ids a sampled trace gets from it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import shared_file, workload_from_yaml_text
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from servetune.errors import ServetuneError
+from servetune.schemas.workload import PrefixReuse
+from servetune.workloads.fitting import fit_workload, sample_trace, workload_to_yaml
+from servetune.workloads.formats import load_trace
+from servetune.workloads.prefixes import assign_prefix_ids, fit_prefix_reuse
+from servetune.workloads.reuse import reuse_stats
+from servetune.workloads.trace import Trace
+
+
+def ids_of(trace: Trace) -> list[list[int]]:
+    o, f = trace.prefix_offsets, trace.prefix_block_ids
+    assert o is not None and f is not None
+    return [f[o[i]:o[i + 1]].tolist() for i in range(len(trace))]
+
+
+def trace_with_ids(rows: list[tuple[float, int, int, list[int]]], block_tokens: int) -> Trace:
+    lengths = [len(r[3]) for r in rows]
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return Trace(
+        arrival_s=np.array([r[0] for r in rows], dtype=np.float64),
+        prompt_tokens=np.array([r[1] for r in rows], dtype=np.int64),
+        output_tokens=np.array([r[2] for r in rows], dtype=np.int64),
+        prefix_offsets=offsets,
+        prefix_block_ids=np.array([h for r in rows for h in r[3]], dtype=np.int64),
+        prefix_block_tokens=block_tokens,
+    )
+
+
+# ------------------------------------------------------------------ statistics, by hand
+
+# Blocks of 4 tokens, ids over the prompt. Session A: r0 (10 tokens: blocks 1, 2 and a
+# partial 3), r2 re-sends r0's full blocks and grows by 3 tokens (13: 1, 2, 4, 5), r4
+# repeats r2. r1 and r3 start sessions of their own that share a 2-block system prompt
+# (10, 11): r3 shares 2 of r1's 4 blocks, fewer than all but its last, so it is no
+# continuation of r1.
+HAND = [
+    (0.0, 10, 1, [1, 2, 3]),
+    (1.0, 16, 1, [10, 11, 12, 13]),
+    (5.0, 13, 1, [1, 2, 4, 5]),
+    (6.0, 12, 1, [10, 11, 20]),
+    (12.0, 13, 1, [1, 2, 4, 5]),
+]
+
+
+def test_hand_worked_sessions_and_system_prompt():
+    s = reuse_stats(trace_with_ids(HAND, 4))
+    assert (s.references, s.repeated) == (18, 8)  # r2: 1, 2; r3: 10, 11; r4: all 4
+    assert s.reuse_ratio == pytest.approx(8 / 18)
+    assert not s.covers_output
+    assert s.lead_blocks.tolist() == [0, 0, 2, 2, 4]
+    assert s.parent.tolist() == [-1, -1, 0, -1, 2]
+    assert s.session.tolist() == [0, 1, 0, 2, 0]
+    assert s.turns_per_session().tolist() == [3, 1, 1]
+    assert s.think_time_s().tolist() == [5.0, 7.0]
+    assert s.growth_tokens().tolist() == [3, 0]  # 13 - 10, 13 - 13
+    assert s.system_prompt.tolist() == [-1, 0, -1, 0, -1]
+    assert s.system_prompt_blocks.tolist() == [2]
+    assert s.system_prompt_sessions.tolist() == [2]
+    assert s.own_tokens().tolist() == [8, 4]  # 16 - 8, 12 - 8
+    summary = s.summary()
+    assert summary["sessions"] == 3 and summary["system_prompts"] == 1
+    assert summary["continuing_share"] == pytest.approx(2 / 5)
+
+
+def test_ids_over_prompt_and_output_are_detected():
+    # 4-token blocks over prompt + output: ceil((6 + 3) / 4) = 3 ids, more than the
+    # prompt's 2; the next turn (prompt 9 = 6 + 3) shares the 2 full blocks
+    rows = [(0.0, 6, 3, [0, 1, 2]), (2.0, 9, 2, [0, 1, 3])]
+    s = reuse_stats(trace_with_ids(rows, 4))
+    assert s.covers_output
+    assert s.parent.tolist() == [-1, 0]
+    assert s.growth_tokens().tolist() == [0]  # 9 - (6 + 3): no new user text
+
+
+def test_repeats_inside_one_request_count():
+    s = reuse_stats(trace_with_ids([(0.0, 12, 1, [7, 7, 8])], 4))
+    assert (s.references, s.repeated) == (3, 1)
+
+
+def test_a_trace_without_ids_is_an_error():
+    trace = Trace(arrival_s=np.array([0.0]), prompt_tokens=np.array([5]),
+                  output_tokens=np.array([1]), source="t.csv")
+    with pytest.raises(ServetuneError, match="t.csv: has no prefix block ids"):
+        reuse_stats(trace)
+    assert fit_prefix_reuse(trace) is None
+
+
+# ------------------------------------------------------------------ sampling, by hand
+
+def _knots(lo: float, hi: float) -> dict:
+    return {"quantiles": [0.0, 1.0], "values": [lo, hi]}
+
+
+def test_hand_worked_sampled_session():
+    # every request is a later turn when a session fits (share 1); prompts of 64 tokens
+    # extend a 64-token context by growth 0: the 2nd and 3rd re-send the 1st's 4 blocks;
+    # a 200-token prompt finds no context within a quarter of its length: new ids
+    model = PrefixReuse(block_tokens=16, sessions={
+        "continue_share": [1.0], "think_time_s": _knots(10, 10), "growth_tokens": _knots(0, 0)})
+    offsets, ids = assign_prefix_ids(
+        model, np.array([0.0, 1.0, 2.0, 3.0]), np.array([64, 64, 64, 200]),
+        np.array([5, 5, 5, 5]), seed=0)
+    got = [ids[offsets[i]:offsets[i + 1]].tolist() for i in range(4)]
+    assert got == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], list(range(4, 17))]
+
+
+def test_hand_worked_sampled_system_prompt():
+    # one 32-token system prompt; own tokens 0..100 (1-99%: 1..99): prompts of 40 and 50
+    # tokens start with it; 20 is too short for it, 300 leaves too many own tokens. In a
+    # second cycle (cycle_s 10) the prompt gets new ids.
+    model = PrefixReuse(block_tokens=16, system_prompts={
+        "share": [1.0], "own_tokens": _knots(0, 100), "tokens": [32], "sessions": [1]})
+    offsets, ids = assign_prefix_ids(
+        model, np.array([0.0, 1.0, 2.0, 3.0, 15.0]), np.array([40, 50, 20, 300, 40]),
+        np.array([1, 1, 1, 1, 1]), seed=0, cycle_s=10.0)
+    got = [ids[offsets[i]:offsets[i + 1]].tolist() for i in range(5)]
+    assert got == [[0, 1, 2], [0, 1, 3, 4], [5, 6], list(range(7, 26)), [26, 27, 28]]
+
+
+def test_ids_cover_the_output_when_the_model_says_so():
+    model = PrefixReuse(block_tokens=16, covers_output=True)
+    offsets, _ = assign_prefix_ids(model, np.array([0.0]), np.array([20]), np.array([13]),
+                                   seed=0)
+    assert offsets.tolist() == [0, 3]  # ceil(33 / 16)
+
+
+# ------------------------------------------------------------------ the Mooncake trace
+
+MOONCAKE = 0.6396  # README: 64.0% of 121,877 references repeat an earlier id
+
+
+@pytest.fixture(scope="module")
+def mooncake() -> Trace:
+    return load_trace(shared_file("traces", "mooncake_synthetic_trace.jsonl.gz"))
+
+
+@pytest.fixture(scope="module")
+def fitted(mooncake: Trace) -> dict[str, object]:
+    return {ap: fit_workload(mooncake, arrival_process=ap) for ap in ("auto", "parametric")}
+
+
+def test_mooncake_reuse_statistics(mooncake):
+    s = reuse_stats(mooncake)
+    assert s.references == 121_877
+    assert round(100 * s.reuse_ratio, 1) == 64.0
+    summary = s.summary()
+    # the numbers the module docstring of servetune.workloads.reuse reports
+    assert int(s.continues.sum()) == 1477 and summary["sessions"] == 2516
+    assert summary["turns_max"] == 24 and summary["system_prompts"] == 143
+    assert int((s.system_prompt >= 0).sum()) == 443
+    assert not s.covers_output
+
+
+@pytest.mark.parametrize("arrival", ["auto", "parametric"])
+def test_mooncake_sample_reuse_within_3_points(mooncake, fitted, arrival):
+    workload = fitted[arrival]
+    assert workload.prefix_reuse is not None
+    assert workload.prefix_reuse.trace_reuse_ratio == pytest.approx(MOONCAKE, abs=1e-4)
+    assert (workload.block_bootstrap is not None) == (arrival == "auto")
+    for seed in range(3):
+        sample = sample_trace(workload, seed=seed, n_requests=len(mooncake))
+        assert sample.prefix_block_tokens == 512
+        assert abs(reuse_stats(sample).reuse_ratio - MOONCAKE) < 0.03, (arrival, seed)
+
+
+def test_mooncake_long_sample_keeps_the_ratio(mooncake, fitted):
+    # three spans: the system prompts are made anew per span, so hits do not pile up
+    sample = sample_trace(fitted["auto"], seed=0, duration_s=3 * mooncake.duration_s)
+    assert len(sample) > 2.5 * len(mooncake)
+    assert abs(reuse_stats(sample).reuse_ratio - MOONCAKE) < 0.03
+
+
+def test_sampled_ids_deterministic_and_prefix_of_longer(fitted):
+    workload = fitted["parametric"]
+    a = sample_trace(workload, seed=4, n_requests=1500)
+    b = sample_trace(workload, seed=4, n_requests=1500)
+    longer = sample_trace(workload, seed=4, n_requests=3000)
+    other = sample_trace(workload, seed=5, n_requests=1500)
+    assert np.array_equal(a.prefix_offsets, b.prefix_offsets)
+    assert np.array_equal(a.prefix_block_ids, b.prefix_block_ids)
+    assert ids_of(longer)[:1500] == ids_of(a)
+    assert ids_of(other) != ids_of(a)
+
+
+def test_ids_leave_arrivals_and_lengths_alone(fitted):
+    workload = fitted["auto"]
+    plain = workload.model_copy(update={"prefix_reuse": None})
+    with_ids = sample_trace(workload, seed=2, n_requests=2000)
+    without = sample_trace(plain, seed=2, n_requests=2000)
+    assert without.prefix_offsets is None
+    for col in ("arrival_s", "prompt_tokens", "output_tokens", "class_id"):
+        assert np.array_equal(getattr(with_ids, col), getattr(without, col)), col
+
+
+def test_rate_scale_keeps_the_sessions(fitted):
+    # a bootstrap sample at twice the rate is the same requests in half the time; think
+    # times halve with it, so every request gets the same ids
+    workload = fitted["auto"]
+    one = sample_trace(workload, seed=1, n_requests=2000)
+    two = sample_trace(workload, seed=1, n_requests=2000, rate_scale=2.0)
+    assert np.allclose(two.arrival_s, one.arrival_s / 2.0)
+    assert ids_of(two) == ids_of(one)
+
+
+def test_fitted_yaml_round_trips(fitted):
+    workload = fitted["auto"]
+    text = workload_to_yaml(workload)
+    again = workload_from_yaml_text(text, "mooncake.yaml")
+    assert again.prefix_reuse == workload.prefix_reuse
+    assert workload_to_yaml(again) == text
+
+
+# ------------------------------------------------------------------ the schema
+
+BASE = """apiVersion: servetune/v1
+kind: Workload
+classes:
+  default:
+    arrival: {rate_per_s: 1.0}
+    prompt_tokens: {quantiles: [0, 1], values: [10, 100]}
+    output_tokens: {quantiles: [0, 1], values: [1, 10]}
+prefix_reuse:
+"""
+KNOTS = "{quantiles: [0, 1], values: [0, 5]}"
+SESSIONS = f"think_time_s: {KNOTS}, growth_tokens: {KNOTS}"
+
+
+@pytest.mark.parametrize(("section", "words"), [
+    (f"  sessions: {{continue_share: [1.5], {SESSIONS}}}",
+     "prefix_reuse.sessions.continue_share: entry 0 is 1.5; a share must be"),
+    (f"  prompt_band_edges: [50]\n  sessions: {{continue_share: [0.5], {SESSIONS}}}",
+     "sessions.continue_share has 1 entries but prompt_band_edges makes 2 bands"),
+    ("  prompt_band_edges: [50, 20]", "prompt_band_edges must be finite and strictly"),
+    (f"  system_prompts: {{share: [1], own_tokens: {KNOTS}, tokens: [700], sessions: [2]}}",
+     "system_prompts.tokens[0] is 700; a system prompt is a whole number of blocks"),
+    (f"  system_prompts: {{share: [1], own_tokens: {KNOTS}, tokens: [512], sessions: [0]}}",
+     "sessions[0] is 0; popularity must be >= 1"),
+    (f"  system_prompts: {{share: [1], own_tokens: {KNOTS}, tokens: [512], sessions: [1, 2]}}",
+     "tokens has 1 entries but sessions has 2"),
+    (f"  sessions: {{continue_share: [1], growth_tokens: {KNOTS}, "
+     "think_time_s: {quantiles: [0, 1], values: [-1, 5]}}",
+     "prefix_reuse.sessions.think_time_s.values: values must be >= 0"),
+    ("  block_tokens: 0", "block_tokens"),
+])
+def test_bad_prefix_section_is_one_clear_line(section, words):
+    with pytest.raises(ServetuneError) as err:
+        workload_from_yaml_text(BASE + section + "\n", "w.yaml")
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("w.yaml: ")
+    assert words in text
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 50), st.integers(1, 300), st.integers(1, 50)),
+                min_size=1, max_size=60),
+       st.floats(0, 1), st.floats(0, 1), st.booleans(), st.integers(0, 3))
+def test_sampled_ids_are_chain_ids(rows, later, with_prompt, covers_output, seed):
+    """Any requests and shares: each request gets ceil(covered / B) ids; an id always sits
+    at the same position after the same id (a chain hash); a request shares at most the
+    whole blocks of its prompt with earlier ones."""
+    rows.sort()
+    t, p, o = (np.array(c) for c in zip(*rows, strict=True))
+    model = PrefixReuse(
+        block_tokens=16, covers_output=covers_output, prompt_band_edges=[100.0],
+        sessions={"continue_share": [later, 1 - later], "think_time_s": _knots(0, 20),
+                  "growth_tokens": _knots(-10, 60)},
+        system_prompts={"share": [with_prompt, with_prompt], "own_tokens": _knots(1, 200),
+                        "tokens": [16, 48, 96], "sessions": [1, 3, 2]})
+    offsets, ids = assign_prefix_ids(model, t.astype(float), p, o, seed=seed)
+    again = assign_prefix_ids(model, t.astype(float), p, o, seed=seed)
+    assert np.array_equal(ids, again[1])
+    covered = p + (o if covers_output else 0)
+    assert np.diff(offsets).tolist() == (-(-covered // 16)).tolist()
+    place: dict[int, tuple[int, int]] = {}
+    seen: set[int] = set()
+    for j in range(len(rows)):
+        row = ids[offsets[j]:offsets[j + 1]].tolist()
+        for m, h in enumerate(row):
+            assert place.setdefault(h, (m, row[m - 1] if m else -1)) == (
+                m, row[m - 1] if m else -1)
+        lead = next((m for m, h in enumerate(row) if h not in seen), len(row))
+        assert lead <= p[j] // 16
+        seen |= set(row)

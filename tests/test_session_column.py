@@ -1,0 +1,197 @@
+"""A session column in generic CSV / JSON Lines traces: the chain ids it makes (hand-worked),
+its errors, and a fitted chat workload whose samples keep the trace's reuse."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from servetune.cli.root import app
+from servetune.errors import ServetuneError
+from servetune.workloads.fitting import fit_workload, load_workload, sample_trace
+from servetune.workloads.formats import load_trace
+from servetune.workloads.reuse import reuse_stats
+from servetune.workloads.sessions import SESSION_BLOCK_TOKENS, session_prefix_ids
+from servetune.workloads.trace import Trace
+
+COLUMNS = "arrival=ts,prompt=in,output=out,session=conv"
+
+
+def ids_of(trace: Trace) -> list[list[int]]:
+    o, f = trace.prefix_offsets, trace.prefix_block_ids
+    assert o is not None and f is not None
+    return [f[o[i]:o[i + 1]].tolist() for i in range(len(trace))]
+
+
+# Session A, 16-token blocks over prompt + output:
+#   turn 1: prompt 40 + output 10 = 50 tokens: 4 ids (the 4th partial): 0 1 2 3
+#   turn 2: prompt 70 >= 50 shares 50 tokens = 3 whole blocks; 90 tokens: 6 ids
+#   turn 3: prompt 100 >= 90 shares 90 tokens = 5 whole blocks; 105 tokens: 7 ids
+# Session B: turn 1: 25 tokens: 2 ids; turn 2's prompt (10) is shorter than that context,
+# so it shares its own 10 tokens, no whole block: a new id.
+ROWS = [(0, 40, 10, "A"), (1, 20, 5, "B"), (2, 70, 20, "A"), (3, 100, 5, "A"), (4, 10, 3, "B")]
+IDS = [[0, 1, 2, 3], [4, 5], [0, 1, 2, 6, 7, 8], [0, 1, 2, 6, 7, 9, 10], [11]]
+
+
+def write_csv(path, rows) -> str:
+    path.write_text("ts,in,out,conv\n" + "".join(f"{t},{p},{o},{c}\n" for t, p, o, c in rows))
+    return str(path)
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps({"ts": t, "in": p, "out": o, "conv": c}) + "\n"
+                            for t, p, o, c in rows))
+    return str(path)
+
+
+def test_hand_worked_three_turn_session_csv_and_jsonl(tmp_path):
+    for path in (write_csv(tmp_path / "t.csv", ROWS), write_jsonl(tmp_path / "t.jsonl", ROWS)):
+        trace = load_trace(path, columns=COLUMNS)
+        assert trace.prefix_block_tokens == SESSION_BLOCK_TOKENS == 16
+        assert ids_of(trace) == IDS, path
+    s = reuse_stats(trace)
+    assert s.covers_output
+    assert s.parent.tolist() == [-1, -1, 0, 2, -1]  # B's 2nd turn shares no block
+    assert s.growth_tokens().tolist() == [20, 10]  # 70 - 50, 100 - 90: the user's text
+
+
+def test_turns_follow_arrival_not_file_order(tmp_path):
+    shuffled = [ROWS[3], ROWS[0], ROWS[4], ROWS[2], ROWS[1]]
+    trace = load_trace(write_csv(tmp_path / "t.csv", shuffled), columns=COLUMNS)
+    assert trace.arrival_s.tolist() == [0, 1, 2, 3, 4]
+    assert ids_of(trace) == IDS
+
+
+def test_equal_times_keep_file_order():
+    # two turns at the same time: the first in the file is turn 1
+    offsets, ids = session_prefix_ids(np.array([0, 0]), np.array([5.0, 5.0]),
+                                      np.array([16, 40]), np.array([16, 1]), block_tokens=16)
+    assert offsets.tolist() == [0, 2, 5] and ids.tolist() == [0, 1, 0, 1, 2]
+
+
+def test_integer_and_text_ids_name_one_session(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"ts": 0, "in": 32, "out": 1, "conv": 7}\n'
+                    '{"ts": 1, "in": 40, "out": 1, "conv": "7"}\n')
+    assert ids_of(load_trace(str(path), columns=COLUMNS)) == [[0, 1, 2], [0, 1, 3]]
+
+
+@pytest.mark.parametrize(("fmt", "body", "words"), [
+    ("csv", "ts,in,out,conv\n0,40,10,A\n1,20,5,\n",
+     "row 2 (line 3): conv: expected a session id (text or a number), not empty, got ''"),
+    ("csv", "ts,in,out,conv\n0,40,10,A\n1,20,5,   \n",
+     "row 2 (line 3): conv: expected a session id"),
+    ("jsonl", '{"ts": 0, "in": 4, "out": 1, "conv": "A"}\n{"ts": 1, "in": 4, "out": 1, '
+     '"conv": null}\n', "row 2: conv: expected a session id (text or an integer), not empty, "
+     "got None"),
+    ("jsonl", '{"ts": 0, "in": 4, "out": 1, "conv": true}\n', "row 1: conv: expected a "
+     "session id"),
+    ("jsonl", '{"ts": 0, "in": 4, "out": 1, "conv": [1]}\n', "row 1: conv: expected a "
+     "session id"),
+    ("jsonl", '{"ts": 0, "in": 4, "out": 1}\n', "row 1: missing key 'conv'"),
+    ("csv", "ts,in,out,chat\n0,40,10,A\n", "no column 'conv' for session; the header has ts, "
+     "in, out, chat"),
+])
+def test_bad_session_values_are_one_clear_line(tmp_path, fmt, body, words):
+    path = tmp_path / f"t.{fmt}"
+    path.write_text(body)
+    with pytest.raises(ServetuneError) as err:
+        load_trace(str(path), columns=COLUMNS)
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(f"{path}: ") and words in text
+
+
+def test_skipped_bad_session_rows_leave_the_rest(tmp_path):
+    path = write_csv(tmp_path / "t.csv", [*ROWS[:2], (1.5, 9, 9, "")] + ROWS[2:])
+    trace = load_trace(path, columns=COLUMNS, on_bad_row="skip")
+    assert ids_of(trace) == IDS
+    assert "skipped 1 bad row(s)" in trace.notices[0]
+
+
+def test_cli_fit_and_bad_session_column(tmp_path):
+    rows = chat_rows(n_sessions=60, seed=3)
+    src = write_csv(tmp_path / "chat.csv", rows)
+    out = tmp_path / "w.yaml"
+    runner = CliRunner()
+    result = runner.invoke(app, ["workload", "fit", src, "--columns", COLUMNS, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "prefix reuse: " in result.output and "16-token blocks over the prompt and output" \
+        in " ".join(result.output.split())
+    model = load_workload(out).prefix_reuse
+    assert model is not None and model.covers_output and model.block_tokens == 16
+    assert model.sessions is not None and model.system_prompts is None
+    bad = tmp_path / "bad.csv"
+    bad.write_text("ts,in,out,conv\n0,40,10,A\n1,20,5,\n")
+    result = runner.invoke(app, ["workload", "fit", str(bad), "--columns", COLUMNS, "-o",
+                                 str(tmp_path / "x.yaml")])
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert "row 2 (line 3): conv: expected a session id" in " ".join(result.output.split())
+    assert not (tmp_path / "x.yaml").exists()
+
+
+# ------------------------------------------------------------------ a chat workload
+
+
+def chat_rows(n_sessions: int, seed: int, span_s: float = 3600.0) -> list[tuple]:
+    """Synthetic conversations: sessions start uniformly over the span, take 1 + a
+    geometric number of further turns (mean 3 in all), think 5 s + an exponential 40 s
+    between turns; each prompt is the whole context so far plus a new user message."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for s, t in enumerate(np.sort(rng.uniform(0.0, span_s, n_sessions))):
+        context = 200  # the first prompt's instructions
+        for _ in range(int(rng.geometric(1 / 3))):
+            prompt = context + int(rng.lognormal(4.5, 1.0)) + 1
+            output = int(rng.lognormal(5.0, 0.8)) + 1
+            rows.append((round(float(t), 3), prompt, output, f"s{s}"))
+            context = prompt + output
+            t += 5.0 + rng.exponential(40.0)
+    return sorted(rows)
+
+
+def test_chat_workload_sample_keeps_the_reuse(tmp_path):
+    trace = load_trace(write_csv(tmp_path / "chat.csv", chat_rows(1500, seed=1)),
+                       columns=COLUMNS)
+    want = reuse_stats(trace).reuse_ratio
+    assert 0.6 < want < 0.7  # about two thirds of the ids are re-sent context
+    for arrival in ("auto", "parametric"):
+        workload = fit_workload(trace, arrival_process=arrival)
+        for seed in range(3):
+            got = reuse_stats(sample_trace(workload, seed=seed, n_requests=len(trace)))
+            assert abs(got.reuse_ratio - want) < 0.03, (arrival, seed)
+            assert got.covers_output
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(1, 80), st.integers(1, 40),
+                          st.integers(0, 3)), min_size=1, max_size=25),
+       st.sampled_from([1, 4, 16]))
+def test_session_ids_follow_the_rule(rows, b):
+    """Any rows: each has ceil((prompt + output) / B) ids; a turn's first
+    floor(min(P_k, P_{k-1} + O_{k-1}) / B) ids are its previous turn's and the rest are
+    ids no earlier row of any session had; sessions share no id."""
+    t, p, o, s = (np.array(c) for c in zip(*rows, strict=True))
+    offsets, ids = session_prefix_ids(s, t.astype(float), p, o, block_tokens=b)
+    got = [ids[offsets[i]:offsets[i + 1]].tolist() for i in range(len(rows))]
+    seen: set[int] = set()
+    previous: dict[int, int] = {}
+    for i in sorted(range(len(rows)), key=lambda i: (t[i], i)):
+        assert len(got[i]) == -(-(p[i] + o[i]) // b)
+        k = 0
+        if s[i] in previous:
+            j = previous[s[i]]
+            k = min(p[i], p[j] + o[j]) // b
+            assert got[i][:k] == got[j][:k]
+        assert not seen & set(got[i][k:])
+        seen |= set(got[i])
+        previous[s[i]] = i
+    for a in set(s.tolist()):
+        for c in set(s.tolist()) - {a}:
+            assert not ({h for i in np.flatnonzero(s == a) for h in got[i]}
+                        & {h for i in np.flatnonzero(s == c) for h in got[i]})
