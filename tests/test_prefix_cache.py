@@ -16,6 +16,7 @@ import pytest
 
 from servetune.profiles.shipped import load_profile
 from servetune.schemas.policy import Policy
+from servetune.sim import _kernel as K
 from servetune.sim import api
 from servetune.sim import engine as E
 from servetune.workloads.trace import Trace
@@ -155,3 +156,38 @@ def test_mooncake_hit_rate_matches_an_independent_lru_at_low_load():
     assert big.cache_evictions == 0
     assert big.hit_tokens.sum() / trace.prompt_tokens.sum() == pytest.approx(ideal, abs=0.005)
     assert ideal == pytest.approx(0.651, abs=0.001)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_cache_is_whole_after_a_run_under_pressure(engine):
+    """After a run with evictions and preemptions: no slot is still referenced, every
+    cached block is in the table and in the LRU list once, and slots in use plus free
+    slots make the pool."""
+    from servetune.sim import cluster as C
+
+    rng = np.random.default_rng(11)
+    n = 200
+    prompts = rng.integers(16, 700, n)
+    ids = [[int(rng.integers(0, 3))] + [5000 + 50 * r + j for j in range(int(p) // 64 + 1)]
+           for r, p in enumerate(prompts)]
+    trace = _trace(np.sort(rng.uniform(0, 5, n)), prompts, rng.integers(1, 200, n), ids,
+                   width=64)
+    small = PROFILE.model_copy(deep=True)
+    small.memory.kv_blocks_override = 81  # 80 usable blocks of 16 tokens
+    rep = C._Replica(0, C.ReplicaSpec(small, Policy(), engine), trace, reference=False,
+                     prefix_caching=True, horizon_s=5.0)
+    for row in range(n):
+        rep.append(row, float(trace.arrival_s[row]))
+    rep.advance(np.inf)
+    st, sc = rep.state, rep.scalars
+    assert (st.status >= 0).all() and st.preemptions.sum() > 0 and sc.evictions > 0
+    assert sc.used == 0 and (st.slot_ref == 0).all()
+    table = st.table_key[st.table_key != K.EMPTY_KEY]
+    assert len(table) == sc.cached_free == len(set(table.tolist()))
+    order, s = [], sc.lru_head
+    while s >= 0:
+        order.append(s)
+        s = st.lru_next[s]
+    assert len(order) == len(set(order)) == sc.cached_free
+    assert sorted(st.slot_key[order].tolist()) == sorted(table.tolist())
+    assert sc.free_slots + sc.cached_free == 80
