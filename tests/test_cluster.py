@@ -175,3 +175,18 @@ def test_cli_replays_mooncake_on_four_replicas_and_a_2_2_disaggregated_cluster(t
         assert len(data["cluster"]["replicas"]) == 4
     res = runner.invoke(app, base + ["--replicas", "2", "--disagg", "1:1"])
     assert res.exit_code == 2 and "not both" in res.output
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="../shared/traces (Mooncake) not present")
+def test_trace_stats_reports_prefix_reuse_only_for_traces_with_ids(tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(app, ["trace", "stats", str(MOONCAKE), "--json"])
+    assert res.exit_code == 0, res.output
+    reuse = json.loads(res.stdout)["prefix_reuse"]
+    assert (reuse["references"], round(reuse["reuse_ratio"], 3)) == (121_877, 0.640)
+    plain = tmp_path / "t.csv"
+    plain.write_text("arrival,prompt,output\n0,10,2\n1,20,3\n")
+    res = runner.invoke(app, ["trace", "stats", str(plain), "--json", "--columns",
+                              "arrival=arrival,prompt=prompt,output=output"])
+    assert res.exit_code == 0, res.output
+    assert "prefix_reuse" not in json.loads(res.stdout)

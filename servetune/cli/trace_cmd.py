@@ -128,11 +128,22 @@ def register(app: typer.Typer) -> None:
         """Request count, span, mean rate, burstiness and prompt/output length statistics."""
         trace = load_trace_cli(file, trace_format, columns, arrival_unit, on_bad_row, quiet)
         result = trace_stats(trace)
+        if trace.prefix_offsets is not None:
+            from servetune.workloads.reuse import reuse_stats
+
+            result["prefix_reuse"] = reuse_stats(trace).summary()
         if as_json:
             print_json(json.dumps(result) + "\n")
             return
         console = Console()
         console.print(stats_table(result, str(file)))
+        if "prefix_reuse" in result:
+            reuse = result["prefix_reuse"]
+            console.print(
+                f"prefix reuse: {reuse['reuse_ratio']:.1%} of {reuse['references']:,} block "
+                f"references repeat an earlier id ({reuse['block_tokens']}-token blocks); "
+                f"{reuse['sessions']:,} sessions, {reuse['continuing_share']:.1%} of requests "
+                f"continue one; {reuse['system_prompts']:,} shared prefixes", highlight=False)
         if len(trace.class_names) > 1:
             for name, cls in per_class_stats(trace).items():
                 console.print(stats_table(cls, f"class {name}"))
