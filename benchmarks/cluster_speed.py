@@ -44,12 +44,13 @@ router                     ``--router round_robin`` /           ``--router-mode 
 =========================  ===================================  ==============================
 
 How the peer times a step (dynamo-mocker's vLLM scheduler; measured with probe traces, see
-``benchmarks/cluster_speed_peer.md``): ``prefill(total new prompt tokens in the step) +
-decode(KV tokens held, mean context of the decoding requests)``, where with an NPZ both are
-interpolated from its tables (``prefill_isl -> prefill_ttft_ms``, a 2-D ``decode_itl`` over
-``decode_active_kv_tokens x decode_context_length``), and without one it uses built-in
-polynomials (``--peer-timing polynomial``: the peer's defaults, not matched to servetune).
-:func:`write_peer_timing` fills the NPZ from servetune's step time ``t(T, S, D, C, W)``:
+``benchmarks/RESULTS.md``, "Cluster replay speed"): ``prefill(total new prompt tokens in the
+step) + decode(KV tokens held, mean context of the decoding requests)``, where with an NPZ
+both are interpolated from its tables (``prefill_isl -> prefill_ttft_ms``, a 2-D
+``decode_itl`` over ``decode_active_kv_tokens x decode_context_length``), and without one it
+uses built-in polynomials (``--peer-timing polynomial``: the peer's defaults, not matched to
+servetune). :func:`write_peer_timing` fills the NPZ from servetune's step time ``t(T, S, D,
+C, W)``:
 
 - decode(kv, ctx) = t(D, D, D, kv, 0) with ``D = max(1, kv / ctx)`` decoding sequences: a
   whole decode step, so the per-step cost (fixed, the GEMM weight-read floor) is here;
