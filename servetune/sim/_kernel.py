@@ -1672,3 +1672,124 @@ def run_kernel(p, rq, st, lg, max_steps):
         if lc.events > last:
             _log_record(p, lg, sc.steps, sc.now, 0.0, 0, 0, 0, 1)
     return RC_DONE
+
+
+# --- a router over replicas (servetune.sim.cluster) -------------------------------------------
+
+ROUTE_LEAST_LOADED = 0
+ROUTE_LEAST_KV = 1
+ROUTE_PREFIX_AWARE = 2
+
+
+@jit
+def _replica_load(st):
+    """Requests a replica has: running, waiting, and sent but not yet at a step boundary."""
+    sc = st.scalars[0]
+    return sc.n_running + st.heap_size[0] + st.heap_size[1] + sc.known - sc.next_arrival
+
+
+@jit
+def _kv_committed(p, rq, st):
+    """Blocks a replica has committed: in use, plus its queued and sent prompts' blocks."""
+    sc = st.scalars[0]
+    sent = 0
+    for m in range(sc.next_arrival, sc.known):
+        sent += rq.prompt[m]
+    return float(sc.used) + float(sc.queued_prompt + sent) / p.block_size
+
+
+@jit
+def _append_row(rq, st, full, row, t):
+    """Send trace row ``row`` (its columns in ``full``, this replica's view of the whole
+    trace) to a replica, arriving at ``t``; returns its row there."""
+    sc = st.scalars[0]
+    m = sc.known
+    rq.arrival[m] = t
+    rq.prompt[m] = full.prompt[row]
+    rq.output[m] = full.output[row]
+    rq.max_tokens[m] = full.max_tokens[row]
+    rq.priority[m] = full.priority[row]
+    rq.is_long[m] = full.is_long[row]
+    rq.lane_blocks[m] = full.lane_blocks[row]
+    rq.reserved_blocks[m] = full.reserved_blocks[row]
+    rq.reject[m] = full.reject[row]
+    rq.precomputed[m] = full.precomputed[row]
+    rq.ready_delay[m] = 0.0
+    a = full.prefix_start[row]
+    b = full.prefix_start[row + 1]
+    start = rq.prefix_start[m]
+    for i in range(b - a):
+        rq.prefix_ids[start + i] = full.prefix_ids[a + i]
+    rq.prefix_start[m + 1] = start + b - a
+    sc.known = m + 1
+    return m
+
+
+@jit
+def _pick(ps, rqs, sts, fulls, row, router):
+    """The replica (index into the tuples) of least cost for trace row ``row`` under
+    ``router`` (ties: the lowest index)."""
+    best = 0
+    best_a = 0.0
+    best_b = 0.0
+    for k in range(len(sts)):
+        p = ps[k]
+        st = sts[k]
+        if router == ROUTE_LEAST_LOADED:
+            a = float(_replica_load(st))
+            b = 0.0
+        elif router == ROUTE_LEAST_KV:
+            a = _kv_committed(p, rqs[k], st) / p.total_blocks
+            b = float(_replica_load(st))
+        else:  # prefix-aware: blocks to prefill there + blocks committed there
+            full = fulls[k]
+            prompt = full.prompt[row]
+            cached = 0
+            lo = full.prefix_start[row]
+            hi = full.prefix_start[row + 1]
+            if p.prefix_caching and hi > lo:
+                cached = cached_prefix_blocks(st.table_key, st.table_slot, p.block_size,
+                                              full.prefix_ids[lo:hi], p.prefix_block_tokens,
+                                              prompt)
+            a = float(_blocks(prompt, p.block_size) - cached) + _kv_committed(p, rqs[k], st)
+            b = 0.0
+        if k == 0 or a < best_a or (a == best_a and b < best_b):
+            best = k
+            best_a = a
+            best_b = b
+    return best
+
+
+@entry
+def pick_replica(ps, rqs, sts, fulls, row, router):
+    """:func:`_pick` from Python (the decode pool of a disaggregated cluster)."""
+    return _pick(ps, rqs, sts, fulls, row, router)
+
+
+@entry
+def route_arrivals(ps, rqs, sts, lgs, fulls, arrival, router, replica_of, local_of):
+    """Serve the trace's rows in arrival order on the replicas (tuples, one entry each)
+    behind a router that reads their state (``ROUTE_*``; :mod:`servetune.sim.cluster` has
+    the rules): before each arrival every replica runs the steps that start before it;
+    the request goes to the replica :func:`_pick` chooses, which is recorded in
+    ``replica_of`` and ``local_of`` (its row there). Returns RC_DONE, or RC_STUCK from a
+    replica (a bug guard)."""
+    n_rep = len(sts)
+    for row in range(arrival.shape[0]):
+        t = arrival[row]
+        for k in range(n_rep):
+            st = sts[k]
+            sc = st.scalars[0]
+            if sc.now >= t:
+                continue
+            if (sc.next_arrival >= sc.known and sc.n_running == 0
+                    and st.heap_size[0] + st.heap_size[1] == 0):
+                continue  # idle, nothing to do until a request comes
+            sc.until = t
+            rc = run_kernel(ps[k], rqs[k], st, lgs[k], 1 << 40)
+            if rc == RC_STUCK:
+                return RC_STUCK
+        best = _pick(ps, rqs, sts, fulls, row, router)
+        replica_of[row] = best
+        local_of[row] = _append_row(rqs[best], sts[best], fulls[best], row, t)
+    return RC_DONE

@@ -53,6 +53,8 @@ from servetune.workloads.trace import Trace
 
 ROUTERS = ("round_robin", "least_loaded", "least_kv", "prefix_aware", "session")
 STATIC_ROUTERS = ("round_robin", "session")
+_ROUTE_CODES = {"least_loaded": K.ROUTE_LEAST_LOADED, "least_kv": K.ROUTE_LEAST_KV,
+                "prefix_aware": K.ROUTE_PREFIX_AWARE}
 ROLES = ("both", "prefill", "decode")
 
 
@@ -207,22 +209,6 @@ class _Replica:
         """Local rows completed after the first ``start`` completions, in order."""
         return self.state.done_order[start:int(self.scalars.n_done)]
 
-    # -- what a router reads (requests sent but not yet at a step boundary count) --------
-    def load(self) -> int:
-        return int(self._get("n_running") + self.heap_size[0] + self.heap_size[1]
-                   + self._get("known") - self._get("next_arrival"))
-
-    def kv_committed_blocks(self) -> float:
-        first, known = int(self._get("next_arrival")), int(self._get("known"))
-        sent = int(self.rq.prompt[first:known].sum()) if known > first else 0
-        return float(self._get("used")) + float(self._get("queued_prompt") + sent) / self.block_size
-
-    def cached_blocks(self, ids: np.ndarray, width: int, tokens: int) -> int:
-        if not self.params.prefix_caching or len(ids) == 0:
-            return 0
-        return int(self.km.cached_prefix_blocks(self.state.table_key, self.state.table_slot,
-                                                self.block_size, ids, width, tokens))
-
     def output(self) -> E.EngineOutput:
         """This replica's engine output over its rows (in routing order)."""
         m = len(self.rows)
@@ -244,18 +230,16 @@ class _Replica:
 
 
 class _Router:
-    """Picks a replica among ``pool`` for each request."""
+    """Picks a replica among ``pool`` for each request: round robin and session here, the
+    routers that read the replicas' state in the kernel (``pick_replica``)."""
 
-    def __init__(self, name: str, pool: list[_Replica], trace: Trace,
+    def __init__(self, name: str, pool: list[_Replica],
                  prefix: tuple[np.ndarray, np.ndarray]) -> None:
         self.name = name
         self.pool = pool
-        self.trace = trace
         self.prefix_start, self.prefix_ids = prefix
         self.count = 0
-
-    def _ids(self, row: int) -> np.ndarray:
-        return self.prefix_ids[self.prefix_start[row]:self.prefix_start[row + 1]]
+        self.tuples: tuple[tuple[Any, ...], ...] | None = None
 
     def pick(self, row: int) -> _Replica:
         pool = self.pool
@@ -267,24 +251,12 @@ class _Router:
         if self.name == "round_robin":
             return pool[i % n]
         if self.name == "session":
-            ids = self._ids(row)
-            return pool[int(ids[0]) % n] if len(ids) else pool[i % n]
-        if self.name == "least_loaded":
-            return min(pool, key=lambda rep: (rep.load(), rep.index))
-        if self.name == "least_kv":
-            return min(pool, key=lambda rep: (rep.kv_committed_blocks() / rep.total,
-                                              rep.load(), rep.index))
-        # prefix_aware
-        ids = self._ids(row)
-        prompt = int(self.trace.prompt_tokens[row])
-        width = self.trace.prefix_block_tokens
-
-        def cost(rep: _Replica) -> tuple[float, int]:
-            blocks = -(-prompt // rep.block_size)
-            miss = blocks - rep.cached_blocks(ids, width, prompt)
-            return (miss + rep.kv_committed_blocks(), rep.index)
-
-        return min(pool, key=cost)
+            start, end = self.prefix_start[row], self.prefix_start[row + 1]
+            return pool[int(self.prefix_ids[start]) % n] if end > start else pool[i % n]
+        if self.tuples is None:
+            self.tuples = (tuple(r.params for r in pool), tuple(r.rq for r in pool),
+                           tuple(r.state for r in pool), tuple(r.full for r in pool))
+        return pool[int(pool[0].km.pick_replica(*self.tuples, row, _ROUTE_CODES[self.name]))]
 
 
 def _check(specs: Sequence[ReplicaSpec], router: str) -> tuple[list[int], list[int]]:
@@ -331,25 +303,31 @@ def run_cluster(
                          horizon_s=horizon) for k, spec in enumerate(specs)]
     prefix = E.prefix_columns(trace)
     front = [replicas[k] for k in prefill_idx] if disagg else replicas
-    route = _Router(router, front, trace, prefix)
+    route = _Router(router, front, prefix)
     arrival = trace.arrival_s
     replica_of = np.full(n, -1, dtype=np.int64)
     local_of = np.full(n, -1, dtype=np.int64)
     every = max(n // 100, 1)
 
     if not disagg:
-        static = router in STATIC_ROUTERS
-        for row in range(n):
-            t = float(arrival[row])
-            if not static:
-                for rep in replicas:
-                    rep.advance(t)
-            rep = route.pick(row)
-            local_of[row] = len(rep.rows)
-            replica_of[row] = rep.index
-            rep.append(row, t)
-            if progress is not None and row % every == 0:
-                progress(row, n)
+        if router in STATIC_ROUTERS:
+            for row in range(n):
+                rep = route.pick(row)
+                local_of[row] = len(rep.rows)
+                replica_of[row] = rep.index
+                rep.append(row, float(arrival[row]))
+        else:  # the router reads every replica at every arrival: one compiled loop
+            rc = replicas[0].km.route_arrivals(
+                tuple(r.params for r in replicas), tuple(r.rq for r in replicas),
+                tuple(r.state for r in replicas), tuple(r.log for r in replicas),
+                tuple(r.full for r in replicas), np.ascontiguousarray(arrival),
+                _ROUTE_CODES[router], replica_of, local_of)
+            if rc == K.RC_STUCK:
+                raise RuntimeError("a replica made no progress (a bug)")
+            for rep in replicas:
+                rep.rows = np.flatnonzero(replica_of == rep.index).tolist()
+        if progress is not None:
+            progress(n, n)
         for rep in replicas:
             rep.advance(np.inf)
         outputs = [rep.output() for rep in replicas]
@@ -362,7 +340,7 @@ def run_cluster(
     # disaggregated: prefill pool -> KV transfer -> decode pool
     link = link or LINKS["infiniband"]
     back = [replicas[k] for k in decode_idx]
-    decode_route = _Router(router, back, trace, prefix)
+    decode_route = _Router(router, back, prefix)
     kv_bytes = np.array([specs[k].profile.kv_bytes_per_token() for k in decode_idx])
     transfer = np.full(n, np.nan)
     decode_of = np.full(n, -1, dtype=np.int64)
