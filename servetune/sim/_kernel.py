@@ -1698,8 +1698,8 @@ def _kv_committed(p, rq, st):
     return float(sc.used) + float(sc.queued_prompt + sent) / p.block_size
 
 
-@jit
-def _append_row(rq, st, full, row, t):
+@entry
+def append_row(rq, st, full, row, t):
     """Send trace row ``row`` (its columns in ``full``, this replica's view of the whole
     trace) to a replica, arriving at ``t``; returns its row there."""
     sc = st.scalars[0]
@@ -1791,5 +1791,5 @@ def route_arrivals(ps, rqs, sts, lgs, fulls, arrival, router, replica_of, local_
                 return RC_STUCK
         best = _pick(ps, rqs, sts, fulls, row, router)
         replica_of[row] = best
-        local_of[row] = _append_row(rqs[best], sts[best], fulls[best], row, t)
+        local_of[row] = append_row(rqs[best], sts[best], fulls[best], row, t)
     return RC_DONE

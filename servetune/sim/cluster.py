@@ -154,9 +154,9 @@ class _Replica:
         # the scalars the loop reads and writes, as 1-element views (a record's field
         # access costs microseconds, and the router reads them at every arrival)
         holder = self.state.scalars
-        self._view = {name: (np.zeros(1) if reference else holder[name])
-                      for name in ("now", "known", "next_arrival", "n_running", "used",
-                                   "queued_prompt", "until")}
+        self._view = {} if reference else {
+            name: holder[name] for name in ("now", "known", "next_arrival", "n_running",
+                                            "until")}
         self.heap_size = self.state.heap_size
         self.rows: list[int] = []
 
@@ -173,19 +173,9 @@ class _Replica:
 
     def append(self, row: int, arrival_s: float, ready_delay_s: float = 0.0) -> None:
         """Route trace row ``row`` here, arriving at ``arrival_s``."""
-        m = len(self.rows)
-        rq, full = self.rq, self.full
-        for name in ("prompt", "output", "max_tokens", "priority", "is_long", "lane_blocks",
-                     "reserved_blocks", "reject", "precomputed"):
-            getattr(rq, name)[m] = getattr(full, name)[row]
-        rq.arrival[m] = arrival_s
-        rq.ready_delay[m] = ready_delay_s
-        a, b = full.prefix_start[row], full.prefix_start[row + 1]
-        start = rq.prefix_start[m]
-        rq.prefix_ids[start:start + b - a] = full.prefix_ids[a:b]
-        rq.prefix_start[m + 1] = start + b - a
+        m = self.km.append_row(self.rq, self.state, self.full, row, arrival_s)
+        self.rq.ready_delay[m] = ready_delay_s
         self.rows.append(row)
-        self._set("known", m + 1)
 
     def idle(self) -> bool:
         return (self._get("next_arrival") >= self._get("known") and self._get("n_running") == 0
