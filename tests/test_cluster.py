@@ -190,3 +190,42 @@ def test_trace_stats_reports_prefix_reuse_only_for_traces_with_ids(tmp_path):
                               "arrival=arrival,prompt=prompt,output=output"])
     assert res.exit_code == 0, res.output
     assert "prefix_reuse" not in json.loads(res.stdout)
+
+
+def test_a_topology_file_mixes_gpu_types_and_roles(tmp_path):
+    trace = _random_trace(200)
+    trace_file = tmp_path / "t.jsonl"
+    offsets = trace.prefix_offsets
+    lines = []
+    for r in range(len(trace)):
+        ids = trace.prefix_block_ids[offsets[r]:offsets[r + 1]].tolist()
+        lines.append(json.dumps({"timestamp": int(trace.arrival_s[r] * 1000),
+                                 "input_length": int(trace.prompt_tokens[r]),
+                                 "output_length": int(trace.output_tokens[r]),
+                                 "hash_ids": ids}))
+    trace_file.write_text("\n".join(lines) + "\n")
+    runner = CliRunner()
+    base = ["simulate", "--trace", str(trace_file), "--profile", "h200-llama-3.1-8b",
+            "--policy", "configs/policies/vllm-serve-defaults.yaml", "--json"]
+    res = runner.invoke(app, base + ["--topology", "configs/topologies/mixed-h200-h100.yaml"])
+    assert res.exit_code == 0, res.output
+    cluster = json.loads(res.stdout)["cluster"]
+    assert cluster["router"] == "prefix_aware"
+    assert [r["profile"] for r in cluster["replicas"]] == [
+        "h200-llama-3.1-8b", "h200-llama-3.1-8b", "h100-80gb-llama-3.1-8b",
+        "h100-80gb-llama-3.1-8b"]
+    assert sum(r["requests"] for r in cluster["replicas"]) == 200
+    res = runner.invoke(app, base + ["--topology", "configs/topologies/h200-1p3d.yaml"])
+    assert res.exit_code == 0, res.output
+    cluster = json.loads(res.stdout)["cluster"]
+    assert [r["role"] for r in cluster["replicas"]] == ["prefill"] + ["decode"] * 3
+    assert cluster["topology"] == "h200-1p3d: disaggregated 1:3 over infiniband"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: servetune/v1\nkind: Topology\nreplicas:\n"
+                   "  - role: prefill\n  - role: both\n")
+    res = runner.invoke(app, base + ["--topology", str(bad)])
+    assert res.exit_code == 2
+    assert "mix of role both with prefill/decode" in res.output
+    assert "Traceback" not in res.output
+    res = runner.invoke(app, base + ["--topology", str(bad), "--replicas", "2"])
+    assert res.exit_code == 2 and "not both" in res.output

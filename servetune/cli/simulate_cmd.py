@@ -220,6 +220,41 @@ class _Progress:
         self.progress.update(self.task, completed=int(done))
 
 
+def topology_specs(path: Path, profile: Profile, policy: Policy
+                   ) -> tuple[list[Any], str, str, str]:
+    """The replicas of a Topology file (groups without a profile or policy get the
+    command's), its router and link, and a one-line description."""
+    from servetune.profiles.shipped import load_profile, require_kv_pool
+    from servetune.schemas.topology import Topology
+    from servetune.sim.cluster import ReplicaSpec
+
+    topo = load_document(_need_file(path, "--topology"), Topology)
+    base = path.parent
+
+    def near(value: str) -> str:  # a path relative to the file, else a shipped name
+        candidate = base / value
+        return str(candidate) if candidate.exists() else value
+
+    specs: list[Any] = []
+    for k, group in enumerate(topo.replicas):
+        where = f"{path}: replicas.{k}"
+        prof = profile
+        if group.profile is not None:
+            prof = load_profile(near(group.profile))
+            require_kv_pool(prof, where)
+        pol = policy
+        if group.policy is not None:
+            pol = load_document(require_file(Path(near(group.policy)), f"named by {where}"),
+                                Policy)
+        specs += [ReplicaSpec(prof, pol, group.engine, group.role,
+                              name=f"{topo.name}.{k}")] * group.count
+    prefill = sum(g.count for g in topo.replicas if g.role == "prefill")
+    decode = sum(g.count for g in topo.replicas if g.role == "decode")
+    shape = (f"{topo.name}: {len(specs)} replicas" if prefill == 0 else
+             f"{topo.name}: disaggregated {prefill}:{decode} over {topo.link}")
+    return specs, topo.router, topo.link, shape
+
+
 def _on_off(value: str | None, option: str) -> bool | None:
     if value is None:
         return None
@@ -318,6 +353,10 @@ def register(app: typer.Typer) -> None:
         link: str = typer.Option(
             "infiniband", "--link", help="KV transfer link under --disagg: nvlink | "
             "infiniband | roce"),
+        topology: Path | None = typer.Option(
+            None, "--topology", help="Topology YAML: replica groups (profile, policy, "
+            "engine, role, count), router and link; replaces --replicas/--disagg/--router/"
+            "--link"),
     ) -> None:
         """Simulate a policy serving a trace or a sampled workload, on one engine or a
         cluster of replicas behind a router (--replicas, --router, --disagg).
@@ -329,7 +368,8 @@ def register(app: typer.Typer) -> None:
 
         A cluster: servetune simulate --trace mooncake_trace.jsonl --profile
         h200-llama-3.1-8b --policy configs/policies/vllm-serve-defaults.yaml
-        --prefix-caching on --replicas 4 --router prefix_aware (or --disagg 2:2)
+        --prefix-caching on --replicas 4 --router prefix_aware (or --disagg 2:2, or
+        --topology configs/topologies/h200-1p3d.yaml)
         """
         # lazy: the simulator package adds 35 ms to every command's start-up
         from servetune.sim import simulate
@@ -354,7 +394,9 @@ def register(app: typer.Typer) -> None:
         split = parse_disagg(disagg) if disagg is not None else None
         if split is not None and replicas != 1:
             raise ServetuneError("give --replicas or --disagg P:D, not both")
-        clustered = split is not None or replicas > 1
+        if topology is not None and (split is not None or replicas != 1):
+            raise ServetuneError("give --topology or --replicas / --disagg, not both")
+        clustered = split is not None or replicas > 1 or topology is not None
         if clustered and (steps is not None or timeline is not None):
             raise ServetuneError("--steps and --timeline show one engine; drop them, or "
                                  "simulate one replica (no --replicas / --disagg)")
@@ -365,7 +407,8 @@ def register(app: typer.Typer) -> None:
         json_to = JsonTarget.of(as_json, json_out)
         check_outputs({"--json-out": json_to.file, "--records": records, "--steps": steps,
                        "--timeline": timeline},
-                      _inputs(trace, workload, profile, policy, slo))
+                      {**_inputs(trace, workload, profile, policy, slo),
+                       "--topology": topology})
         if records is not None:
             check_records_path(records)
         options = TraceOptions(trace_format, columns, arrival_unit, on_bad_row, quiet)
@@ -386,11 +429,15 @@ def register(app: typer.Typer) -> None:
         cluster = None
         with compile_notice(quiet, console_say(console)):
             if clustered:
-                if split is not None:
+                if topology is not None:
+                    specs, router, link, shape = topology_specs(topology, prof, pol)
+                elif split is not None:
                     specs = ([ReplicaSpec(prof, pol, engine, "prefill")] * split[0]
                              + [ReplicaSpec(prof, pol, engine, "decode")] * split[1])
+                    shape = f"disaggregated {split[0]}:{split[1]} over {link}"
                 else:
                     specs = [ReplicaSpec(prof, pol, engine)] * replicas
+                    shape = f"{replicas} replicas"
                 result, cluster = simulate_cluster(
                     source, specs, router=router, link=LINKS[link], reference=reference,
                     seed=seed, n_requests=requests, duration_s=duration,
@@ -405,8 +452,7 @@ def register(app: typer.Typer) -> None:
         if cluster is not None:
             summary["cluster"] = {
                 "router": router,
-                "topology": (f"disaggregated {split[0]}:{split[1]} over {link}"
-                             if split is not None else f"{replicas} replicas"),
+                "topology": shape,
                 "replicas": replica_summaries(cluster, result.trace),
             }
         meets = result.meets_slo(slo_set) if slo_set is not None else None

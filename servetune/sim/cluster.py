@@ -47,15 +47,14 @@ import numpy as np
 from servetune.errors import ServetuneError
 from servetune.schemas.policy import Policy
 from servetune.schemas.profile import Profile
+from servetune.schemas.topology import LINK_NAMES, ROLES, ROUTERS
 from servetune.sim import _kernel as K
 from servetune.sim import engine as E
 from servetune.workloads.trace import Trace
 
-ROUTERS = ("round_robin", "least_loaded", "least_kv", "prefix_aware", "session")
 STATIC_ROUTERS = ("round_robin", "session")
 _ROUTE_CODES = {"least_loaded": K.ROUTE_LEAST_LOADED, "least_kv": K.ROUTE_LEAST_KV,
                 "prefix_aware": K.ROUTE_PREFIX_AWARE}
-ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -70,11 +69,14 @@ class Link:
 # Nominal per-GPU rates (one direction): NVLink 4 on H100/H200 is 900 GB/s bidirectional;
 # one NDR InfiniBand port per GPU 400 Gb/s; one 200 GbE RoCE port per GPU. Latencies are a
 # transfer's fixed cost (connection, descriptors), not the wire's.
-LINKS = {
-    "nvlink": Link("nvlink", 450e9, 20e-6),
-    "infiniband": Link("infiniband", 50e9, 50e-6),
-    "roce": Link("roce", 25e9, 100e-6),
-}
+LINKS = {link.name: link for link in (
+    Link("nvlink", 450e9, 20e-6),
+    Link("infiniband", 50e9, 50e-6),
+    Link("roce", 25e9, 100e-6),
+)}
+assert tuple(LINKS) == LINK_NAMES
+__all__ = ["LINKS", "ROLES", "ROUTERS", "ClusterOutput", "Link", "ReplicaSpec", "parse_disagg",
+           "replica_summaries", "run_cluster"]
 
 
 @dataclass(frozen=True)
