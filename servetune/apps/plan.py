@@ -29,6 +29,20 @@
    meets the SLOs in simulation.
 4. **Comparison.** The same loop restricted to each single GPU type gives the cheapest
    single-type plan; a growth sweep re-plans at each load multiplier.
+5. **Topologies** (``topologies``, default ``("agg",)``: steps 1-4 exactly). Each GPU
+   type t also offers disaggregated units ``t@P:D`` (:class:`Unit`: P prefill + D decode
+   replicas, costing P+D replicas). The MILP plans units instead of types, with the
+   type's GPU limits shared by its units (``type_cap``/``type_floor`` of
+   :mod:`servetune.models.capacity_milp`). A unit's capacity per bucket
+   (:func:`unit_capacity`) is its goodput in the cluster simulator behind ``router`` with
+   KV over ``link``, every replica under the policy step 2 chose for that (type, bucket)
+   (a simplification: no policy is tuned for the prefill or decode role), cached like a
+   replica's with the topology, router and link in the key. Aggregated units are
+   validated as in step 3; a group of n disaggregated units is simulated as one cluster
+   (nP prefill + nD decode replicas) on all the traffic routed to it. The comparison adds
+   the cheapest aggregated-only and disaggregated-only plans (:func:`topology_plans`);
+   the plan written is the cheapest validated one of all, and a single type's plan may
+   use any of its units.
 """
 
 from __future__ import annotations
