@@ -32,10 +32,11 @@ Constraints
     static_count:  n[t,s] = n[t,s-1] for s >= 1                (static option)
 Objective
     cost mode:    minimize  sum_{t,s} price[t] hours n[t,s]
-                            + eps sum_{b,t,s} hours f[b,t,s] lam[b,s] / mu[t,b]
-                  (eps = 1e-6 x the lowest price: among plans of equal cost, route each
-                  request where it uses the least capacity, which also makes the routing
-                  unique where idle replicas would leave it arbitrary)
+                            + eps sum_{b,t,s} hours size[t] f[b,t,s] lam[b,s] / mu[t,b]
+                  (eps = 1e-6 x the lowest price; size[t] = 1 without serving units, below:
+                  among plans of equal cost, route each request where it uses the least
+                  capacity in replicas, which also makes the routing unique where idle
+                  replicas would leave it arbitrary)
     budget mode:  maximize  sum_{b,s} hours lam[b,s] sum_t f[b,t,s]   (requests served)
                             - 1e-7 x cost  (the cheapest of equally-serving plans)
 
@@ -235,8 +236,9 @@ def build_model(inst: CapacityInstance, *, budget_mode: bool = False) -> pyo.Con
         m.objective = pyo.Objective(expr=served - 1e-7 * cost, sense=pyo.maximize)
     else:
         eps = 1e-6 * min(inst.price.values())
+        # in replicas: a unit's capacity share weighs its size (1 without serving units)
         used_capacity = sum(
-            m.hours * m.f[b, t, s] * m.lam[b, s] / m.mu[t, b]
+            m.hours * inst.size(t) * m.f[b, t, s] * m.lam[b, s] / m.mu[t, b]
             for b in m.B for t in m.T for s in m.S if inst.mu[t, b] > 0
         )
         m.objective = pyo.Objective(expr=cost + eps * used_capacity, sense=pyo.minimize)
