@@ -243,3 +243,14 @@ def test_shared_type_floor() -> None:
     sol = solve_capacity(_unit_inst(type_min={"g": 5}))
     assert _unit_inst().type_replicas(sol, "g", 0) == 5
     assert sol.cost == pytest.approx(5.0)
+
+
+def test_equal_cost_plans_prefer_the_unit_using_fewer_replicas() -> None:
+    # 7 req/s of short: 2 aggregated replicas (1.75 replicas of capacity used) or one 1:1
+    # unit (7/7 of a 2-replica unit = 2 replicas used) cost the same $2; the tie-break
+    # counts capacity in replicas, so the aggregated replicas win
+    sol = solve_capacity(_unit_inst(
+        lam={("short", 0): 7.0, ("long", 0): 0.0},
+        mu={("g", "short"): 4.0, ("g", "long"): 1.0, ("g@1:1", "short"): 7.0,
+            ("g@1:1", "long"): 6.0, ("b", "short"): 4.0, ("b", "long"): 1.0}))
+    assert sol.replicas == {("g", 0): 2, ("g@1:1", 0): 0, ("b", 0): 0}

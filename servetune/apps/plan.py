@@ -37,9 +37,11 @@
    (:func:`unit_capacity`) is its goodput in the cluster simulator behind ``router`` with
    KV over ``link``, every replica under the policy step 2 chose for that (type, bucket)
    (a simplification: no policy is tuned for the prefill or decode role), cached like a
-   replica's with the topology, router and link in the key. Aggregated units are
-   validated as in step 3; a group of n disaggregated units is simulated as one cluster
-   (nP prefill + nD decode replicas) on all the traffic routed to it. The comparison adds
+   replica's with the topology, router and link in the key. Validation simulates each
+   planned group of units as one cluster behind the router on all the traffic routed to
+   it (n units of P:D = nP prefill + nD decode replicas; n aggregated replicas), so the
+   aggregated units of such a plan are checked behind the router as well (with ``agg``
+   alone, step 3's one-replica check stands). The comparison adds
    the cheapest aggregated-only and disaggregated-only plans (:func:`topology_plans`);
    the plan written is the cheapest validated one of all, and a single type's plan may
    use any of its units.
@@ -505,8 +507,10 @@ def fleet_units(type_names: Sequence[str], topologies: Sequence[str]) -> dict[st
 
 def unit_specs(unit: Unit, profile: Profile, policy: Policy, engine: str, n_units: int = 1
                ) -> list[ReplicaSpec]:
-    """The replicas of ``n_units`` disaggregated units: all prefill replicas, then all
-    decode replicas (every one running ``policy``)."""
+    """The replicas of ``n_units`` units: all prefill replicas, then all decode replicas
+    (every one running ``policy``); ``n_units`` replicas of an aggregated unit."""
+    if not unit.disaggregated:
+        return [ReplicaSpec(profile, policy, engine)] * n_units
     return ([ReplicaSpec(profile, policy, engine, "prefill")] * (unit.prefill * n_units)
             + [ReplicaSpec(profile, policy, engine, "decode")] * (unit.decode * n_units))
 
@@ -739,10 +743,10 @@ def validate_units(
     seed: int = 0,
     min_window_s: float | None = None,
 ) -> list[TypeCheck]:
-    """Simulate the whole group of disaggregated units ``name`` as one cluster (n units =
-    nP prefill + nD decode replicas behind ``router``) on all the traffic routed to it, at
-    each slot of :func:`_slots_to_check`; stop at the first slot that misses the SLOs.
-    (Aggregated units keep :func:`validate_type`'s one-replica check.)"""
+    """Simulate the whole group of units ``name`` as one cluster (n disaggregated units =
+    nP prefill + nD decode replicas, or n aggregated replicas, behind ``router``) on all
+    the traffic routed to it, at each slot of :func:`_slots_to_check`; stop at the first
+    slot that misses the SLOs."""
     checks = []
     kv_link = _link(link)
     for s in _slots_to_check(inst, sol, name):
@@ -865,11 +869,13 @@ def plan_capacity(
     units: dict[str, Unit] | None = None,
     router: str = DEFAULT_ROUTER,
     link: str = DEFAULT_LINK,
+    cluster_checks: bool = False,
 ) -> PlanResult:
     """Solve the planning MILP, validate every planned type in simulation, derate the
     capacity of types that miss the SLOs, and re-solve until all meet them. With ``units``
     the MILP plans those serving units (``type_names`` then names units; ``capacity`` holds
-    each unit's, by unit name) and disaggregated ones are validated as clusters."""
+    each unit's, by unit name) and disaggregated ones are validated as clusters; with
+    ``cluster_checks`` the aggregated ones too (n replicas behind ``router``)."""
     units = units or {}
     names = list(type_names) if type_names is not None else (
         list(units) if units else [g.name for g in fleet.gpu_types])
@@ -900,7 +906,7 @@ def plan_capacity(
             u = plan_units[t]
             vkw = dict(engine=engine, n_requests=validate_requests, seed=seed,
                        min_window_s=min_window_s)
-            if u.disaggregated:
+            if u.disaggregated or cluster_checks:
                 checks += validate_units(inst, sol, t, u, slices, profiles[u.gpu_type],
                                          type_policy[t], slo, router=router, link=link, **vkw)
             else:
@@ -1364,7 +1370,7 @@ def run_plan(
             min_window_s=min_window_s, progress=progress)
     capacity_s = time.perf_counter() - t0
     kw = dict(engine=engine, validate_requests=validate_requests, min_window_s=min_window_s,
-              seed=seed, units=units, router=router, link=link)
+              seed=seed, units=units, router=router, link=link, cluster_checks=disagg)
     result = plan_capacity(fleet, forecast, slo, slices, profiles, capacity, growth=growth,
                            budget=budget, progress=progress, **kw)
     single: dict[str, dict[str, Any]] = {}
