@@ -12,6 +12,7 @@ Parameters
     headroom   plan each type's load to at most this share of its capacity (0 < u <= 1)
     n_max[t]   at most this many replicas of type t (omitted = unlimited)
     n_min[t]   at least this many replicas of type t in every slot
+    (with serving units, see below, T is the set of units U; these bounds are per unit)
     spare      1 with N+1 redundancy (each type in use carries one spare replica), else 0
     static     (option) replica counts may not change between slots (reserved GPUs)
     budget     (budget mode only) the most the plan may cost over all slots ($)
@@ -31,12 +32,25 @@ Constraints
     static_count:  n[t,s] = n[t,s-1] for s >= 1                (static option)
 Objective
     cost mode:    minimize  sum_{t,s} price[t] hours n[t,s]
-                            + eps sum_{b,t,s} hours f[b,t,s] lam[b,s] / mu[t,b]
-                  (eps = 1e-6 x the lowest price: among plans of equal cost, route each
-                  request where it uses the least capacity, which also makes the routing
-                  unique where idle replicas would leave it arbitrary)
+                            + eps sum_{b,t,s} hours size[t] f[b,t,s] lam[b,s] / mu[t,b]
+                  (eps = 1e-6 x the lowest price; size[t] = 1 without serving units, below:
+                  among plans of equal cost, route each request where it uses the least
+                  capacity in replicas, which also makes the routing unique where idle
+                  replicas would leave it arbitrary)
     budget mode:  maximize  sum_{b,s} hours lam[b,s] sum_t f[b,t,s]   (requests served)
                             - 1e-7 x cost  (the cheapest of equally-serving plans)
+
+Serving units (topologies). With ``unit_type`` set, each member of T is a serving unit
+``u`` of some GPU type ``g = gpu_of[u]``: one aggregated replica (``g``) or a
+disaggregated group ``g@P:D`` of P prefill and D decode replicas. Then
+    size[u]        replicas one unit uses (P+D; 1 for an aggregated unit); price[u] and
+                   mu[u,b] are the whole unit's ($ per unit-hour, req/s per unit)
+    type_max[g]    at most this many replicas of GPU type g, shared by g's units
+    type_min[g]    at least this many replicas of GPU type g in every slot
+    type_cap[g,s]: sum_{u: gpu_of[u]=g} size[u] n[u,s] <= type_max[g]
+    type_floor[g,s]: sum_{u: gpu_of[u]=g} size[u] n[u,s] >= type_min[g]
+N+1 then keeps one spare unit of every unit kind in use. Without ``unit_type`` every type
+is its own unit of size 1 and the model is the one above.
 
 In cost mode without the static option no constraint links two slots, so the model
 splits into one small MILP per slot; :func:`servetune.solvers.capacity.solve_capacity`
@@ -72,6 +86,28 @@ class CapacityInstance:
     n_plus_one: bool = False
     budget: float | None = None
     static: bool = False
+    # serving units (module docstring): unit -> its GPU type; unit -> replicas per unit
+    unit_type: dict[str, str] = field(default_factory=dict)
+    unit_size: dict[str, int] = field(default_factory=dict)
+    type_max: dict[str, int | None] = field(default_factory=dict)
+    type_min: dict[str, int] = field(default_factory=dict)
+
+    def gpu_of(self, u: str) -> str:
+        """The GPU type of unit ``u`` (a type is its own unit without serving units)."""
+        return self.unit_type.get(u, u)
+
+    def size(self, u: str) -> int:
+        """Replicas one unit ``u`` uses."""
+        return self.unit_size.get(u, 1)
+
+    def gpu_types(self) -> tuple[str, ...]:
+        """The GPU types of the units, in first-seen order."""
+        return tuple(dict.fromkeys(self.gpu_of(u) for u in self.types))
+
+    def type_replicas(self, sol: CapacitySolution, g: str, s: int) -> int:
+        """Replicas of GPU type ``g`` in slot ``s``: every unit of g, times its size."""
+        return sum(self.size(u) * sol.replicas.get((u, s), 0)
+                   for u in self.types if self.gpu_of(u) == g)
 
 
 @dataclass
@@ -165,6 +201,24 @@ def build_model(inst: CapacityInstance, *, budget_mode: bool = False) -> pyo.Con
 
     m.load_cap = pyo.Constraint(m.T, m.S, rule=load_cap)
 
+    if inst.unit_type:
+        G = inst.gpu_types()
+
+        def type_total(_m, g, s):
+            return sum(inst.size(u) * _m.n[u, s] for u in inst.types if inst.gpu_of(u) == g)
+
+        def type_cap(_m, g, s):
+            hi = inst.type_max.get(g)
+            return type_total(_m, g, s) <= hi if hi is not None else pyo.Constraint.Skip
+
+        def type_floor(_m, g, s):
+            lo = inst.type_min.get(g, 0)
+            return type_total(_m, g, s) >= lo if lo > 0 else pyo.Constraint.Skip
+
+        m.G = pyo.Set(initialize=list(G), ordered=True)
+        m.type_cap = pyo.Constraint(m.G, m.S, rule=type_cap)
+        m.type_floor = pyo.Constraint(m.G, m.S, rule=type_floor)
+
     if inst.static:
         m.static_count = pyo.Constraint(
             m.T, m.S,
@@ -182,8 +236,9 @@ def build_model(inst: CapacityInstance, *, budget_mode: bool = False) -> pyo.Con
         m.objective = pyo.Objective(expr=served - 1e-7 * cost, sense=pyo.maximize)
     else:
         eps = 1e-6 * min(inst.price.values())
+        # in replicas: a unit's capacity share weighs its size (1 without serving units)
         used_capacity = sum(
-            m.hours * m.f[b, t, s] * m.lam[b, s] / m.mu[t, b]
+            m.hours * inst.size(t) * m.f[b, t, s] * m.lam[b, s] / m.mu[t, b]
             for b in m.B for t in m.T for s in m.S if inst.mu[t, b] > 0
         )
         m.objective = pyo.Objective(expr=cost + eps * used_capacity, sense=pyo.minimize)

@@ -116,11 +116,19 @@ def _explain_infeasible(
     gap, s, b = gaps[0] if gaps else (0.0, 0, inst.buckets[0])
     if slot_index is not None:
         s = slot_index
-    limits = [
-        f"{t}: max {inst.n_max[t]} replicas"
-        for t in inst.types
-        if inst.n_max.get(t) is not None and inst.mu[t, b] > 0
-    ]
+    if inst.unit_type:  # serving units: the shared per-GPU-type limits bind
+        limits = [
+            f"{g}: max {inst.type_max[g]} replicas"
+            for g in inst.gpu_types()
+            if inst.type_max.get(g) is not None
+            and any(inst.mu[u, b] > 0 for u in inst.types if inst.gpu_of(u) == g)
+        ]
+    else:
+        limits = [
+            f"{t}: max {inst.n_max[t]} replicas"
+            for t in inst.types
+            if inst.n_max.get(t) is not None and inst.mu[t, b] > 0
+        ]
     limit_text = ", ".join(limits) if limits else "the count limits"
     return InfeasibleError(
         f"capacity plan: count limit too low: slot {s} leaves {gap:.3g} req/s of bucket {b} "
@@ -132,6 +140,7 @@ def _explain_infeasible(
             "bucket": b,
             "unserved_rate_per_s": gap,
             "served_share": sol.served_share,
-            "limits": {t: inst.n_max.get(t) for t in inst.types},
+            "limits": ({g: inst.type_max.get(g) for g in inst.gpu_types()} if inst.unit_type
+                       else {t: inst.n_max.get(t) for t in inst.types}),
         },
     )

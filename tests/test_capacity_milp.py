@@ -190,3 +190,67 @@ def test_idle_unservable_bucket_is_not_infeasible() -> None:
     assert sol.replicas == {("a", 0): 0, ("b", 0): 5}  # as in test_hand_solved_two_slots
     assert sol.cost == pytest.approx(5.0)
     assert not any(b == "idle" for b, _t, _s in sol.routing)
+
+
+def _unit_inst(**kw) -> CapacityInstance:
+    # One GPU type g ($1 per replica-hour) as an aggregated unit `g` and a 1:1 unit `g@1:1`
+    # (2 replicas, $2): per GPU the unit serves "long" 3x better (6/2 = 3 vs 1) and "short"
+    # worse (6/2 = 3 vs 4). Type `b` ($5) is aggregated only.
+    base = dict(
+        types=("g", "g@1:1", "b"),
+        buckets=("short", "long"),
+        n_slots=1,
+        lam={("short", 0): 8.0, ("long", 0): 6.0},
+        mu={("g", "short"): 4.0, ("g", "long"): 1.0, ("g@1:1", "short"): 6.0,
+            ("g@1:1", "long"): 6.0, ("b", "short"): 4.0, ("b", "long"): 1.0},
+        price={"g": 1.0, "g@1:1": 2.0, "b": 5.0},
+        unit_type={"g": "g", "g@1:1": "g", "b": "b"},
+        unit_size={"g": 1, "g@1:1": 2, "b": 1},
+    )
+    base.update(kw)
+    return CapacityInstance(**base)
+
+
+def test_units_pick_disaggregated_for_long_and_aggregated_for_short() -> None:
+    # short on g: 8/4 = 2 replicas ($2); long on one 1:1 unit: 6/6 = 1 unit ($2) -> $4.
+    # (all aggregated: 2 + 6 = 8 replicas, $8; all on 1:1 units: 14/6 -> 3 units, $6)
+    sol = solve_capacity(_unit_inst())
+    assert sol.replicas == {("g", 0): 2, ("g@1:1", 0): 1, ("b", 0): 0}
+    assert sol.cost == pytest.approx(4.0)
+    assert sol.routing == {("short", "g", 0): 1.0, ("long", "g@1:1", 0): 1.0}
+    inst = _unit_inst()
+    assert inst.gpu_types() == ("g", "b")
+    assert inst.type_replicas(sol, "g", 0) == 4  # 2 aggregated + 1 unit of 2
+
+
+def test_shared_type_limit_binds_across_units() -> None:
+    # At most 3 replicas of g over both its units: 2 + 2 no longer fits. Best: 1 aggregated
+    # replica (short 4 req/s) + one 1:1 unit (long 6 req/s) = 3 replicas of g, and the other
+    # 4 req/s of short on one b replica ($5): $8. (3 aggregated g: short 8 = 2 replicas, 1
+    # left for 1 req/s of long, the other 5 on b: 5 x $5; far dearer.)
+    sol = solve_capacity(_unit_inst(type_max={"g": 3, "b": None}))
+    assert sol.replicas == {("g", 0): 1, ("g@1:1", 0): 1, ("b", 0): 1}
+    assert sol.cost == pytest.approx(8.0)
+    assert _unit_inst().type_replicas(sol, "g", 0) == 3
+    # too low a shared limit is infeasible and names the GPU type's limit, not a unit's
+    with pytest.raises(InfeasibleError, match="g: max 1 replicas") as err:
+        solve_capacity(_unit_inst(type_max={"g": 1, "b": 0}))
+    assert err.value.details["limits"] == {"g": 1, "b": 0}
+
+
+def test_shared_type_floor() -> None:
+    # min 5 replicas of g: the $4 plan has 4; one more aggregated replica is the cheapest fix
+    sol = solve_capacity(_unit_inst(type_min={"g": 5}))
+    assert _unit_inst().type_replicas(sol, "g", 0) == 5
+    assert sol.cost == pytest.approx(5.0)
+
+
+def test_equal_cost_plans_prefer_the_unit_using_fewer_replicas() -> None:
+    # 7 req/s of short: 2 aggregated replicas (1.75 replicas of capacity used) or one 1:1
+    # unit (7/7 of a 2-replica unit = 2 replicas used) cost the same $2; the tie-break
+    # counts capacity in replicas, so the aggregated replicas win
+    sol = solve_capacity(_unit_inst(
+        lam={("short", 0): 7.0, ("long", 0): 0.0},
+        mu={("g", "short"): 4.0, ("g", "long"): 1.0, ("g@1:1", "short"): 7.0,
+            ("g@1:1", "long"): 6.0, ("b", "short"): 4.0, ("b", "long"): 1.0}))
+    assert sol.replicas == {("g", 0): 2, ("g@1:1", 0): 0, ("b", 0): 0}

@@ -29,6 +29,22 @@
    meets the SLOs in simulation.
 4. **Comparison.** The same loop restricted to each single GPU type gives the cheapest
    single-type plan; a growth sweep re-plans at each load multiplier.
+5. **Topologies** (``topologies``, default ``("agg",)``: steps 1-4 exactly). Each GPU
+   type t also offers disaggregated units ``t@P:D`` (:class:`Unit`: P prefill + D decode
+   replicas, costing P+D replicas). The MILP plans units instead of types, with the
+   type's GPU limits shared by its units (``type_cap``/``type_floor`` of
+   :mod:`servetune.models.capacity_milp`). A unit's capacity per bucket
+   (:func:`unit_capacity`) is its goodput in the cluster simulator behind ``router`` with
+   KV over ``link``, every replica under the policy step 2 chose for that (type, bucket)
+   (a simplification: no policy is tuned for the prefill or decode role), cached like a
+   replica's with the topology, router and link in the key. Validation simulates each
+   planned group of units as one cluster behind the router on all the traffic routed to
+   it (n units of P:D = nP prefill + nD decode replicas; n aggregated replicas), so the
+   aggregated units of such a plan are checked behind the router as well (with ``agg``
+   alone, step 3's one-replica check stands). The comparison adds
+   the cheapest aggregated-only and disaggregated-only plans (:func:`topology_plans`);
+   the plan written is the cheapest validated one of all, and a single type's plan may
+   use any of its units.
 """
 
 from __future__ import annotations
@@ -58,7 +74,10 @@ from servetune.schemas.fleet import CapacityPlan, Fleet, Forecast, PlanBucket, P
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
 from servetune.sim import goodput, simulate
+from servetune.sim.api import base_rate_per_s, simulate_cluster
+from servetune.sim.cluster import LINKS, ROUTERS, ReplicaSpec
 from servetune.sim.engine import ENGINE_MODEL_VERSION
+from servetune.sim.goodput import goodput_search
 from servetune.solvers.capacity import solve_capacity
 from servetune.steady_state import MAX_WINDOW_REQUESTS, arrivals_in, steady_window_s
 from servetune.workloads.fitting import load_workload, sample_trace
@@ -411,6 +430,214 @@ def replica_capacity(
     return result
 
 
+# ------------------------------------------------------------- serving units (topologies)
+
+AGG = "agg"
+DEFAULT_TOPOLOGIES = (AGG,)
+DEFAULT_ROUTER = "least_kv"
+DEFAULT_LINK = "infiniband"
+MAX_RATIO_SIDE = 8  # replicas per side of a P:D unit: beyond any useful ratio
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A serving unit of one GPU type: one aggregated replica (``prefill == 0``) or a
+    disaggregated group of ``prefill`` prefill and ``decode`` decode replicas."""
+
+    gpu_type: str
+    prefill: int = 0
+    decode: int = 0
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill > 0
+
+    @property
+    def topology(self) -> str:
+        return f"{self.prefill}:{self.decode}" if self.disaggregated else AGG
+
+    @property
+    def name(self) -> str:
+        """``h200`` (aggregated: the type's own name, as plans without units use) or
+        ``h200@1:2``; GPU type names cannot hold '@' or ':'."""
+        return f"{self.gpu_type}@{self.topology}" if self.disaggregated else self.gpu_type
+
+    @property
+    def size(self) -> int:
+        return self.prefill + self.decode if self.disaggregated else 1
+
+
+def parse_topologies(text: str | Sequence[str]) -> tuple[str, ...]:
+    """``agg,1:1,1:2`` -> ("agg", "1:1", "1:2") (duplicates dropped, order kept); a P:D
+    ratio needs whole P and D from 1 to :data:`MAX_RATIO_SIDE`."""
+    items = [x.strip() for x in text.split(",")] if isinstance(text, str) else list(text)
+    out: list[str] = []
+    for item in items:
+        if not item:
+            continue
+        if item != AGG:
+            p, _, d = item.partition(":")
+            if not (p.isdigit() and d.isdigit()
+                    and 1 <= int(p) <= MAX_RATIO_SIDE and 1 <= int(d) <= MAX_RATIO_SIDE):
+                raise ServetuneError(
+                    f"argument `topologies`: {item!r} is neither 'agg' nor a prefill:decode "
+                    f"ratio like 1:2 (whole numbers 1 to {MAX_RATIO_SIDE}); e.g. agg,1:1,1:2"
+                )
+            item = f"{int(p)}:{int(d)}"
+        if item not in out:
+            out.append(item)
+    if not out:
+        raise ServetuneError("argument `topologies`: name at least one (e.g. agg,1:1)")
+    return tuple(out)
+
+
+def fleet_units(type_names: Sequence[str], topologies: Sequence[str]) -> dict[str, Unit]:
+    """Every unit of every GPU type, by name: per type, its topologies in the given order."""
+    units: dict[str, Unit] = {}
+    for t in type_names:
+        for topo in topologies:
+            if topo == AGG:
+                u = Unit(t)
+            else:
+                p, d = topo.split(":")
+                u = Unit(t, int(p), int(d))
+            units[u.name] = u
+    return units
+
+
+def unit_specs(unit: Unit, profile: Profile, policy: Policy, engine: str, n_units: int = 1
+               ) -> list[ReplicaSpec]:
+    """The replicas of ``n_units`` units: all prefill replicas, then all decode replicas
+    (every one running ``policy``); ``n_units`` replicas of an aggregated unit."""
+    if not unit.disaggregated:
+        return [ReplicaSpec(profile, policy, engine)] * n_units
+    return ([ReplicaSpec(profile, policy, engine, "prefill")] * (unit.prefill * n_units)
+            + [ReplicaSpec(profile, policy, engine, "decode")] * (unit.decode * n_units))
+
+
+def _link(name: str) -> Any:
+    if name not in LINKS:
+        raise ServetuneError(f"argument `link`: {name!r} is unknown; choose one of "
+                             f"{', '.join(LINKS)}")
+    return LINKS[name]
+
+
+def unit_capacity(
+    unit: Unit,
+    profile: Profile,
+    slices: WorkloadSlices,
+    bucket: str,
+    slo: SLOSet,
+    agg: ReplicaCapacity,
+    *,
+    router: str = DEFAULT_ROUTER,
+    link: str = DEFAULT_LINK,
+    engine: str = "vllm",
+    n_requests: int = 1000,
+    seed: int = 0,
+    cache_dir: Path | None = None,
+    min_window_s: float | None = None,
+) -> ReplicaCapacity:
+    """Goodput (req/s) of one disaggregated unit (its P prefill and D decode replicas behind
+    ``router``, KV over ``link``) serving bucket ``bucket`` alone, every replica under the
+    policy the aggregated capacity ``agg`` chose for that bucket; cached on disk like
+    :func:`replica_capacity`, with the topology, router and link in the key. A bucket one
+    aggregated replica cannot serve at all gets 0 without simulating: a prefill or decode
+    replica holds the whole prompt's KV as the aggregated replica does."""
+    if not unit.disaggregated:
+        return agg
+    if agg.rate_per_s <= 0:
+        return ReplicaCapacity(0.0, agg.policy, f"cluster:{router}", 0)
+    policy = agg.policy
+    key = sha256_json({
+        "v": CACHE_VERSION,
+        "engine_model": ENGINE_MODEL_VERSION,
+        "topology": [unit.prefill, unit.decode, router, link],
+        "profile": profile.model_dump(mode="json"),
+        "pool": slices.pool_hash(bucket),
+        "slo": slo.model_dump(mode="json"),
+        "engine": engine,
+        "policy": policy.model_dump(mode="json"),
+        "n": n_requests,
+        "window": [window_s(min_window_s), MAX_WINDOW_REQUESTS],
+        "seed": seed,
+    })
+    cdir = cache_dir if cache_dir is not None else default_cache_dir()
+    path = cdir / f"{key}.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            return ReplicaCapacity(float(data["rate_per_s"]), policy, data["method"],
+                                   int(data["simulations"]), cached=True)
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged entry is recomputed and overwritten
+    specs = unit_specs(unit, profile, policy, engine)
+    kv_link = _link(link)
+    sims = 0
+
+    def search(trace: Trace, start: float) -> float:
+        nonlocal sims
+
+        def evaluate(scale: float) -> tuple[bool, dict[str, Any]]:
+            nonlocal sims
+            sims += 1
+            res, _out = simulate_cluster(trace, specs, router=router, link=kv_link,
+                                         rate_scale=scale)
+            return res.meets_slo(slo), {}
+
+        return goodput_search(evaluate, base_rate_per_s(trace), start=start,
+                              rel_tol=0.03).rate_per_s
+
+    # The unit has unit.size replicas: start the search near size x one replica's goodput.
+    n = n_requests
+    trace = slices.mixed_trace({bucket: 1.0}, n, seed)
+    rate = search(trace, min(max(agg.rate_per_s * unit.size, 1.0 / 1024), 1024.0))
+    for _ in range(3):  # steady state, as replica_capacity: lengthen short runs
+        n_next = window_requests(rate, n, min_window_s)
+        if n_next <= n:
+            break
+        n = n_next
+        trace = slices.mixed_trace({bucket: 1.0}, n, seed)
+        rate = search(trace, min(max(rate, 1.0 / 1024), 1024.0))
+    method = f"cluster:{router}"
+    try:
+        cdir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps({
+            "rate_per_s": rate, "method": method, "simulations": sims,
+            "profile": getattr(profile, "name", ""), "bucket": bucket,
+            "topology": unit.topology,
+        }, sort_keys=True))
+    except ServetuneError:
+        pass  # an unwritable cache only costs time
+    return ReplicaCapacity(rate, policy, method, sims)
+
+
+def measure_unit_capacities(
+    units: dict[str, Unit],
+    slices: WorkloadSlices,
+    profiles: dict[str, Profile],
+    slo: SLOSet,
+    capacity: dict[tuple[str, str], ReplicaCapacity],
+    *,
+    progress: Progress | None = None,
+    **kw: Any,
+) -> dict[tuple[str, str], ReplicaCapacity]:
+    """``capacity`` (the aggregated replicas', by GPU type) extended with every
+    disaggregated unit's, by unit name (:func:`unit_capacity`)."""
+    out = dict(capacity)
+    for name, u in units.items():
+        if not u.disaggregated:
+            continue
+        for b in slices.names:
+            cap = unit_capacity(u, profiles[u.gpu_type], slices, b, slo,
+                                capacity[u.gpu_type, b], **kw)
+            out[name, b] = cap
+            if progress:
+                src = "cache" if cap.cached else f"{cap.simulations} simulations"
+                progress(f"capacity {name} {b}: {cap.rate_per_s:.3g} req/s ({src})")
+    return out
+
+
 # --------------------------------------------------------------------- plan and validate
 
 
@@ -436,6 +663,7 @@ class PlanResult:
     solver_s: float
     simulation_s: float
     history: list[dict[str, Any]] = field(default_factory=list)
+    units: dict[str, Unit] = field(default_factory=dict)  # unit name -> unit (all planned)
 
 
 def _dominant_bucket(inst: CapacityInstance, sol: CapacitySolution, t: str) -> str | None:
@@ -491,18 +719,61 @@ def validate_type(
         n = window_requests(sum(rates.values()), n_requests, min_window_s)
         trace = slices.mixed_trace(rates, n, seed + 1000 + s)
         result = simulate(trace, policy, profile, engine=engine)
-        verdicts = result.slo_verdicts(slo)
-        check = TypeCheck(
-            gpu_type=t, slot=s, per_replica_rate_per_s=float(sum(rates.values())),
-            meets_slo=all(ok for ok, _ in verdicts.values()),
-            attainment=result.attainment(slo),
-            verdicts={c: {"meets_slo": ok, **{k: (None if v != v else v) for k, v in d.items()}}
-                      for c, (ok, d) in verdicts.items()},
-        )
+        check = _check_of(t, s, float(sum(rates.values())), result, slo)
         checks.append(check)
         if not check.meets_slo:
             break
     return checks
+
+
+def validate_units(
+    inst: CapacityInstance,
+    sol: CapacitySolution,
+    name: str,
+    unit: Unit,
+    slices: WorkloadSlices,
+    profile: Profile,
+    policy: Policy,
+    slo: SLOSet,
+    *,
+    router: str = DEFAULT_ROUTER,
+    link: str = DEFAULT_LINK,
+    engine: str = "vllm",
+    n_requests: int = 2000,
+    seed: int = 0,
+    min_window_s: float | None = None,
+) -> list[TypeCheck]:
+    """Simulate the whole group of units ``name`` as one cluster (n disaggregated units =
+    nP prefill + nD decode replicas, or n aggregated replicas, behind ``router``) on all
+    the traffic routed to it, at each slot of :func:`_slots_to_check`; stop at the first
+    slot that misses the SLOs."""
+    checks = []
+    kv_link = _link(link)
+    for s in _slots_to_check(inst, sol, name):
+        n_units = sol.replicas[name, s]
+        rates = {b: sol.routing.get((b, name, s), 0.0) * inst.lam[b, s] for b in inst.buckets}
+        rates = {b: r for b, r in rates.items() if r > 1e-12}
+        total = float(sum(rates.values()))
+        trace = slices.mixed_trace(rates, window_requests(total, n_requests, min_window_s),
+                                   seed + 1000 + s)
+        result, _out = simulate_cluster(trace, unit_specs(unit, profile, policy, engine,
+                                                          n_units),
+                                        router=router, link=kv_link)
+        checks.append(_check_of(name, s, total / n_units, result, slo))
+        if not checks[-1].meets_slo:
+            break
+    return checks
+
+
+def _check_of(name: str, s: int, rate: float, result: Any, slo: SLOSet) -> TypeCheck:
+    verdicts = result.slo_verdicts(slo)
+    return TypeCheck(
+        gpu_type=name, slot=s, per_replica_rate_per_s=rate,
+        meets_slo=all(ok for ok, _ in verdicts.values()),
+        attainment=result.attainment(slo),
+        verdicts={c: {"meets_slo": ok, **{k: (None if v != v else v) for k, v in d.items()}}
+                  for c, (ok, d) in verdicts.items()},
+    )
 
 
 def build_instance(
@@ -514,7 +785,14 @@ def build_instance(
     n_slots: int,
     hours: float,
     budget: float | None = None,
+    units: dict[str, Unit] | None = None,
 ) -> CapacityInstance:
+    """The MILP instance over ``type_names``: GPU types, or unit names of ``units``. With
+    any disaggregated unit among them, the instance has serving units (the model's
+    docstring); otherwise it is the plain per-type instance."""
+    if units and any(units[u].disaggregated for u in type_names):
+        return _unit_instance(fleet, [units[u] for u in type_names], slices, lam, mu,
+                              n_slots, hours, budget)
     types = [fleet.type_named(n) for n in type_names]
     return CapacityInstance(
         types=tuple(type_names),
@@ -530,6 +808,41 @@ def build_instance(
         n_plus_one=fleet.redundancy == "n+1",
         budget=budget,
         static=fleet.scaling == "static",
+    )
+
+
+def _unit_instance(
+    fleet: Fleet,
+    units: Sequence[Unit],
+    slices: WorkloadSlices,
+    lam: dict[tuple[str, int], float],
+    mu: dict[tuple[str, str], float],
+    n_slots: int,
+    hours: float,
+    budget: float | None,
+) -> CapacityInstance:
+    gpu = {u.gpu_type: fleet.type_named(u.gpu_type) for u in units}
+    names = tuple(u.name for u in units)
+    return CapacityInstance(
+        types=names,
+        buckets=slices.names,
+        n_slots=n_slots,
+        lam=lam,
+        mu={(u, b): mu[u, b] for u in names for b in slices.names},
+        price={u.name: gpu[u.gpu_type].price_per_replica_hour() * u.size for u in units},
+        hours=hours,
+        headroom=fleet.utilization_headroom,
+        # a unit alone never exceeds its type's limit; the shared limit is type_cap
+        n_max={u.name: (None if gpu[u.gpu_type].max_replicas() is None
+                        else gpu[u.gpu_type].max_replicas() // u.size) for u in units},
+        n_min={},
+        n_plus_one=fleet.redundancy == "n+1",
+        budget=budget,
+        static=fleet.scaling == "static",
+        unit_type={u.name: u.gpu_type for u in units},
+        unit_size={u.name: u.size for u in units},
+        type_max={t: g.max_replicas() for t, g in gpu.items()},
+        type_min={t: g.min_replicas() for t, g in gpu.items()},
     )
 
 
@@ -553,10 +866,20 @@ def plan_capacity(
     seed: int = 0,
     time_limit_s: float = 30.0,
     progress: Progress | None = None,
+    units: dict[str, Unit] | None = None,
+    router: str = DEFAULT_ROUTER,
+    link: str = DEFAULT_LINK,
+    cluster_checks: bool = False,
 ) -> PlanResult:
     """Solve the planning MILP, validate every planned type in simulation, derate the
-    capacity of types that miss the SLOs, and re-solve until all meet them."""
-    names = list(type_names) if type_names is not None else [g.name for g in fleet.gpu_types]
+    capacity of types that miss the SLOs, and re-solve until all meet them. With ``units``
+    the MILP plans those serving units (``type_names`` then names units; ``capacity`` holds
+    each unit's, by unit name) and disaggregated ones are validated as clusters; with
+    ``cluster_checks`` the aggregated ones too (n replicas behind ``router``)."""
+    units = units or {}
+    names = list(type_names) if type_names is not None else (
+        list(units) if units else [g.name for g in fleet.gpu_types])
+    plan_units = {u: units.get(u, Unit(u)) for u in names}
     lam = slices.bucket_rates(forecast, growth)
     mu = {(t, b): capacity[t, b].rate_per_s for t in names for b in slices.names}
     solver_s = sim_s = 0.0
@@ -567,7 +890,7 @@ def plan_capacity(
     while True:
         rounds += 1
         inst = build_instance(fleet, names, slices, lam, mu, forecast.n_slots,
-                              forecast.slot_s / 3600.0, budget)
+                              forecast.slot_s / 3600.0, budget, plan_units)
         t0 = time.perf_counter()
         sol = solve_capacity(inst, time_limit_s=time_limit_s)
         solver_s += time.perf_counter() - t0
@@ -580,9 +903,15 @@ def plan_capacity(
         t0 = time.perf_counter()
         checks = []
         for t in names:
-            checks += validate_type(inst, sol, t, slices, profiles[t], type_policy[t], slo,
-                                    engine=engine, n_requests=validate_requests, seed=seed,
-                                    min_window_s=min_window_s)
+            u = plan_units[t]
+            vkw = dict(engine=engine, n_requests=validate_requests, seed=seed,
+                       min_window_s=min_window_s)
+            if u.disaggregated or cluster_checks:
+                checks += validate_units(inst, sol, t, u, slices, profiles[u.gpu_type],
+                                         type_policy[t], slo, router=router, link=link, **vkw)
+            else:
+                checks += validate_type(inst, sol, t, slices, profiles[t], type_policy[t],
+                                        slo, **vkw)
         sim_s += time.perf_counter() - t0
         failing = sorted({c.gpu_type for c in checks if not c.meets_slo}, key=names.index)
         history.append({"round": rounds, "cost": sol.cost, "failing": failing})
@@ -601,7 +930,7 @@ def plan_capacity(
                     if sol.routing.get((b, c.gpu_type, c.slot), 0.0) > 0:
                         mu[c.gpu_type, b] *= derate
     return PlanResult(inst, sol, dict(capacity), type_policy, checks, rounds, validated,
-                      solver_s, sim_s, history)
+                      solver_s, sim_s, history, plan_units)
 
 
 def measure_capacities(
@@ -640,23 +969,63 @@ def single_type_plans(
     capacity: dict[tuple[str, str], ReplicaCapacity],
     **kw: Any,
 ) -> dict[str, dict[str, Any]]:
-    """For each GPU type alone: its validated plan's cost, or why it cannot serve."""
+    """For each GPU type alone (with every unit of it in ``units``, if given): its
+    validated plan's cost, or why it cannot serve."""
+    units: dict[str, Unit] = kw.get("units") or {}
     out: dict[str, dict[str, Any]] = {}
     for g in fleet.gpu_types:
-        try:
-            res = plan_capacity(fleet, forecast, slo, slices, profiles, capacity,
-                                type_names=[g.name], **kw)
-        except InfeasibleError as err:
-            out[g.name] = {"feasible": False, "reason": err.message}
-            continue
-        out[g.name] = {
-            "feasible": True,
-            "cost": res.solution.cost,
-            "validated": res.validated,
-            "peak_replicas": max(res.solution.replicas[g.name, s]
-                                 for s in range(forecast.n_slots)),
-            "result": res,
-        }
+        names = [u for u, unit in units.items() if unit.gpu_type == g.name] or [g.name]
+        out[g.name] = _plan_entry(fleet, forecast, slo, slices, profiles, capacity, names,
+                                  gpu_type=g.name, **kw)
+    return out
+
+
+def _plan_entry(fleet: Fleet, forecast: Forecast, slo: SLOSet, slices: WorkloadSlices,
+                profiles: dict[str, Profile], capacity: dict[tuple[str, str], ReplicaCapacity],
+                names: list[str], *, gpu_type: str | None = None, **kw: Any
+                ) -> dict[str, Any]:
+    """The plan restricted to units ``names``: its cost and validation, or why none fits;
+    ``peak_replicas`` of ``gpu_type``, else of every GPU type."""
+    try:
+        res = plan_capacity(fleet, forecast, slo, slices, profiles, capacity,
+                            type_names=names, **kw)
+    except InfeasibleError as err:
+        return {"feasible": False, "reason": err.message}
+    inst, sol = res.instance, res.solution
+    peak = {g: max(inst.type_replicas(sol, g, s) for s in range(inst.n_slots))
+            for g in inst.gpu_types()}
+    return {
+        "feasible": True,
+        "cost": sol.cost,
+        "validated": res.validated,
+        "peak_replicas": peak[gpu_type] if gpu_type is not None else peak,
+        "result": res,
+    }
+
+
+TOPOLOGY_PLANS = ("aggregated", "disaggregated")
+
+
+def topology_plans(
+    fleet: Fleet,
+    forecast: Forecast,
+    slo: SLOSet,
+    slices: WorkloadSlices,
+    profiles: dict[str, Profile],
+    capacity: dict[tuple[str, str], ReplicaCapacity],
+    **kw: Any,
+) -> dict[str, dict[str, Any]]:
+    """The cheapest validated plan with aggregated units only and with disaggregated units
+    only (every GPU type), as :func:`single_type_plans` gives each type alone; a kind with
+    no unit among ``units`` is left out."""
+    units: dict[str, Unit] = kw.get("units") or {}
+    out: dict[str, dict[str, Any]] = {}
+    for kind in TOPOLOGY_PLANS:
+        names = [u for u, unit in units.items()
+                 if unit.disaggregated == (kind == "disaggregated")]
+        if names:
+            out[kind] = _plan_entry(fleet, forecast, slo, slices, profiles, capacity, names,
+                                    **kw)
     return out
 
 
@@ -674,9 +1043,10 @@ def plan_costs(inst: CapacityInstance, sol: CapacitySolution) -> dict[str, Any]:
         _r(sum(inst.price[t] * sol.replicas[t, s] for t in inst.types), 4)
         for s in range(inst.n_slots)
     ]
-    by_type = {
-        t: _r(sum(inst.price[t] * inst.hours * sol.replicas[t, s] for s in range(inst.n_slots)), 4)
-        for t in inst.types
+    by_type = {  # by GPU type: a type's units summed
+        g: _r(sum(inst.price[t] * inst.hours * sol.replicas[t, s] for s in range(inst.n_slots)
+                  for t in inst.types if inst.gpu_of(t) == g), 4)
+        for g in inst.gpu_types()
     }
     return {
         "hourly_usd": hourly,
@@ -721,26 +1091,35 @@ def plan_document(
     engine: str,
     sample: dict[str, Any],
     name: str = "plan",
+    topology: dict[str, Any] | None = None,
 ) -> CapacityPlan:
-    """The CapacityPlan document (deterministic: no wall-clock values)."""
+    """The CapacityPlan document (deterministic: no wall-clock values); ``topology`` is
+    :func:`topology_section`'s (omitted for aggregated-only plans)."""
     inst, sol = result.instance, result.solution
     S = range(inst.n_slots)
+    gpu_types = inst.gpu_types()
     types = []
-    for t in inst.types:
+    for t in gpu_types:
         g = fleet.type_named(t)
+        # the aggregated replica's capacity and policy (measured, where no agg unit is planned)
+        mu = {b: inst.mu[t, b] if t in inst.types else result.capacity[t, b].rate_per_s
+              for b in inst.buckets}
+        policy = result.type_policy.get(t) or next(
+            result.type_policy[u] for u in inst.types if inst.gpu_of(u) == t)
         types.append(PlanGPUType(
             name=t,
             profile=profile_paths[t],
             price_per_gpu_hour=g.price_per_gpu_hour,
             gpus_per_replica=g.replica_gpus,
-            capacity_rate_per_s={b: _r(inst.mu[t, b], 4) for b in inst.buckets},
-            policy=result.type_policy[t].model_dump(mode="json"),
+            capacity_rate_per_s={b: _r(v, 4) for b, v in mu.items()},
+            policy=policy.model_dump(mode="json"),
         ))
     routing: dict[str, dict[str, list[float]]] = {}
     for b in inst.buckets:
         routing[b] = {}
-        for t in inst.types:
-            row = [_r(sol.routing.get((b, t, s), 0.0), 6) for s in S]
+        for t in gpu_types:  # a GPU type's units summed
+            row = [_r(sum(sol.routing.get((b, u, s), 0.0) for u in inst.types
+                          if inst.gpu_of(u) == t), 6) for s in S]
             if any(row):
                 routing[b][t] = row
     bucket_rows = [
@@ -772,9 +1151,9 @@ def plan_document(
         sample=sample,
         buckets=bucket_rows,
         gpu_types=types,
-        replicas={t: [sol.replicas[t, s] for s in S] for t in inst.types},
-        gpus={t: [sol.replicas[t, s] * fleet.type_named(t).replica_gpus for s in S]
-              for t in inst.types},
+        replicas={t: [inst.type_replicas(sol, t, s) for s in S] for t in gpu_types},
+        gpus={t: [inst.type_replicas(sol, t, s) * fleet.type_named(t).replica_gpus for s in S]
+              for t in gpu_types},
         routing=routing,
         cost=cost,
         single_type=single_out,
@@ -787,7 +1166,61 @@ def plan_document(
         solver={"status": sol.status, "headroom": inst.headroom,
                 "redundancy": fleet.redundancy, "scaling": fleet.scaling,
                 "budget_usd": inst.budget, "served_share": _r(sol.served_share, 4)},
+        topology=topology or {},
     )
+
+
+def _peak_gpus(fleet: Fleet, peak_replicas: dict[str, int]) -> dict[str, int]:
+    return {t: n * fleet.type_named(t).replica_gpus for t, n in peak_replicas.items()}
+
+
+def topology_section(
+    result: PlanResult,
+    fleet: Fleet,
+    compared: dict[str, dict[str, Any]],
+    *,
+    topologies: Sequence[str],
+    router: str,
+    link: str,
+) -> dict[str, Any]:
+    """The plan's ``topology``: the options, which topology each GPU type got (``agg``,
+    ``1:2``, ``agg+1:2`` where it runs both, ``none`` where unused), every unit's
+    capacity, count and routing, and the aggregated-only, disaggregated-only and mixed
+    (this) plans' daily costs side by side."""
+    inst, sol = result.instance, result.solution
+    S = range(inst.n_slots)
+    day = 24.0 / (inst.n_slots * inst.hours)
+    chosen: dict[str, str] = {}
+    units: dict[str, Any] = {}
+    for u in inst.types:
+        unit = result.units.get(u, Unit(u))
+        counts = [sol.replicas[u, s] for s in S]
+        if any(counts):
+            chosen[unit.gpu_type] = "+".join(
+                x for x in (chosen.get(unit.gpu_type), unit.topology) if x)
+        units[u] = {
+            "gpu_type": unit.gpu_type, "topology": unit.topology,
+            "prefill_replicas": unit.prefill, "decode_replicas": unit.decode,
+            "replicas_per_unit": unit.size,
+            "capacity_rate_per_s": {b: _r(inst.mu[u, b], 4) for b in inst.buckets},
+            "units": counts,
+            "routing": {b: row for b in inst.buckets
+                        if any(row := [_r(sol.routing.get((b, u, s), 0.0), 6) for s in S])},
+        }
+    per_type = {t: chosen.get(t, "none") for t in inst.gpu_types()}
+    comparison: dict[str, Any] = {}
+    for kind, v in compared.items():
+        comparison[kind] = (
+            {"feasible": True, "daily_usd": _r(v["cost"] * day, 4), "validated": v["validated"],
+             "peak_gpus": _peak_gpus(fleet, v["peak_replicas"])}
+            if v.get("feasible") else {"feasible": False, "reason": v["reason"]})
+    comparison["mixed"] = {"feasible": True, "daily_usd": _r(sol.cost * day, 4),
+                           "validated": result.validated}
+    # on a tie the mixed plan (this one) is named: it is the plan written
+    costs = [(v["daily_usd"], k != "mixed", k) for k, v in comparison.items() if v.get("feasible")]
+    comparison["cheapest"] = min(costs)[2]
+    return {"options": list(topologies), "router": router, "link": link,
+            "per_type": per_type, "units": units, "comparison": comparison}
 
 
 # ------------------------------------------------------------------- the whole command
@@ -871,6 +1304,9 @@ def run_plan(
     model: str | None = None,
     seed: int = 0,
     progress: Progress | None = None,
+    topologies: Sequence[str] | str = DEFAULT_TOPOLOGIES,
+    router: str = DEFAULT_ROUTER,
+    link: str = DEFAULT_LINK,
 ) -> PlanRun:
     """Everything ``servetune plan`` does, as a function: load, bucket, measure capacity
     (cached), plan and validate, compare with single types, optionally sweep growth."""
@@ -883,6 +1319,17 @@ def run_plan(
     slo = load_document(slo_path, SLOSet)
     if not (growth > 0 and math.isfinite(growth)):
         raise ServetuneError(f"argument `growth`: factors must be > 0 (got {growth})")
+    topologies = parse_topologies(topologies)
+    disagg = any(x != AGG for x in topologies)
+    if disagg:
+        if engine != "vllm":
+            raise ServetuneError(
+                f"argument `topologies`: disaggregated units are simulated with vLLM decode "
+                f"replicas only; use engine vllm or topologies agg (got engine {engine})")
+        if router not in ROUTERS:
+            raise ServetuneError(f"argument `router`: {router!r} is unknown; choose one of "
+                                 f"{', '.join(ROUTERS)}")
+        _link(link)
     all_types = [g.name for g in fleet.gpu_types]
     fleet, profiles, profile_paths = load_fleet_profiles(fleet, fleet_path)
     # GPU types without a profile for the model cannot serve it: say so, never drop silently
@@ -906,23 +1353,45 @@ def run_plan(
                                   n_requests=capacity_requests, seed=seed,
                                   cache_dir=cache_dir, min_window_s=min_window_s,
                                   progress=progress)
+    if disagg:
+        for t, prof in profiles.items():
+            try:
+                prof.kv_bytes_per_token()
+            except ServetuneError:
+                raise ServetuneError(
+                    f"{profile_paths[t]}: GPU type {t}: the profile has no hardware and model, "
+                    "so a disaggregated unit's KV transfer cannot be sized; add them or plan "
+                    "with topologies agg") from None
+    units = fleet_units([g.name for g in fleet.gpu_types], topologies)
+    if disagg:
+        capacity = measure_unit_capacities(
+            units, slices, profiles, slo, capacity, router=router, link=link, engine=engine,
+            n_requests=capacity_requests, seed=seed, cache_dir=cache_dir,
+            min_window_s=min_window_s, progress=progress)
     capacity_s = time.perf_counter() - t0
     kw = dict(engine=engine, validate_requests=validate_requests, min_window_s=min_window_s,
-              seed=seed)
+              seed=seed, units=units, router=router, link=link, cluster_checks=disagg)
     result = plan_capacity(fleet, forecast, slo, slices, profiles, capacity, growth=growth,
                            budget=budget, progress=progress, **kw)
     single: dict[str, dict[str, Any]] = {}
+    compared: dict[str, dict[str, Any]] = {}
     if compare_single and budget is None:
         single = single_type_plans(fleet, forecast, slo, slices, profiles, capacity,
                                    growth=growth, **kw)
+        if disagg:
+            compared = topology_plans(fleet, forecast, slo, slices, profiles, capacity,
+                                      growth=growth, **kw)
         best = best_single(single)
-        # A validated single-type plan is also a plan for the mixed fleet: never
-        # recommend a mix that costs more after validation derated it.
-        if best is not None and best[1]["cost"] < result.solution.cost - 1e-9 and (
-            best[1]["validated"] or not result.validated
-        ):
-            result = best[1]["result"]
-            _widen(result, fleet, capacity, slices)
+        # A validated single-type (or single-topology) plan is also a plan for the whole
+        # fleet: never recommend a mix that costs more after validation derated it.
+        for alt in ([best[1]] if best is not None else []) + [
+                v for v in compared.values() if v.get("feasible")]:
+            if alt["cost"] < result.solution.cost - 1e-9 and (
+                alt["validated"] or not result.validated
+            ):
+                result = alt["result"]
+        if result.instance.types != tuple(units):
+            _widen(result, fleet, capacity, slices, units)
     base = out_path.parent if out_path is not None else Path.cwd()
     inputs = {
         name: {"path": _rel(p, base), "sha256": sha256_file(p)}
@@ -933,10 +1402,12 @@ def run_plan(
               "output_edges": list(output_edges), "capacity_requests": capacity_requests,
               "min_window_s": window_s(min_window_s),
               "capacity_method": sorted({c.method for c in capacity.values()})}
+    topology = (topology_section(result, fleet, compared, topologies=topologies,
+                                 router=router, link=link) if disagg else None)
     plan = plan_document(result, fleet, slices, single,
                          profile_paths={t: _rel(p, base) for t, p in profile_paths.items()},
                          inputs=inputs, growth=growth, engine=engine, sample=sample,
-                         name=f"{fleet.name}-{forecast.name}")
+                         name=f"{fleet.name}-{forecast.name}", topology=topology)
     plan.excluded_gpu_types = excluded
     rows: list[dict[str, Any]] = []
     for g in sweep or ():
@@ -964,8 +1435,9 @@ def run_plan(
             "feasible": True,
             "daily_usd": _r(mixed, 2),
             "peak_gpus": {
-                t: max(res_g.solution.replicas[t, s] for s in range(forecast.n_slots))
-                * fleet.type_named(t).replica_gpus for t in res_g.instance.types
+                t: max(res_g.instance.type_replicas(res_g.solution, t, s)
+                       for s in range(forecast.n_slots))
+                * fleet.type_named(t).replica_gpus for t in res_g.instance.gpu_types()
             },
             "best_single": best_g[0] if best_g else None,
             "best_single_daily_usd": _r(best_g[1]["cost"] * scale, 2) if best_g else None,
@@ -984,20 +1456,22 @@ def run_plan(
     return PlanRun(plan, result, single, rows, timings, slices)
 
 
-def _widen(result: PlanResult, fleet: Fleet, capacity: dict, slices: WorkloadSlices) -> None:
-    """Re-express a single-type result over every fleet type (the others at 0 replicas),
-    so the plan file always lists the whole fleet."""
+def _widen(result: PlanResult, fleet: Fleet, capacity: dict, slices: WorkloadSlices,
+           units: dict[str, Unit]) -> None:
+    """Re-express a single-type (or single-topology) result over every unit of every fleet
+    type (the others at 0 replicas), so the plan file always lists the whole fleet."""
     inst, sol = result.instance, result.solution
-    names = [g.name for g in fleet.gpu_types]
+    names = list(units)
     mu = dict(inst.mu)
     for t in names:
         for b in inst.buckets:
             mu.setdefault((t, b), capacity[t, b].rate_per_s)
     wide = build_instance(fleet, names, slices, inst.lam, mu, inst.n_slots, inst.hours,
-                          inst.budget)
+                          inst.budget, units)
     replicas = {(t, s): sol.replicas.get((t, s), 0) for t in names for s in range(inst.n_slots)}
     result.instance = wide
     result.solution = CapacitySolution(sol.status, replicas, sol.routing, sol.cost,
                                        sol.served_share, sol.solver_s)
     for t in names:
         result.type_policy.setdefault(t, Policy())
+    result.units = dict(units)

@@ -1,7 +1,8 @@
 """Plots and JSON copies of a capacity plan and a background-job schedule.
 
 ``write_plan_report`` writes, into one folder, ``cost_by_type.png`` (the mixed plan's daily
-cost split by GPU type, beside each single-type plan), ``replicas_over_day.png`` (GPUs of
+cost split by GPU type, beside each single-type plan and, where topologies were compared,
+the aggregated-only and disaggregated-only plans), ``replicas_over_day.png`` (GPUs of
 each type per slot), ``cost_vs_growth.png`` (only with a growth sweep) and ``plan.json``.
 ``write_schedule_report`` writes ``spare_and_work.png`` (the spare tokens per slot and the
 background work scheduled into them) and ``schedule.json``. Each set is committed as one
@@ -48,6 +49,12 @@ def write_plan_report(plan: CapacityPlan, folder: Path) -> list[Path]:
     for t, v in plan.single_type.items():
         if isinstance(v, dict) and v.get("feasible"):
             ax.bar(f"{t} only", v["daily_usd"], color="0.6")
+    # with topologies compared: the aggregated-only and disaggregated-only plans too
+    for kind, v in plan.topology.get("comparison", {}).items():
+        if kind not in ("mixed", "cheapest") and v.get("feasible"):
+            ax.bar(f"{kind} only", v["daily_usd"], color="0.8")
+    if plan.topology:
+        ax.tick_params(axis="x", labelrotation=20, labelsize=8)  # more bars than fit level
     ax.set_ylabel("cost per day ($)")
     ax.set_title("Cost by GPU type")
     ax.legend(fontsize=8)

@@ -102,6 +102,14 @@ def _plan_lines(plan: CapacityPlan) -> list[str]:
         b = single["best"]
         lines.append(f"best single type: {b} ${single[b]['daily_usd']:,.2f}/day "
                      f"(mixed saves {single['saving_pct']:.1f}%)")
+    topo = plan.topology
+    if topo:
+        comp = topo["comparison"]
+        parts = [f"{k} ${v['daily_usd']:,.2f}/day" if v.get("feasible") else f"{k} infeasible"
+                 for k, v in comp.items() if k != "cheapest"]
+        lines.append("topologies: " + ", ".join(parts) + f" (cheapest: {comp['cheapest']})")
+        lines.append("topology per GPU type: "
+                     + ", ".join(f"{t} {x}" for t, x in topo["per_type"].items()))
     v = plan.validation
     lines.append(f"validated in simulation: {'yes' if v['validated'] else 'NO'} "
                  f"after {v['rounds']} round(s)")
@@ -158,6 +166,19 @@ def register(app: typer.Typer) -> None:
         model: str | None = typer.Option(
             None, "--model", help="Which model's profiles to use (overrides the fleet's)."
         ),
+        topologies: str = typer.Option(
+            "agg", "--topologies",
+            help="Serving topologies to compare per GPU type: agg (one replica) and/or "
+            "prefill:decode units, e.g. agg,1:1,1:2,2:1.",
+        ),
+        router: str = typer.Option(
+            "least_kv", "--router",
+            help="Router of disaggregated units (capacity and validation): round_robin | "
+            "least_loaded | least_kv | prefix_aware | session.",
+        ),
+        link: str = typer.Option(
+            "infiniband", "--link", help="KV link of P:D units: infiniband | nvlink | roce."
+        ),
         seed: int = typer.Option(0, "--seed"),
         quiet: QuietOption = False,
     ) -> None:
@@ -182,8 +203,10 @@ def register(app: typer.Typer) -> None:
             sweep = _floats(growth, "--growth") if growth else None
         # lazy: the planning pipeline imports pyomo (0.3 s) that `servetune --help` and
         # the other commands should not pay
-        from servetune.apps.plan import run_plan
+        from servetune.apps.plan import parse_topologies, run_plan
         from servetune.apps.plan_report import plan_json_text, write_plan_report
+
+        topology_list = parse_topologies(topologies)  # a bad list fails before any work
 
         with compile_notice(quiet):
             run = run_plan(
@@ -192,6 +215,7 @@ def register(app: typer.Typer) -> None:
                 prompt_edges=_ints(prompt_edges, "--prompt-edges"),
                 output_edges=_ints(output_edges, "--output-edges"), budget=budget, seed=seed,
                 model=model, progress=None if quiet else note_line,
+                topologies=topology_list, router=router, link=link,
             )
         save_document(run.plan, output)
         if report is not None:

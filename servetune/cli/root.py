@@ -72,7 +72,8 @@ ARGUMENT_FLAGS = {
 }
 # Commands whose flag for an argument differs from the table above.
 COMMAND_FLAGS = {
-    "plan": {**ARGUMENT_FLAGS, "method": "--capacity-method"},
+    "plan": {**ARGUMENT_FLAGS, "method": "--capacity-method", "topologies": "--topologies",
+             "router": "--router", "link": "--link"},
 }
 
 

@@ -346,7 +346,8 @@ class CapacityPlan(Document):
     """What ``servetune plan`` writes and ``servetune place`` reads."""
 
     KIND: ClassVar[str] = "CapacityPlan"
-    OMIT_WHEN_EMPTY: ClassVar[tuple[str, ...]] = ("excluded_gpu_types", "growth_sweep")
+    OMIT_WHEN_EMPTY: ClassVar[tuple[str, ...]] = ("excluded_gpu_types", "growth_sweep",
+                                                  "topology")
     kind: Literal["CapacityPlan"] = "CapacityPlan"
     name: str = "plan"
     inputs: dict = Field(default_factory=dict, description="input paths and SHA-256 hashes")
@@ -370,6 +371,12 @@ class CapacityPlan(Document):
         default_factory=dict, description="fleet GPU types left out of the plan, and why"
     )
     growth_sweep: list[dict] = Field(default_factory=list, description="what-if scenarios")
+    topology: dict = Field(
+        default_factory=dict,
+        description="serving topologies compared (aggregated, prefill:decode units): per GPU "
+        "type the one chosen, per unit its capacity, count and routing, and the cost of the "
+        "aggregated-only, disaggregated-only and mixed plans (omitted: aggregated only)",
+    )
 
     @field_validator("inputs")
     @classmethod
