@@ -161,8 +161,8 @@ def test_mooncake_hit_rate_matches_an_independent_lru_at_low_load():
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_the_cache_is_whole_after_a_run_under_pressure(engine):
     """After a run with evictions and preemptions: no slot is still referenced, every
-    cached block is in the table and in the LRU list once, and slots in use plus free
-    slots make the pool."""
+    keyed cached block is in the table and in the LRU list once, the LRU's blocks are the
+    cached blocks, and slots in use plus free slots make the pool."""
     from servetune.sim import cluster as C
 
     rng = np.random.default_rng(11)
@@ -183,11 +183,16 @@ def test_the_cache_is_whole_after_a_run_under_pressure(engine):
     assert (st.status >= 0).all() and st.preemptions.sum() > 0 and sc.evictions > 0
     assert sc.used == 0 and (st.slot_ref == 0).all()
     table = st.table_key[st.table_key != K.EMPTY_KEY]
-    assert len(table) == sc.cached_free == len(set(table.tolist()))
+    assert len(table) == len(set(table.tolist()))
     order, s = [], sc.lru_head
     while s >= 0:
         order.append(s)
         s = st.lru_next[s]
-    assert len(order) == len(set(order)) == sc.cached_free
-    assert sorted(st.slot_key[order].tolist()) == sorted(table.tolist())
-    assert sc.free_slots + sc.cached_free == 80
+    assert len(order) == len(set(order))
+    keys = st.slot_key[order]
+    # keyed slots hold one block each; finished requests' own blocks are anonymous runs
+    assert (st.slot_count[order][keys != K.EMPTY_KEY] == 1).all()
+    assert (keys == K.EMPTY_KEY).any() and (st.slot_count[order] > 1).any()
+    assert st.slot_count[order].sum() == sc.cached_free
+    assert sorted(keys[keys != K.EMPTY_KEY].tolist()) == sorted(table.tolist())
+    assert sc.free_slots + len(order) == 80

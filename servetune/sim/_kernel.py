@@ -258,8 +258,9 @@ class State(NamedTuple):
     hit_tokens: np.ndarray  # int64 per request: tokens served from the cache at first admission
     table_key: np.ndarray  # int64[2^k], EMPTY_KEY where free
     table_slot: np.ndarray  # int64[2^k]
-    slot_key: np.ndarray  # int64[total_blocks]
+    slot_key: np.ndarray  # int64[total_blocks] (EMPTY_KEY: a run of blocks none can hit)
     slot_ref: np.ndarray  # int64: running requests holding the slot (0: evictable)
+    slot_count: np.ndarray  # int64: blocks in the slot (1, or a finished request's run)
     lru_prev: np.ndarray  # int64
     lru_next: np.ndarray  # int64
     slot_free: np.ndarray  # int64 stack of unused slots
@@ -475,7 +476,9 @@ def _series_add(st, t0, t1, kv, waiting, running, cached):
 # shared by running requests are counted once in ``used``. Keys: block ``j`` of request
 # ``r`` whose tokens lie within its known prefix ids has ``id * B + end offset`` (>= 1);
 # any other block a key of its own (< 0), which only the request itself can hit again
-# (after a preemption).
+# (after a preemption). So a finished request's own-key blocks, which no one can hit, are
+# kept as one anonymous slot of ``slot_count`` blocks at their place in the LRU: evicted
+# one block at a time from the top, as the blocks would be, with no key to look up.
 
 
 @inline
@@ -590,7 +593,9 @@ def _new_slot(st, key, ref):
     s = st.slot_free[sc.free_slots]
     st.slot_key[s] = key
     st.slot_ref[s] = ref
-    _table_put(st, key, s)
+    st.slot_count[s] = 1
+    if key != EMPTY_KEY:
+        _table_put(st, key, s)
     return s
 
 
@@ -601,10 +606,14 @@ def _evict_to_fit(p, st):
     sc = st.scalars[0]
     while sc.used + sc.cached_free > p.total_blocks and sc.cached_free > 0:
         s = sc.lru_head
-        _lru_remove(st, s)
-        _table_delete(st, st.slot_key[s])
-        st.slot_free[sc.free_slots] = s
-        sc.free_slots += 1
+        if st.slot_count[s] > 1:
+            st.slot_count[s] -= 1  # an anonymous run gives up its top block
+        else:
+            _lru_remove(st, s)
+            if st.slot_key[s] != EMPTY_KEY:
+                _table_delete(st, st.slot_key[s])
+            st.slot_free[sc.free_slots] = s
+            sc.free_slots += 1
         sc.cached_free -= 1
         sc.evictions += 1
 
@@ -664,6 +673,8 @@ def _cache_register(p, rq, st, r):
     j = st.prefix_blocks[r]
     while j < full:
         key = _block_key(p, rq, r, j, keyed)
+        if key < 0:
+            break  # a key of its own: no other request can share it while it runs
         s = _slot_of(st, key)
         if s < 0:
             _new_slot(st, key, 1)
@@ -681,8 +692,8 @@ def _cache_register(p, rq, st, r):
 @jit
 def _cache_release(p, rq, st, r):
     """Request ``r`` gives its blocks back (finish or preemption): its full blocks stay
-    cached (last to first into the LRU), the rest is freed. Returns the blocks that
-    leave ``used``."""
+    cached (last to first into the LRU; a finished request's own-key blocks as one
+    anonymous run), the rest is freed. Returns the blocks that leave ``used``."""
     sc = st.scalars[0]
     full = st.computed[r] // p.block_size
     if full > st.held[r]:
@@ -691,6 +702,17 @@ def _cache_release(p, rq, st, r):
     shared = st.prefix_blocks[r]
     keyed = _keyed_tokens(p, rq, r)
     j = full - 1
+    if st.status[r] == COMPLETED:
+        own = keyed // p.block_size  # blocks from here on have keys of r's own
+        if own < shared:
+            own = shared
+        if full > own:
+            s = _new_slot(st, EMPTY_KEY, 0)
+            st.slot_count[s] = full - own
+            _lru_append(st, s)
+            sc.cached_free += full - own
+            freed += full - own
+            j = own - 1
     while j >= 0:
         key = _block_key(p, rq, r, j, keyed)
         if j < shared:
