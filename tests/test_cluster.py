@@ -229,3 +229,23 @@ def test_a_topology_file_mixes_gpu_types_and_roles(tmp_path):
     assert "Traceback" not in res.output
     res = runner.invoke(app, base + ["--topology", str(bad), "--replicas", "2"])
     assert res.exit_code == 2 and "not both" in res.output
+
+
+def test_records_name_the_replica_and_the_cached_tokens(tmp_path):
+    import csv
+
+    from servetune.sim.api import simulate_cluster
+
+    trace = _random_trace(120)
+    result, out = simulate_cluster(trace, [*_specs(1, "prefill"), *_specs(2, "decode")],
+                                   router="least_kv", prefix_caching=True)
+    path = tmp_path / "r.csv"
+    result.write_records(path)
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0])[-3:] == ["cached_tokens", "replica", "decode_replica"]
+    assert [int(r["replica"]) for r in rows] == out.replica.tolist()
+    assert [int(r["decode_replica"]) for r in rows] == out.decode_replica.tolist()
+    assert {int(r["decode_replica"]) for r in rows} <= {-1, 1, 2}
+    assert [int(r["cached_tokens"]) for r in rows] == out.merged.hit_tokens.tolist()
+    assert sum(int(r["cached_tokens"]) for r in rows) > 0

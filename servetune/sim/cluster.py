@@ -443,6 +443,8 @@ def _merge(trace: Trace, replicas: list[_Replica], outputs: list[E.EngineOutput]
         prefix_caching=caching, hit_tokens=cols["hit_tokens"] if caching else None,
         cache_evictions=sum(o.cache_evictions for o in outputs),
         block_size=replicas[0].block_size,
+        replica=replica_of,
+        decode_replica=decode_of,
     )
 
 

@@ -210,6 +210,8 @@ class EngineOutput:
     # cache at first admission (None when caching is off)
     cache_evictions: int = 0
     block_size: int = 16
+    replica: np.ndarray | None = None  # int64, a cluster's routing (servetune.sim.cluster)
+    decode_replica: np.ndarray | None = None  # int64, disaggregated: -1 where not forwarded
 
 
 _pure_module: ModuleType | None = None

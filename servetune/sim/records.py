@@ -5,7 +5,10 @@ One row per request, in trace order: ``request_id`` (the trace row), ``class``,
 reached), ``prompt_tokens``, ``output_tokens`` (capped by ``max_tokens`` where the trace
 has it: the tokens a served request generates), ``preemptions``, ``status`` (completed,
 shed, rejected), ``reason`` (why a request was shed or rejected; empty otherwise) and the
-derived ``ttft_s``, ``tpot_s``, ``e2e_s``. Floats are written in Python's shortest
+derived ``ttft_s``, ``tpot_s``, ``e2e_s``; then, where the run has them, ``cached_tokens``
+(prompt tokens served from the prefix cache at first admission) and, for a cluster,
+``replica`` (the replica the router chose; under disaggregation the prefill replica) and
+``decode_replica`` (-1: none). Floats are written in Python's shortest
 round-trip form, so a CSV reads back to the exact simulated values and the same run gives
 the same bytes. Files are written atomically.
 """
@@ -65,7 +68,7 @@ def record_columns(
         reason_text[np.clip(reason_code, 0, len(reason_text) - 1)],
         "",
     )
-    return {
+    columns = {
         "request_id": np.arange(len(trace), dtype=np.int64),
         "class": names[trace.class_ids()],
         "arrival_s": np.asarray(trace.arrival_s, dtype=np.float64),
@@ -81,6 +84,12 @@ def record_columns(
         "tpot_s": m.tpot_s,
         "e2e_s": m.e2e_s,
     }
+    for name, values in (("cached_tokens", getattr(output, "hit_tokens", None)),
+                         ("replica", getattr(output, "replica", None)),
+                         ("decode_replica", getattr(output, "decode_replica", None))):
+        if values is not None:
+            columns[name] = np.asarray(values, dtype=np.int64)
+    return columns
 
 
 def _float_text(x: float) -> str:
@@ -107,9 +116,9 @@ def records_csv_chunks(columns: dict[str, np.ndarray], chunk_rows: int = 65536
     at a time, so that a million-request run never holds a Python string per cell, nor the
     whole text, at once."""
     n = len(columns[COLUMNS[0]])
-    yield (",".join(COLUMNS) + "\n").encode()
+    yield (",".join(columns) + "\n").encode()
     for lo in range(0, n, chunk_rows):
-        texts = [_column_text(columns[name][lo : lo + chunk_rows]) for name in COLUMNS]
+        texts = [_column_text(columns[name][lo : lo + chunk_rows]) for name in columns]
         yield "".join(",".join(row) + "\n" for row in zip(*texts, strict=True)).encode()
 
 
@@ -129,8 +138,7 @@ def records_parquet(columns: dict[str, np.ndarray]) -> bytes:
             "or give a .csv path"
         ) from None
     arrays = {}
-    for name in COLUMNS:
-        col = columns[name]
+    for name, col in columns.items():
         if col.dtype.kind == "f":
             arrays[name] = pa.array(col, mask=~np.isfinite(col))
         elif col.dtype == object:
