@@ -207,7 +207,6 @@ SCALARS = np.dtype([
     ("lru_head", np.int64),  # their eviction order: a doubly linked list of cache slots
     ("lru_tail", np.int64),
     ("free_slots", np.int64),  # unused cache slots (a stack in State.slot_free)
-    ("hit_blocks", np.int64),  # blocks served from the cache, every admission
     ("evictions", np.int64),
     ("n_done", np.int64),  # completed requests, in State.done_order
     ("now", np.float64),  # clock (s)
@@ -490,13 +489,20 @@ def _keyed_tokens(p, rq, r):
 
 
 @inline
+def _id_key(ids, first, width, end):
+    """The key of the block ending at token ``end`` of a prompt whose prefix ids (of
+    ``width`` tokens each) start at ``ids[first]``: the id of the block holding its last
+    token, and where in it the block ends."""
+    m = (end - 1) // width
+    return ids[first + m] * width + (end - m * width)
+
+
+@inline
 def _block_key(p, rq, r, j, keyed):
     """Block ``j`` of request ``r`` (``keyed``: :func:`_keyed_tokens`): its cache key."""
     end = (j + 1) * p.block_size
     if end <= keyed:
-        width = p.prefix_block_tokens
-        m = (end - 1) // width
-        return rq.prefix_ids[rq.prefix_start[r] + m] * width + (end - m * width)
+        return _id_key(rq.prefix_ids, rq.prefix_start[r], p.prefix_block_tokens, end)
     return -(r * UNIQUE_STRIDE + j) - 1
 
 
@@ -657,7 +663,6 @@ def _cache_take(p, rq, st, r, k):
         sc.long_held += k
     if sc.used > sc.peak:
         sc.peak = sc.used
-    sc.hit_blocks += k
 
 
 @jit
@@ -744,8 +749,7 @@ def cached_prefix_blocks(table_key, table_slot, bs, ids, width, tokens):
         end = (k + 1) * bs
         if end > keyed:
             break
-        m = (end - 1) // width
-        if _probe(table_key, table_slot, ids[m] * width + (end - m * width)) < 0:
+        if _probe(table_key, table_slot, _id_key(ids, 0, width, end)) < 0:
             break
         k += 1
     return k
