@@ -75,7 +75,7 @@ from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
 from servetune.sim import goodput, simulate
 from servetune.sim.api import base_rate_per_s, simulate_cluster
-from servetune.sim.cluster import LINKS, ROUTERS, ReplicaSpec
+from servetune.sim.cluster import LINKS, ROUTERS, ReplicaSpec, disaggregated_specs
 from servetune.sim.engine import ENGINE_MODEL_VERSION
 from servetune.sim.goodput import goodput_search
 from servetune.solvers.capacity import solve_capacity
@@ -511,8 +511,8 @@ def unit_specs(unit: Unit, profile: Profile, policy: Policy, engine: str, n_unit
     (every one running ``policy``); ``n_units`` replicas of an aggregated unit."""
     if not unit.disaggregated:
         return [ReplicaSpec(profile, policy, engine)] * n_units
-    return ([ReplicaSpec(profile, policy, engine, "prefill")] * (unit.prefill * n_units)
-            + [ReplicaSpec(profile, policy, engine, "decode")] * (unit.decode * n_units))
+    return disaggregated_specs(profile, policy, engine, unit.prefill * n_units,
+                               unit.decode * n_units)
 
 
 def _link(name: str) -> Any:

@@ -378,6 +378,7 @@ def register(app: typer.Typer) -> None:
             LINKS,
             ROUTERS,
             ReplicaSpec,
+            disaggregated_specs,
             parse_disagg,
             replica_summaries,
         )
@@ -432,8 +433,7 @@ def register(app: typer.Typer) -> None:
                 if topology is not None:
                     specs, router, link, shape = topology_specs(topology, prof, pol)
                 elif split is not None:
-                    specs = ([ReplicaSpec(prof, pol, engine, "prefill")] * split[0]
-                             + [ReplicaSpec(prof, pol, engine, "decode")] * split[1])
+                    specs = disaggregated_specs(prof, pol, engine, *split)
                     shape = f"disaggregated {split[0]}:{split[1]} over {link}"
                 else:
                     specs = [ReplicaSpec(prof, pol, engine)] * replicas

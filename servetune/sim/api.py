@@ -206,7 +206,7 @@ class SimResult:
                 "peak_util": finite_or_none(self.output.kv_util_peak),
             },
             "preemptions": int(preemptions.sum()),
-            **({"prefix_cache": prefix_cache_summary(self.trace, self.output)}
+            **({"prefix_cache": M.prefix_cache_summary(self.trace.prompt_tokens, self.output)}
                if getattr(self.output, "prefix_caching", False) else {}),
         }
 
@@ -282,26 +282,6 @@ class SimResult:
     def write_timeline(self, path: str | os.PathLike[str], window: Window | None = None) -> None:
         """Chrome trace-event JSON (open in Perfetto or chrome://tracing)."""
         write_timeline(path, self.timeline(window))
-
-
-def prefix_cache_summary(trace: Trace, output: EngineOutput) -> dict[str, Any]:
-    """Prefix-cache hits of a run: the share of admitted prompt tokens (and of their full
-    blocks) served from the cache at first admission, evictions, and the mean share of the
-    pool the cache kept beside the blocks in use."""
-    admitted = ~np.isnan(np.asarray(output.admitted_s))
-    prompt = np.asarray(trace.prompt_tokens, dtype=np.int64)[admitted]
-    hits = np.asarray(output.hit_tokens, dtype=np.int64)[admitted]
-    bs = int(output.block_size)
-    prompt_blocks = int((prompt // bs).sum())
-    cached = output.series.get("kv_cached")
-    return {
-        "hit_rate_tokens": float(hits.sum() / prompt.sum()) if prompt.sum() else 0.0,
-        "hit_rate_blocks": float((hits // bs).sum() / prompt_blocks) if prompt_blocks else 0.0,
-        "hit_tokens": int(hits.sum()),
-        "prompt_tokens": int(prompt.sum()),
-        "evictions": int(output.cache_evictions),
-        "cached_util_mean": float(np.mean(cached)) if cached is not None and len(cached) else 0.0,
-    }
 
 
 def simulate(

@@ -50,6 +50,7 @@ from servetune.schemas.profile import Profile
 from servetune.schemas.topology import LINK_NAMES, ROLES, ROUTERS
 from servetune.sim import _kernel as K
 from servetune.sim import engine as E
+from servetune.sim.metrics import prefix_cache_summary
 from servetune.workloads.trace import Trace
 
 STATIC_ROUTERS = ("round_robin", "session")
@@ -75,8 +76,8 @@ LINKS = {link.name: link for link in (
     Link("roce", 25e9, 100e-6),
 )}
 assert tuple(LINKS) == LINK_NAMES
-__all__ = ["LINKS", "ROLES", "ROUTERS", "ClusterOutput", "Link", "ReplicaSpec", "parse_disagg",
-           "replica_summaries", "run_cluster"]
+__all__ = ["LINKS", "ROLES", "ROUTERS", "ClusterOutput", "Link", "ReplicaSpec",
+           "disaggregated_specs", "parse_disagg", "replica_summaries", "run_cluster"]
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,8 @@ class _Replica:
     """One replica's kernel state, fed rows as the router sends them."""
 
     def __init__(self, index: int, spec: ReplicaSpec, trace: Trace, *, reference: bool,
-                 prefix_caching: bool | None, horizon_s: float) -> None:
+                 prefix_caching: bool | None, horizon_s: float,
+                 prefix: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         self.index = index
         self.spec = spec
         profile = spec.profile
@@ -130,12 +132,9 @@ class _Replica:
             step_time=profile.step_time, reference=reference, prefix_caching=prefix_caching,
             prefix_block_tokens=trace.prefix_block_tokens)
         full = E.kernel_requests(role_trace, spec.policy, engine=spec.engine,
-                                 block_size=self.block_size)
+                                 block_size=self.block_size, prefix=prefix)
         if spec.role == "decode":
             full = full._replace(precomputed=np.maximum(full.prompt - 1, 0))
-        # which requests this replica could never run: its own checks on its empty engine
-        self.km.reject_at_arrival(self.params, full,
-                                  E._initial_state(self.params, full, reference, known=0))
         self.full = full
         n = len(trace)
         width = int(full.prefix_start[-1])
@@ -151,6 +150,8 @@ class _Replica:
         self.state = self.state._replace(
             heap_key=(np.zeros(n, np.int64), np.zeros(n, np.int64)),
             heap_id=(np.zeros(n, np.int64), np.zeros(n, np.int64)))
+        # which requests this replica could never run: its own checks on its empty engine
+        self.km.reject_at_arrival(self.params, full, self.state)
         self.log = E._new_step_log(False, len(self.state.running), reference)
         self.scalars = self.state.scalars[0]
         # the scalars the loop reads and writes, as 1-element views (a record's field
@@ -291,9 +292,9 @@ def run_cluster(
     disagg = bool(prefill_idx)
     n = len(trace)
     horizon = float(trace.arrival_s[-1]) if n else 0.0
-    replicas = [_Replica(k, spec, trace, reference=reference, prefix_caching=prefix_caching,
-                         horizon_s=horizon) for k, spec in enumerate(specs)]
     prefix = E.prefix_columns(trace)
+    replicas = [_Replica(k, spec, trace, reference=reference, prefix_caching=prefix_caching,
+                         horizon_s=horizon, prefix=prefix) for k, spec in enumerate(specs)]
     front = [replicas[k] for k in prefill_idx] if disagg else replicas
     route = _Router(router, front, prefix)
     arrival = trace.arrival_s
@@ -448,6 +449,13 @@ def _merge(trace: Trace, replicas: list[_Replica], outputs: list[E.EngineOutput]
     )
 
 
+def disaggregated_specs(profile: Profile, policy: Policy, engine: str, prefill: int,
+                        decode: int) -> list[ReplicaSpec]:
+    """``prefill`` prefill replicas, then ``decode`` decode replicas, all alike."""
+    return ([ReplicaSpec(profile, policy, engine, "prefill")] * prefill
+            + [ReplicaSpec(profile, policy, engine, "decode")] * decode)
+
+
 def replica_summaries(out: ClusterOutput, trace: Trace) -> list[dict[str, Any]]:
     """Per replica: its role, engine, profile and policy names, the requests routed to it
     and how they ended, steps, KV use, and prefix-cache hits (the share of its admitted
@@ -472,12 +480,10 @@ def replica_summaries(out: ClusterOutput, trace: Trace) -> list[dict[str, Any]]:
             "kv_peak_util": float(output.kv_util_peak),
             "preemptions": int(np.asarray(output.preemptions).sum()),
         }
-        if output.prefix_caching and output.hit_tokens is not None and len(routed):
-            admitted = ~np.isnan(np.asarray(output.admitted_s))
-            prompt = np.asarray(trace.prompt_tokens)[routed][admitted]
-            hits = np.asarray(output.hit_tokens)[admitted]
-            entry["hit_rate_tokens"] = float(hits.sum() / prompt.sum()) if prompt.sum() else 0.0
-            entry["cache_evictions"] = int(output.cache_evictions)
+        if output.prefix_caching and len(routed):
+            cache = prefix_cache_summary(trace.prompt_tokens[routed], output)
+            entry["hit_rate_tokens"] = cache["hit_rate_tokens"]
+            entry["cache_evictions"] = cache["evictions"]
         rows.append(entry)
     return rows
 

@@ -334,11 +334,13 @@ def kernel_requests(
     engine: str,
     block_size: int,
     expected_output: np.ndarray | None = None,
+    prefix: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> K.Requests:
     """The kernel's columns of ``trace`` under ``policy`` on ``engine``: tokens generated
     and declared maximum output, priorities, long-lane membership and footprint, and
     TensorRT-LLM/TGI reservations. ``reject`` is left 0 for the kernel's
-    :func:`~servetune.sim._kernel.reject_at_arrival`."""
+    :func:`~servetune.sim._kernel.reject_at_arrival`. ``prefix``: the trace's
+    :func:`prefix_columns`, when the caller has them already."""
     n = len(trace)
     bs = int(block_size)
     lr = policy.long_requests
@@ -375,7 +377,7 @@ def kernel_requests(
     if kernel_id(engine) in (K.E_TRTLLM, K.E_TGI):
         # GUARANTEED_NO_EVICT / TGI: prompt + max output - 1 tokens reserved at admission
         reserved = _blocks(prompt + declared - 1, bs)
-    prefix_start, prefix_ids = prefix_columns(trace)
+    prefix_start, prefix_ids = prefix if prefix is not None else prefix_columns(trace)
     return K.Requests(
         arrival=arrival,
         prompt=prompt,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from servetune.errors import ServetuneError
 from servetune.schemas.slo import ClassSLO, SLOSet
 
 if TYPE_CHECKING:
+    from servetune.sim.engine import EngineOutput
     from servetune.workloads.trace import Trace
 
 STATUS_COMPLETED = 0
@@ -246,3 +247,24 @@ def group_summary(
     out.update(throughput(m, span_s, sel))
     out["attainment"] = None if met is None or n == 0 else float(met[sel].mean())
     return out
+
+
+def prefix_cache_summary(prompt_tokens: np.ndarray, output: EngineOutput) -> dict[str, Any]:
+    """Prefix-cache hits of a run whose requests have ``prompt_tokens``: the share of
+    admitted prompt tokens (and of their full blocks) served from the cache at first
+    admission, evictions, and the mean share of the pool the cache kept beside the blocks
+    in use."""
+    admitted = ~np.isnan(np.asarray(output.admitted_s))
+    prompt = np.asarray(prompt_tokens, dtype=np.int64)[admitted]
+    hits = np.asarray(output.hit_tokens, dtype=np.int64)[admitted]
+    bs = int(output.block_size)
+    prompt_blocks = int((prompt // bs).sum())
+    cached = output.series.get("kv_cached")
+    return {
+        "hit_rate_tokens": float(hits.sum() / prompt.sum()) if prompt.sum() else 0.0,
+        "hit_rate_blocks": float((hits // bs).sum() / prompt_blocks) if prompt_blocks else 0.0,
+        "hit_tokens": int(hits.sum()),
+        "prompt_tokens": int(prompt.sum()),
+        "evictions": int(output.cache_evictions),
+        "cached_util_mean": float(np.mean(cached)) if cached is not None and len(cached) else 0.0,
+    }
