@@ -358,7 +358,7 @@ def replica_capacity(
     optimize = _optimizer() if method in ("auto", "optimizer") else None
     used = ("optimizer" if method == "optimizer" else "optimizer+candidates") if optimize \
         is not None else "candidates"
-    key = sha256_json({
+    path, data = _cached(cache_dir, {
         "v": CACHE_VERSION,
         "engine_model": ENGINE_MODEL_VERSION,
         "profile": profile.model_dump(mode="json"),
@@ -371,11 +371,8 @@ def replica_capacity(
         "window": [window_s(min_window_s), MAX_WINDOW_REQUESTS],
         "seed": seed,
     })
-    cdir = cache_dir if cache_dir is not None else default_cache_dir()
-    path = cdir / f"{key}.json"
-    if path.is_file():
+    if data is not None:
         try:
-            data = json.loads(path.read_text())
             return ReplicaCapacity(
                 float(data["rate_per_s"]), Policy.model_validate(data["policy"]),
                 data["method"], int(data["simulations"]), cached=True,
@@ -418,16 +415,32 @@ def replica_capacity(
                                              start=min(max(rate, 1.0 / 1024), 1024.0))
         sims += more
     policy = policy.model_copy(update={"metadata": {}})
-    result = ReplicaCapacity(rate, policy, used, sims)
+    _store(path, {
+        "rate_per_s": rate, "policy": policy.model_dump(mode="json"), "method": used,
+        "simulations": sims, "profile": getattr(profile, "name", ""), "bucket": bucket,
+    })
+    return ReplicaCapacity(rate, policy, used, sims)
+
+
+def _cached(cache_dir: Path | None, inputs: dict[str, Any]) -> tuple[Path, Any]:
+    """The cache file of a measurement keyed by the hash of ``inputs``, and its data (None
+    when absent or unreadable: a damaged entry is measured again and overwritten)."""
+    cdir = cache_dir if cache_dir is not None else default_cache_dir()
+    path = cdir / f"{sha256_json(inputs)}.json"
+    if path.is_file():
+        try:
+            return path, json.loads(path.read_text())
+        except ValueError:
+            pass
+    return path, None
+
+
+def _store(path: Path, data: dict[str, Any]) -> None:
     try:
-        cdir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps({
-            "rate_per_s": rate, "policy": policy.model_dump(mode="json"), "method": used,
-            "simulations": sims, "profile": getattr(profile, "name", ""), "bucket": bucket,
-        }, sort_keys=True))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps(data, sort_keys=True))
     except ServetuneError:
         pass  # an unwritable cache only costs time
-    return result
 
 
 # ------------------------------------------------------------- serving units (topologies)
@@ -549,7 +562,7 @@ def unit_capacity(
     if agg.rate_per_s <= 0:
         return ReplicaCapacity(0.0, agg.policy, f"cluster:{router}", 0)
     policy = agg.policy
-    key = sha256_json({
+    path, data = _cached(cache_dir, {
         "v": CACHE_VERSION,
         "engine_model": ENGINE_MODEL_VERSION,
         "topology": [unit.prefill, unit.decode, router, link],
@@ -562,11 +575,8 @@ def unit_capacity(
         "window": [window_s(min_window_s), MAX_WINDOW_REQUESTS],
         "seed": seed,
     })
-    cdir = cache_dir if cache_dir is not None else default_cache_dir()
-    path = cdir / f"{key}.json"
-    if path.is_file():
+    if data is not None:
         try:
-            data = json.loads(path.read_text())
             return ReplicaCapacity(float(data["rate_per_s"]), policy, data["method"],
                                    int(data["simulations"]), cached=True)
         except (ValueError, KeyError, TypeError):
@@ -600,15 +610,10 @@ def unit_capacity(
         trace = slices.mixed_trace({bucket: 1.0}, n, seed)
         rate = search(trace, min(max(rate, 1.0 / 1024), 1024.0))
     method = f"cluster:{router}"
-    try:
-        cdir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps({
-            "rate_per_s": rate, "method": method, "simulations": sims,
-            "profile": getattr(profile, "name", ""), "bucket": bucket,
-            "topology": unit.topology,
-        }, sort_keys=True))
-    except ServetuneError:
-        pass  # an unwritable cache only costs time
+    _store(path, {
+        "rate_per_s": rate, "method": method, "simulations": sims,
+        "profile": getattr(profile, "name", ""), "bucket": bucket, "topology": unit.topology,
+    })
     return ReplicaCapacity(rate, policy, method, sims)
 
 
