@@ -17,6 +17,10 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+# Commands run their simulations in this process unless a test asks for workers: the
+# machine's cores are the test runner's, and tests/test_executor.py checks the backends.
+os.environ.setdefault("SERVETUNE_WORKERS", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 TRACES = SHARED / "traces"

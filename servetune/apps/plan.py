@@ -63,6 +63,7 @@ import numpy as np
 
 from servetune.apps.optimize import optimize
 from servetune.errors import InfeasibleError, ServetuneError
+from servetune.executor import Executor, SerialExecutor
 from servetune.io import sha256_file, sha256_json, write_text_atomic
 from servetune.models.capacity_milp import (
     CapacityInstance,
@@ -625,22 +626,23 @@ def measure_unit_capacities(
     capacity: dict[tuple[str, str], ReplicaCapacity],
     *,
     progress: Progress | None = None,
+    executor: Executor | None = None,
     **kw: Any,
 ) -> dict[tuple[str, str], ReplicaCapacity]:
     """``capacity`` (the aggregated replicas', by GPU type) extended with every
-    disaggregated unit's, by unit name (:func:`unit_capacity`)."""
-    out = dict(capacity)
-    for name, u in units.items():
-        if not u.disaggregated:
-            continue
-        for b in slices.names:
-            cap = unit_capacity(u, profiles[u.gpu_type], slices, b, slo,
-                                capacity[u.gpu_type, b], **kw)
-            out[name, b] = cap
-            if progress:
-                src = "cache" if cap.cached else f"{cap.simulations} simulations"
-                progress(f"capacity {name} {b}: {cap.rate_per_s:.3g} req/s ({src})")
-    return out
+    disaggregated unit's, by unit name (:func:`unit_capacity`, on ``executor``)."""
+    keys = [(name, b) for name, u in units.items() if u.disaggregated for b in slices.names]
+    caps = (executor or SerialExecutor()).map(
+        _unit_capacity_task, keys, shared=(units, profiles, slices, slo, capacity, kw),
+        each=_progress_of(keys, progress))
+    return {**capacity, **dict(zip(keys, caps, strict=True))}
+
+
+def _unit_capacity_task(shared: tuple, key: tuple[str, str]) -> ReplicaCapacity:
+    units, profiles, slices, slo, capacity, kw = shared
+    u = units[key[0]]
+    return unit_capacity(u, profiles[u.gpu_type], slices, key[1], slo,
+                         capacity[u.gpu_type, key[1]], **kw)
 
 
 # --------------------------------------------------------------------- plan and validate
@@ -770,6 +772,18 @@ def validate_units(
     return checks
 
 
+def _validate_task(shared: tuple, t: str) -> list[TypeCheck]:
+    """Validate planned type (or group of units) ``t``: as a cluster when it is
+    disaggregated or every type is checked as one, else one replica."""
+    inst, sol, plan_units, slices, profiles, type_policy, slo, cluster_checks, kw = shared
+    u = plan_units[t]
+    if u.disaggregated or cluster_checks:
+        return validate_units(inst, sol, t, u, slices, profiles[u.gpu_type], type_policy[t],
+                              slo, **kw)
+    return validate_type(inst, sol, t, slices, profiles[t], type_policy[t], slo,
+                         **{k: v for k, v in kw.items() if k not in ("router", "link")})
+
+
 def _check_of(name: str, s: int, rate: float, result: Any, slo: SLOSet) -> TypeCheck:
     verdicts = result.slo_verdicts(slo)
     return TypeCheck(
@@ -875,12 +889,14 @@ def plan_capacity(
     router: str = DEFAULT_ROUTER,
     link: str = DEFAULT_LINK,
     cluster_checks: bool = False,
+    executor: Executor | None = None,
 ) -> PlanResult:
     """Solve the planning MILP, validate every planned type in simulation, derate the
     capacity of types that miss the SLOs, and re-solve until all meet them. With ``units``
     the MILP plans those serving units (``type_names`` then names units; ``capacity`` holds
     each unit's, by unit name) and disaggregated ones are validated as clusters; with
-    ``cluster_checks`` the aggregated ones too (n replicas behind ``router``)."""
+    ``cluster_checks`` the aggregated ones too (n replicas behind ``router``). The types
+    are validated on ``executor``, each independent of the others."""
     units = units or {}
     names = list(type_names) if type_names is not None else (
         list(units) if units else [g.name for g in fleet.gpu_types])
@@ -906,17 +922,13 @@ def plan_capacity(
         if not validate:
             break
         t0 = time.perf_counter()
-        checks = []
-        for t in names:
-            u = plan_units[t]
-            vkw = dict(engine=engine, n_requests=validate_requests, seed=seed,
-                       min_window_s=min_window_s)
-            if u.disaggregated or cluster_checks:
-                checks += validate_units(inst, sol, t, u, slices, profiles[u.gpu_type],
-                                         type_policy[t], slo, router=router, link=link, **vkw)
-            else:
-                checks += validate_type(inst, sol, t, slices, profiles[t], type_policy[t],
-                                        slo, **vkw)
+        vkw = dict(engine=engine, n_requests=validate_requests, seed=seed,
+                   min_window_s=min_window_s)
+        checks = [c for per_type in (executor or SerialExecutor()).map(
+            _validate_task, names,
+            shared=(inst, sol, plan_units, slices, profiles, type_policy, slo,
+                    cluster_checks, dict(vkw, router=router, link=link)))
+            for c in per_type]
         sim_s += time.perf_counter() - t0
         failing = sorted({c.gpu_type for c in checks if not c.meets_slo}, key=names.index)
         history.append({"round": rounds, "cost": sol.cost, "failing": failing})
@@ -951,18 +963,35 @@ def measure_capacities(
     cache_dir: Path | None = None,
     min_window_s: float | None = None,
     progress: Progress | None = None,
+    executor: Executor | None = None,
 ) -> dict[tuple[str, str], ReplicaCapacity]:
-    out = {}
-    for g in fleet.gpu_types:
-        for b in slices.names:
-            cap = replica_capacity(profiles[g.name], slices, b, slo, engine=engine,
-                                   method=method, n_requests=n_requests, seed=seed,
-                                   cache_dir=cache_dir, min_window_s=min_window_s)
-            out[g.name, b] = cap
-            if progress:
-                src = "cache" if cap.cached else f"{cap.simulations} simulations"
-                progress(f"capacity {g.name} {b}: {cap.rate_per_s:.3g} req/s ({src})")
-    return out
+    """Every (GPU type, bucket)'s :func:`replica_capacity`, measured on ``executor``
+    (default: in this process), each independent of the others."""
+    keys = [(g.name, b) for g in fleet.gpu_types for b in slices.names]
+    kw = dict(engine=engine, method=method, n_requests=n_requests, seed=seed,
+              cache_dir=cache_dir, min_window_s=min_window_s)
+    caps = (executor or SerialExecutor()).map(
+        _replica_capacity_task, keys, shared=(profiles, slices, slo, kw),
+        each=_progress_of(keys, progress))
+    return dict(zip(keys, caps, strict=True))
+
+
+def _replica_capacity_task(shared: tuple, key: tuple[str, str]) -> ReplicaCapacity:
+    profiles, slices, slo, kw = shared
+    return replica_capacity(profiles[key[0]], slices, key[1], slo, **kw)
+
+
+def _progress_of(keys: list[tuple[str, str]], progress: Progress | None
+                 ) -> Callable[[int, ReplicaCapacity], Any] | None:
+    """One progress line per measured capacity, in the order of ``keys``."""
+    if progress is None:
+        return None
+
+    def each(i: int, cap: ReplicaCapacity) -> None:
+        src = "cache" if cap.cached else f"{cap.simulations} simulations"
+        progress(f"capacity {keys[i][0]} {keys[i][1]}: {cap.rate_per_s:.3g} req/s ({src})")
+
+    return each
 
 
 def single_type_plans(
@@ -972,17 +1001,25 @@ def single_type_plans(
     slices: WorkloadSlices,
     profiles: dict[str, Profile],
     capacity: dict[tuple[str, str], ReplicaCapacity],
+    *,
+    executor: Executor | None = None,
     **kw: Any,
 ) -> dict[str, dict[str, Any]]:
     """For each GPU type alone (with every unit of it in ``units``, if given): its
-    validated plan's cost, or why it cannot serve."""
+    validated plan's cost, or why it cannot serve (the types on ``executor``)."""
     units: dict[str, Unit] = kw.get("units") or {}
-    out: dict[str, dict[str, Any]] = {}
-    for g in fleet.gpu_types:
-        names = [u for u, unit in units.items() if unit.gpu_type == g.name] or [g.name]
-        out[g.name] = _plan_entry(fleet, forecast, slo, slices, profiles, capacity, names,
-                                  gpu_type=g.name, **kw)
-    return out
+    jobs = [([u for u, unit in units.items() if unit.gpu_type == g.name] or [g.name], g.name)
+            for g in fleet.gpu_types]
+    entries = (executor or SerialExecutor()).map(
+        _plan_entry_task, jobs, shared=(fleet, forecast, slo, slices, profiles, capacity, kw))
+    return {g: entry for (_names, g), entry in zip(jobs, entries, strict=True)}
+
+
+def _plan_entry_task(shared: tuple, job: tuple[list[str], str | None]) -> dict[str, Any]:
+    fleet, forecast, slo, slices, profiles, capacity, kw = shared
+    names, gpu_type = job
+    return _plan_entry(fleet, forecast, slo, slices, profiles, capacity, names,
+                       gpu_type=gpu_type, **kw)
 
 
 def _plan_entry(fleet: Fleet, forecast: Forecast, slo: SLOSet, slices: WorkloadSlices,
@@ -1018,20 +1055,22 @@ def topology_plans(
     slices: WorkloadSlices,
     profiles: dict[str, Profile],
     capacity: dict[tuple[str, str], ReplicaCapacity],
+    *,
+    executor: Executor | None = None,
     **kw: Any,
 ) -> dict[str, dict[str, Any]]:
     """The cheapest validated plan with aggregated units only and with disaggregated units
     only (every GPU type), as :func:`single_type_plans` gives each type alone; a kind with
     no unit among ``units`` is left out."""
     units: dict[str, Unit] = kw.get("units") or {}
-    out: dict[str, dict[str, Any]] = {}
-    for kind in TOPOLOGY_PLANS:
-        names = [u for u, unit in units.items()
-                 if unit.disaggregated == (kind == "disaggregated")]
-        if names:
-            out[kind] = _plan_entry(fleet, forecast, slo, slices, profiles, capacity, names,
-                                    **kw)
-    return out
+    kinds = {kind: [u for u, unit in units.items()
+                    if unit.disaggregated == (kind == "disaggregated")]
+             for kind in TOPOLOGY_PLANS}
+    kinds = {kind: names for kind, names in kinds.items() if names}
+    entries = (executor or SerialExecutor()).map(
+        _plan_entry_task, [(names, None) for names in kinds.values()],
+        shared=(fleet, forecast, slo, slices, profiles, capacity, kw))
+    return dict(zip(kinds, entries, strict=True))
 
 
 # ------------------------------------------------------------------------ the plan file
@@ -1312,9 +1351,14 @@ def run_plan(
     topologies: Sequence[str] | str = DEFAULT_TOPOLOGIES,
     router: str = DEFAULT_ROUTER,
     link: str = DEFAULT_LINK,
+    executor: Executor | None = None,
 ) -> PlanRun:
     """Everything ``servetune plan`` does, as a function: load, bucket, measure capacity
-    (cached), plan and validate, compare with single types, optionally sweep growth."""
+    (cached), plan and validate, compare with single types, optionally sweep growth. The
+    independent simulations (capacities, validations per type, single-type plans, growth
+    scenarios) run on ``executor`` (default: in this process); the plan is the same,
+    byte for byte, on any executor."""
+    ex = executor or SerialExecutor()
     t_start = time.perf_counter()
     workload = load_workload(workload_path)
     forecast = load_document(forecast_path, Forecast)
@@ -1357,7 +1401,7 @@ def run_plan(
     capacity = measure_capacities(fleet, slices, profiles, slo, engine=engine, method=method,
                                   n_requests=capacity_requests, seed=seed,
                                   cache_dir=cache_dir, min_window_s=min_window_s,
-                                  progress=progress)
+                                  progress=progress, executor=ex)
     if disagg:
         for t, prof in profiles.items():
             try:
@@ -1372,20 +1416,20 @@ def run_plan(
         capacity = measure_unit_capacities(
             units, slices, profiles, slo, capacity, router=router, link=link, engine=engine,
             n_requests=capacity_requests, seed=seed, cache_dir=cache_dir,
-            min_window_s=min_window_s, progress=progress)
+            min_window_s=min_window_s, progress=progress, executor=ex)
     capacity_s = time.perf_counter() - t0
     kw = dict(engine=engine, validate_requests=validate_requests, min_window_s=min_window_s,
               seed=seed, units=units, router=router, link=link, cluster_checks=disagg)
     result = plan_capacity(fleet, forecast, slo, slices, profiles, capacity, growth=growth,
-                           budget=budget, progress=progress, **kw)
+                           budget=budget, progress=progress, executor=ex, **kw)
     single: dict[str, dict[str, Any]] = {}
     compared: dict[str, dict[str, Any]] = {}
     if compare_single and budget is None:
         single = single_type_plans(fleet, forecast, slo, slices, profiles, capacity,
-                                   growth=growth, **kw)
+                                   growth=growth, executor=ex, **kw)
         if disagg:
             compared = topology_plans(fleet, forecast, slo, slices, profiles, capacity,
-                                      growth=growth, **kw)
+                                      growth=growth, executor=ex, **kw)
         best = best_single(single)
         # A validated single-type (or single-topology) plan is also a plan for the whole
         # fleet: never recommend a mix that costs more after validation derated it.
@@ -1415,24 +1459,20 @@ def run_plan(
                          name=f"{fleet.name}-{forecast.name}", topology=topology)
     plan.excluded_gpu_types = excluded
     rows: list[dict[str, Any]] = []
+    # the plan above is the scenario of its own growth: the same row, not planned twice
+    reused = budget is None and compare_single
+    scenarios = dict(zip(
+        [g for g in sweep or () if not (g == growth and reused)],
+        ex.map(_growth_task, [g for g in sweep or () if not (g == growth and reused)],
+               shared=(fleet, forecast, slo, slices, profiles, capacity, kw)),
+        strict=True))
     for g in sweep or ():
-        if g == growth and budget is None and compare_single:
-            # the plan above is this scenario: the same row, without planning it twice
-            res_g, best_g = result, best_single(single)
-        else:
-            single_g = single_type_plans(fleet, forecast, slo, slices, profiles, capacity,
-                                         growth=g, **kw)
-            best_g = best_single(single_g)
-            try:
-                res_g = plan_capacity(fleet, forecast, slo, slices, profiles, capacity,
-                                      growth=g, **kw)
-            except InfeasibleError as err:  # one scenario beyond the limits: say so, go on
-                rows.append({"growth": g, "feasible": False, "reason": err.message})
-                if progress:
-                    progress(f"growth x{g:g}: infeasible: {err.message}")
-                continue
-            if best_g is not None and best_g[1]["cost"] < res_g.solution.cost:
-                res_g = best_g[1]["result"]  # as for the main plan: never a dearer mix
+        res_g, best_g, infeasible = scenarios.get(g, (result, best_single(single), None))
+        if infeasible is not None:  # one scenario beyond the limits: say so, go on
+            rows.append({"growth": g, "feasible": False, "reason": infeasible})
+            if progress:
+                progress(f"growth x{g:g}: infeasible: {infeasible}")
+            continue
         scale = 24.0 / (forecast.n_slots * forecast.slot_s / 3600.0)
         mixed = res_g.solution.cost * scale
         row = {
@@ -1459,6 +1499,21 @@ def run_plan(
     timings = {"capacity_s": capacity_s, "total_s": time.perf_counter() - t_start,
                "solver_s": result.solver_s, "simulation_s": result.simulation_s}
     return PlanRun(plan, result, single, rows, timings, slices)
+
+
+def _growth_task(shared: tuple, g: float
+                 ) -> tuple[PlanResult | None, tuple[str, dict] | None, str | None]:
+    """The plan of one growth scenario and its best single type, or why it is infeasible."""
+    fleet, forecast, slo, slices, profiles, capacity, kw = shared
+    best_g = best_single(single_type_plans(fleet, forecast, slo, slices, profiles, capacity,
+                                           growth=g, **kw))
+    try:
+        res_g = plan_capacity(fleet, forecast, slo, slices, profiles, capacity, growth=g, **kw)
+    except InfeasibleError as err:
+        return None, best_g, err.message
+    if best_g is not None and best_g[1]["cost"] < res_g.solution.cost:
+        res_g = best_g[1]["result"]  # as for the main plan: never a dearer mix
+    return res_g, best_g, None
 
 
 def _widen(result: PlanResult, fleet: Fleet, capacity: dict, slices: WorkloadSlices,

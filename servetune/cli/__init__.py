@@ -24,6 +24,7 @@ from servetune.cli import (
     validate_cmd,
     workload_cmd,
 )
+from servetune.cli.options import bare_ray_flag
 from servetune.cli.root import (
     ARGUMENT_FLAGS,
     COMMAND_FLAGS,
@@ -53,6 +54,7 @@ for _module in (
 def main() -> None:
     """Console-script entry point (errors, usage errors and Ctrl-C as one line: see
     :class:`servetune.cli.root._ErrorsAsLines`)."""
+    sys.argv[1:] = bare_ray_flag(sys.argv[1:])
     try:
         app()
     except ServetuneError as err:  # raised outside a command (e.g. in a callback)

@@ -7,10 +7,15 @@
   on the commands that can write their JSON to a file.
 - ``-q/--quiet``: nothing on stderr but warnings and errors (no progress lines, no
   notes), on every command that prints progress or notes there.
+- ``--workers N`` / ``--ray [ADDRESS]``: where a command's independent simulations run
+  (:mod:`servetune.executor`): N local processes (default: ``SERVETUNE_WORKERS``, else
+  the number of cores; 1: in this process), or Ray tasks. The output is the same, byte
+  for byte, whatever they say.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -20,10 +25,13 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from servetune.errors import ServetuneError
 from servetune.io import STDOUT
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from servetune.executor import Executor
 
 TRACE_FORMAT_HELP = (
     "Force the format: azure, burstgpt, mooncake, vllm-bench, csv, jsonl "
@@ -41,6 +49,18 @@ ON_BAD_ROW_HELP = "error (default): stop at the first bad row; skip: drop bad ro
 JSON_HELP = "Print the result as JSON on stdout, and nothing else there."
 JSON_OUT_HELP = "Write the result as JSON to this file ('-': stdout, the same as --json)."
 QUIET_HELP = "Nothing on stderr but warnings and errors (no progress lines, no notes)."
+WORKERS_HELP = (
+    "Local worker processes for the independent simulations (default: $SERVETUNE_WORKERS, "
+    "else the number of cores; 1: all in this process). The output is the same whatever "
+    "the count."
+)
+RAY_HELP = (
+    "Run the independent simulations as Ray tasks (pip install 'servetune[ray]'): 'local' "
+    "(a Ray started here; what a bare --ray means), 'auto' (the cluster this machine "
+    "joined with `ray start`) or an address such as ray://HOST:10001. The output is the "
+    "same as without Ray."
+)
+WORKERS_ENV = "SERVETUNE_WORKERS"
 
 # The options every command that reads a trace file takes (use as parameter annotations).
 TraceFormatOption = Annotated[
@@ -57,6 +77,10 @@ JsonOutOption = Annotated[
     Path | None, typer.Option("--json-out", metavar="PATH", help=JSON_OUT_HELP)
 ]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)]
+WorkersOption = Annotated[
+    int | None, typer.Option("--workers", metavar="N", min=1, help=WORKERS_HELP)
+]
+RayOption = Annotated[str | None, typer.Option("--ray", metavar="[ADDRESS]", help=RAY_HELP)]
 
 
 @dataclass(frozen=True)
@@ -97,6 +121,33 @@ def compile_notice(
     from servetune.sim.compile_notice import compile_notice as notice
 
     return notice(None if quiet else say)
+
+
+def executor_for(workers: int | None, ray: str | None) -> Executor:
+    """The executor ``--workers`` / ``--ray`` ask for (close it when done: it is a context
+    manager). Without ``--workers``, ``SERVETUNE_WORKERS`` or else the number of cores."""
+    from servetune.executor import make_executor
+
+    if workers is None and os.environ.get(WORKERS_ENV, "").strip():
+        raw = os.environ[WORKERS_ENV].strip()
+        try:
+            workers = int(raw)
+        except ValueError:
+            raise ServetuneError(f"{WORKERS_ENV}={raw!r}: give a whole number of processes "
+                                 ">= 1, or unset it") from None
+        if workers < 1:
+            raise ServetuneError(f"{WORKERS_ENV}={raw!r}: give a number of processes >= 1")
+    return make_executor(workers, ray)
+
+
+def bare_ray_flag(argv: list[str]) -> list[str]:
+    """``--ray`` with no address (last, or followed by another option) as ``--ray local``:
+    the option takes an optional value, which click cannot express."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--ray" and (i + 1 == len(out) or out[i + 1].startswith("-")):
+            out[i] = "--ray=local"
+    return out
 
 
 def old_json_hint(value: str) -> str:

@@ -17,7 +17,10 @@ import typer
 from servetune.cli.options import (
     JsonOption,
     QuietOption,
+    RayOption,
+    WorkersOption,
     compile_notice,
+    executor_for,
     note_line,
     print_json,
 )
@@ -180,6 +183,8 @@ def register(app: typer.Typer) -> None:
             "infiniband", "--link", help="KV link of P:D units: infiniband | nvlink | roce."
         ),
         seed: int = typer.Option(0, "--seed"),
+        workers: WorkersOption = None,
+        ray: RayOption = None,
         quiet: QuietOption = False,
     ) -> None:
         for p, opt in ((workload, "--workload"), (forecast, "--forecast"), (fleet, "--fleet"),
@@ -208,14 +213,14 @@ def register(app: typer.Typer) -> None:
 
         topology_list = parse_topologies(topologies)  # a bad list fails before any work
 
-        with compile_notice(quiet):
+        with compile_notice(quiet), executor_for(workers, ray) as executor:
             run = run_plan(
                 workload, forecast, fleet, slo, out_path=output, sweep=sweep,
                 cache_dir=cache_dir, engine=engine, method=method,
                 prompt_edges=_ints(prompt_edges, "--prompt-edges"),
                 output_edges=_ints(output_edges, "--output-edges"), budget=budget, seed=seed,
                 model=model, progress=None if quiet else note_line,
-                topologies=topology_list, router=router, link=link,
+                topologies=topology_list, router=router, link=link, executor=executor,
             )
         save_document(run.plan, output)
         if report is not None:
