@@ -20,6 +20,7 @@ from servetune.cli import (
     plan_cmd,
     profile_cmd,
     simulate_cmd,
+    sweep_cmd,
     trace_cmd,
     validate_cmd,
     workload_cmd,
@@ -47,6 +48,7 @@ for _module in (
     nightly_cmd,
     plan_cmd,
     validate_cmd,
+    sweep_cmd,
 ):
     _module.register(app)
 
