@@ -72,7 +72,7 @@ def register(app: typer.Typer) -> None:
         with compile_notice(quiet), executor_for(workers, ray) as executor:
             run = run_sweep(loaded, out_dir, executor=executor,
                             progress=None if quiet else note_line)
-        for note in run.notes:
+        for note in [] if quiet else run.notes:
             note_line(f"note: {note}")
         if as_json:
             print_json(json.dumps({"name": loaded.doc.name, "exit_code": run.exit_code,

@@ -75,8 +75,8 @@ COMMAND_SETTINGS: dict[str, CommandSettings] = {
 
 # Settings that name input files (resolved against the sweep file; their bytes go into a
 # job's input hash), in the order a job's name lists them.
-FILE_SETTINGS = ("profile", "workload", "trace", "slo", "space", "current", "forecast",
-                 "fleet")
+FILE_SETTINGS = ("profile", "fleet", "workload", "trace", "forecast", "slo", "space",
+                 "current")
 # Each product axis and the setting it varies, in the order a job's name lists them.
 AXES: dict[str, str] = {
     "profiles": "profile", "workloads": "workload", "traces": "trace", "slos": "slo",
