@@ -16,6 +16,7 @@ from servetune.apps.sweep import (
     EXIT_SOME_FAILED,
     LoadedSweep,
     load_sweep,
+    run_sweep,
     summary_csv,
     summary_markdown,
 )
@@ -278,6 +279,29 @@ def test_a_failing_job_is_recorded_and_the_others_run(two_job, tmp_path):
     again = _sweep_cli(str(folder / "s.yaml"), "--out-dir", str(out), "-q")
     assert again.exit_code == EXIT_SOME_FAILED
     assert [r["status"] for r in _summary(out)] == ["cached", "failed"]
+
+
+class _InterruptedAfterOne:
+    """An executor on which Ctrl-C arrives after the first job finished."""
+
+    name, workers = "test", 1
+
+    def map(self, fn, items, *, shared, each):
+        each(0, fn(shared, items[0]))
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_keeps_the_finished_jobs_and_a_rerun_resumes(two_job, tmp_path):
+    out = tmp_path / "out"
+    loaded = load_sweep(two_job)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(loaded, out, executor=_InterruptedAfterOne())
+    assert [r["status"] for r in _summary(out)] == ["done", "not run"]
+    assert (out / "jobs" / "optimize__slo-a" / "policy.yaml").is_file()
+    assert not (out / "jobs" / "optimize__slo-b").exists()
+    assert not (out / ".lock").exists()
+    run = run_sweep(loaded, out)
+    assert [r["status"] for r in run.rows] == ["cached", "done"] and run.exit_code == 0
 
 
 def test_serial_and_two_workers_write_the_same_files(tmp_path):
