@@ -153,11 +153,13 @@ def test_the_shipped_sweeps_expand(sweep):
     assert (configs_dir() / "sweeps" / sweep.name).is_file()  # shipped as package data
 
 
-def test_the_shipped_sweep_covers_the_shipped_workloads_and_slos():
+def test_the_shipped_sweep_covers_the_shipped_8b_profiles_azure_workloads_and_slos():
     loaded = load_sweep(SWEEPS / "shipped.yaml")
-    used = {Path(j.settings[k]).name for j in loaded.jobs for k in ("workload", "slo")}
-    assert {p.name for p in (CONFIGS / "workloads").glob("*.yaml")} <= used
+    used = {Path(j.settings[k]).name for j in loaded.jobs for k in ("profile", "workload", "slo")}
+    assert {p.name for p in (REPO / "gpu_profiles").glob("*llama-3.1-8b.yaml")} <= used
+    assert {p.name for p in (CONFIGS / "workloads").glob("azure-*.yaml")} <= used
     assert {p.name for p in (CONFIGS / "slos").glob("*.yaml")} <= used
+    assert len(loaded.jobs) == 12
 
 
 # ------------------------------------------------------------------- bad sweep files

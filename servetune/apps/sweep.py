@@ -111,6 +111,8 @@ def load_sweep(path: str | Path) -> LoadedSweep:
     require_file(src, "given as SWEEP")
     doc = load_document(src, Sweep)
     base = src.resolve().parent
+    # each input file hashed once, however many jobs read it (a trace may be gigabytes)
+    hashes: dict[Path, str] = {}
     jobs: list[Job] = []
     for i, prod in enumerate(doc.products):
         where = f"products.{i}"
@@ -123,13 +125,14 @@ def load_sweep(path: str | Path) -> LoadedSweep:
             for setting, (k, value) in zip(axes, combo, strict=True):
                 given[setting] = (value, f"{where}.{AXIS_OF[setting]}.{k}")
             jobs.append(_job(src, base, doc.defaults, where, prod.command, given, None,
-                             list(axes)))
+                             list(axes), hashes))
     for i, job in enumerate(doc.jobs):
         where = f"jobs.{i}"
         given = {k: (getattr(job, k), f"{where}.{k}") for k in SweepJob.model_fields
                  if k not in ("command", "name") and getattr(job, k) is not None}
         _check_takes(src, where, job.command, {k: k for k in given})
-        jobs.append(_job(src, base, doc.defaults, where, job.command, given, job.name, None))
+        jobs.append(_job(src, base, doc.defaults, where, job.command, given, job.name, None,
+                         hashes))
     seen: dict[str, int] = {}
     for k, job in enumerate(jobs):
         if job.name in seen:
@@ -150,8 +153,8 @@ def _check_takes(src: Path, where: str, command: str, given: dict[str, str]) -> 
 
 
 def _job(src: Path, base: Path, defaults: SweepDefaults, where: str, command: str,
-         given: dict[str, tuple[Any, str]], name: str | None, varied: list[str] | None
-         ) -> Job:
+         given: dict[str, tuple[Any, str]], name: str | None, varied: list[str] | None,
+         hashes: dict[Path, str]) -> Job:
     spec = COMMAND_SETTINGS[command]
     settings = {k: (getattr(defaults, k), f"defaults.{k}") for k in SweepDefaults.model_fields
                 if getattr(defaults, k) is not None and spec.takes(k)}
@@ -171,7 +174,9 @@ def _job(src: Path, base: Path, defaults: SweepDefaults, where: str, command: st
         if key in FILE_SETTINGS:
             path = _input_file(src, base, key, value, loc)
             resolved[key] = str(path)
-            inputs[key] = {"file": path.name, "sha256": sha256_file(path)}
+            if path not in hashes:
+                hashes[path] = sha256_file(path)
+            inputs[key] = {"file": path.name, "sha256": hashes[path]}
         else:
             resolved[key] = value
     if command == "plan":
