@@ -180,7 +180,7 @@ def _job(src: Path, base: Path, defaults: SweepDefaults, where: str, command: st
         else:
             resolved[key] = value
     if command == "plan":
-        inputs.update(_fleet_profiles(Path(resolved["fleet"]), resolved.get("model")))
+        inputs.update(_fleet_profiles(Path(resolved["fleet"])))
     labels = {k: _label(k, settings[k][0]) for k in LABELLED if k in settings}
     shown = varied if varied is not None else list(labels)
     job_name = _safe_name(name or "__".join([command, *(labels[k] for k in shown)]))
@@ -219,9 +219,10 @@ def _input_file(src: Path, base: Path, key: str, value: str, loc: str) -> Path:
     return p.resolve()
 
 
-def _fleet_profiles(fleet_path: Path, model: str | None) -> dict[str, dict[str, str]]:
-    """The profile files a fleet names (their bytes decide a plan too). A fleet that does
-    not load adds none here: the job fails on it when it runs, with the fleet's error."""
+def _fleet_profiles(fleet_path: Path) -> dict[str, dict[str, str]]:
+    """The profile files a fleet names, for every model (their bytes decide a plan too). A
+    fleet that does not load adds none here: the job fails on it when it runs, with the
+    fleet's error."""
     from servetune.schemas.fleet import Fleet
 
     try:
