@@ -348,3 +348,21 @@ def test_the_summary_tables(tmp_path):
     assert ",done,,0.333333,,7,1.25," in text.splitlines()[1]
     md = summary_markdown("t", rows)
     assert "2 jobs: 1 done, 1 failed." in md and "a \\| b" in md
+
+
+def test_the_parquet_summary_holds_the_csv_rows(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow is optional (pip install pyarrow)")
+    from servetune.apps.sweep import write_summary
+
+    rows = [{"job": "a", "command": "optimize", "profile": "p", "status": "done", "error": "",
+             "goodput_req_s": 2.5, "daily_usd": None, "simulations": 7, "wall_s": 1.0,
+             "input_hash": "ab"},
+            {"job": "b", "command": "plan", "fleet": "f", "status": "failed", "error": "x",
+             "goodput_req_s": None, "daily_usd": 10.0, "simulations": None, "wall_s": None,
+             "input_hash": "cd"}]
+    files, notes = write_summary(tmp_path, "t", rows)
+    assert notes == [] and tmp_path / "summary.parquet" in files
+    table = pq.read_table(tmp_path / "summary.parquet").to_pydict()
+    assert table["job"] == ["a", "b"] and table["profile"] == ["p", None]
+    assert table["goodput_req_s"] == [2.5, None] and table["simulations"] == [7, None]
+    assert list(table) == next(csv.reader(open(tmp_path / "summary.csv")))
