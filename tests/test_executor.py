@@ -178,3 +178,21 @@ def test_plan_is_byte_identical_on_ray(tmp_path: Path) -> None:
     on_ray = _plan(inp, tmp_path / "ray.yaml", tmp_path / "c2", "--ray", "local",
                    "--workers", "2")
     assert on_ray == serial
+
+
+def test_goodput_seeds_side_by_side_give_the_serial_json(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    args = ["goodput", "--workload", str(repo / "configs/workloads/azure-conv-2023.yaml"),
+            "--requests", "150", "--seeds", "3", "--profile", "h200-llama-3.1-8b",
+            "--policy", str(repo / "configs/policies/vllm-serve-defaults.yaml"),
+            "--slo", str(repo / "configs/slos/mlperf-llama-3.1-8b-interactive.yaml"),
+            "--tolerance", "0.1", "-q"]
+    outs = []
+    for n in ("1", "2"):
+        out = tmp_path / f"goodput-{n}.json"
+        r = runner.invoke(app, [*args, "--workers", n, "--json-out", str(out)])
+        assert r.exit_code in (0, 3), r.output
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+    data = yaml.safe_load(outs[0])  # (JSON is YAML)
+    assert [s["seed"] for s in data["points"][0]["seeds"]] == [0, 1, 2]

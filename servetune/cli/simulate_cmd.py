@@ -28,9 +28,12 @@ from servetune.cli.options import (
     JsonTarget,
     OnBadRowOption,
     QuietOption,
+    RayOption,
     TraceFormatOption,
+    WorkersOption,
     compile_notice,
     console_say,
+    executor_for,
     print_json,
 )
 from servetune.cli.trace_cmd import load_trace_cli
@@ -514,6 +517,8 @@ def register(app: typer.Typer) -> None:
         columns: ColumnsOption = None,
         arrival_unit: ArrivalUnitOption = None,
         on_bad_row: OnBadRowOption = "error",
+        workers: WorkersOption = None,
+        ray: RayOption = None,
     ) -> None:
         """Find the highest arrival-rate scale at which a policy meets an SLO set.
 
@@ -548,11 +553,11 @@ def register(app: typer.Typer) -> None:
                 f"(attainment {_fmt(point['attainment'], 100, 2)}%)"
             )
 
-        with compile_notice(quiet, console_say(console)):
+        with compile_notice(quiet, console_say(console)), executor_for(workers, ray) as executor:
             result = goodput(
                 source, pol, prof, slo_set, engine=engine, seeds=seed_list,
                 n_requests=requests, duration_s=duration, reference=reference,
-                rel_tol=rel_tol, on_point=on_point,
+                rel_tol=rel_tol, on_point=on_point, executor=executor,
             )
         data = {
             "policy": pol.name, "profile": prof.name, "slo": slo_set.name, "engine": engine,
