@@ -69,7 +69,8 @@ else:
     # (numba would compile them once per constant).
     jit = numba.njit(_nrt=False, no_cpython_wrapper=True)
     inline = numba.njit(_nrt=False, no_cpython_wrapper=True, inline="always")
-    entry = numba.njit(cache=True, _nrt=False)
+    # nogil: replicas that a static router keeps independent run in threads side by side
+    entry = numba.njit(cache=True, _nrt=False, nogil=True)
     _step_seconds = jit(_step_seconds_py)
 
 # --- engines (their ids in the engine registry; compile-time constants here) ----------
