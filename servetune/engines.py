@@ -149,6 +149,9 @@ ENGINES: tuple[Engine, ...] = (
 ENGINE_NAMES: tuple[str, ...] = tuple(e.name for e in ENGINES)
 BY_NAME: dict[str, Engine] = {e.name: e for e in ENGINES}
 CONFIG_FILES: dict[str, str] = {e.name: e.config_file for e in ENGINES}
+# The instances of a disaggregated prefill/decode pair an export may be for (here, not in
+# servetune.export, so that `servetune export --help` lists them without the exporters).
+DISAGG_ROLES: tuple[str, ...] = ("prefill", "decode")
 
 
 def engine(name: str) -> Engine:
@@ -173,6 +176,7 @@ def kernel_id(name: str) -> int:
 __all__ = [
     "BY_NAME",
     "CONFIG_FILES",
+    "DISAGG_ROLES",
     "ENGINES",
     "ENGINE_NAMES",
     "DefaultBatching",

@@ -81,8 +81,6 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import numpy as np
-
 from servetune.errors import ServetuneError
 
 _UMASK = os.umask(0)
@@ -127,6 +125,8 @@ def plain_data(value: Any, *, finite: bool = True) -> Any:
     """A JSON/YAML-safe copy of ``value``: mapping keys as strings, tuples as lists, numpy
     scalars and arrays as Python values, and (with ``finite``) NaN and infinities as
     ``None``. Key order is kept, so the same data always gives the same bytes."""
+    import numpy as np  # lazy: the CLI imports this module at start-up (numpy: 70 ms)
+
     if isinstance(value, dict):
         return {str(k): plain_data(v, finite=finite) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -151,6 +151,8 @@ def finite_or_none(x: Any) -> float | None:
 def round_floats(value: Any, digits: int = 6) -> Any:
     """Round every float in nested data to ``digits`` significant digits (non-finite to
     ``None``), so that noise below that never changes the bytes of a written file."""
+    import numpy as np  # lazy: as in plain_data
+
     if isinstance(value, dict):
         return {k: round_floats(v, digits) for k, v in value.items()}
     if isinstance(value, list | tuple):

@@ -72,12 +72,12 @@ def test_console_script_prints_one_line():
 
 
 def test_interrupt_in_a_command_is_one_line_and_exit_130(tmp_path, monkeypatch):
-    import servetune.cli.export_cmd as export_cmd
+    import servetune.export as export  # the command imports export_policy from it when run
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(export_cmd, "export_policy", interrupted)
+    monkeypatch.setattr(export, "export_policy", interrupted)
     out = tmp_path / "vllm.yaml"
     out.write_text("previous\n")
     line = _one_line(["export", "--policy", POLICY, "--engine", "vllm", "-o", out], 130)

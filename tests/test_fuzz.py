@@ -129,14 +129,14 @@ def test_the_judge_accepts_a_valid_input_and_one_error_line():
 
 
 def test_the_judge_flags_two_lines_and_a_written_file(monkeypatch):
-    import servetune.cli.export_cmd as export_cmd
+    import servetune.export as export  # the command imports export_policy from it when run
     from servetune.errors import ServetuneError
 
     def noisy(*args, **kwargs):
         print("half a result")
         raise ServetuneError("then an error")
 
-    monkeypatch.setattr(export_cmd, "export_policy", noisy)
+    monkeypatch.setattr(export, "export_policy", noisy)
     out = run_case(_case("policy.yaml", POLICY, "export", "--policy", "{in}/policy.yaml",
                          "--engine", "vllm"))
     assert out.status == "failed" and "2 lines" in out.problem
@@ -144,7 +144,7 @@ def test_the_judge_flags_two_lines_and_a_written_file(monkeypatch):
     def boom(*args, **kwargs):
         raise KeyError("x")
 
-    monkeypatch.setattr(export_cmd, "export_policy", boom)
+    monkeypatch.setattr(export, "export_policy", boom)
     out = run_case(_case("policy.yaml", POLICY, "export", "--policy", "{in}/policy.yaml",
                          "--engine", "vllm"))
     assert out.status == "failed" and out.problem.startswith("traceback: KeyError")

@@ -52,14 +52,14 @@ from servetune.models.fluid import (
     targets_for,
 )
 from servetune.models.lanes_cpsat import build_instance
-from servetune.profiles.shipped import load_profile, shipped_or_path
-from servetune.schemas.base import document_to_yaml, load_document
-from servetune.schemas.job import (
+from servetune.optimize_options import (
     DEFAULT_MAX_SIMULATIONS,
     DEFAULT_REQUESTS,
     DEFAULT_TIME_LIMIT_S,
     METHODS_IN_WORDS,
 )
+from servetune.profiles.shipped import load_profile, shipped_or_path
+from servetune.schemas.base import document_to_yaml, load_document
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
 from servetune.schemas.space import SearchSpace, apply_knobs

@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING
 import typer
 
 from servetune.cli.options import JsonOption, print_json
+from servetune.engines import DISAGG_ROLES as ROLES
+from servetune.engines import ENGINE_NAMES as ENGINES
 from servetune.errors import ServetuneError
-from servetune.export import ENGINES, ROLES, export_policy
 from servetune.io import check_outputs, write_text_atomic
-from servetune.schemas.base import load_document
-from servetune.schemas.policy import Policy
 
 if TYPE_CHECKING:  # imported where used: see the lazy imports
     from servetune.schemas.profile import Profile
@@ -59,6 +58,11 @@ def register(app: typer.Typer) -> None:
 
         Example: servetune export --policy policy.yaml --engine vllm -o vllm.yaml
         """
+        # lazy: the exporters and the schemas (pydantic) cost 0.15 s that --help should not pay
+        from servetune.export import export_policy
+        from servetune.schemas.base import load_document
+        from servetune.schemas.policy import Policy
+
         if engine not in ENGINES:
             raise ServetuneError(
                 f"--engine {engine!r} is not supported; choose one of {', '.join(ENGINES)}"

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.console import Console
 
 from servetune.cli.options import (
     ColumnsOption,
@@ -31,15 +30,12 @@ from servetune.cli.options import (
 )
 from servetune.errors import InfeasibleError, ServetuneError
 from servetune.io import check_outputs, require_file, write_text_atomic
-from servetune.knobs import summary_text
-from servetune.schemas.base import load_document
-from servetune.schemas.job import (
+from servetune.optimize_options import (
     DEFAULT_MAX_SIMULATIONS,
     DEFAULT_REQUESTS,
     DEFAULT_TIME_LIMIT_S,
     METHODS,
     METHODS_IN_WORDS,
-    OptimizeJob,
 )
 from servetune.shipped_data import shipped_job, shipped_job_names
 
@@ -189,6 +185,13 @@ def register(app: typer.Typer) -> None:
         trace_format: TraceFormatOption = None,
         columns: ColumnsOption = None,
     ) -> None:
+        # lazy: the schemas (pydantic) and the knob table cost 0.15 s that --help should not pay
+        from rich.console import Console
+
+        from servetune.knobs import summary_text
+        from servetune.schemas.base import load_document
+        from servetune.schemas.job import OptimizeJob
+
         console = Console(stderr=True, soft_wrap=True)  # one line per message, piped or not
         engine = "vllm"
         if as_json and job is not None and job.suffix == ".json":

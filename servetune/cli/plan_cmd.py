@@ -27,7 +27,6 @@ from servetune.cli.options import (
 from servetune.engines import ENGINE_NAMES
 from servetune.errors import ServetuneError
 from servetune.io import check_outputs, require_file, write_text_atomic
-from servetune.schemas.base import dump_yaml, load_document, save_document
 
 if TYPE_CHECKING:  # imported where used: see the lazy imports
     from servetune.schemas.fleet import CapacityPlan
@@ -201,6 +200,7 @@ def register(app: typer.Typer) -> None:
             raise ServetuneError(f"--budget must be > 0 dollars (got {budget})")
         if growth == "forecast":
             # lazy: the fleet schemas add 20 ms to every command's start-up
+            from servetune.schemas.base import load_document
             from servetune.schemas.fleet import Forecast
 
             sweep = list(load_document(forecast, Forecast).growth)
@@ -210,6 +210,7 @@ def register(app: typer.Typer) -> None:
         # the other commands should not pay
         from servetune.apps.plan import parse_topologies, run_plan
         from servetune.apps.plan_report import plan_json_text, write_plan_report
+        from servetune.schemas.base import save_document
 
         topology_list = parse_topologies(topologies)  # a bad list fails before any work
 
@@ -253,6 +254,7 @@ def register(app: typer.Typer) -> None:
         # lazy: placement imports pyomo and OR-Tools (0.6 s)
         from servetune.apps.place import run_place
         from servetune.apps.plan_report import write_schedule_report
+        from servetune.schemas.base import dump_yaml
         from servetune.solvers.drivers import preload_cpsat
 
         preload_cpsat()  # placement solves CP-SAT: import OR-Tools before the work

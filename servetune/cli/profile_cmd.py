@@ -18,7 +18,6 @@ import typer
 from servetune.cli.options import JsonOption, QuietOption, print_json
 from servetune.cli.root import new_group
 from servetune.io import check_outputs
-from servetune.schemas.base import save_document
 
 if TYPE_CHECKING:  # imported where used: see the lazy imports
     from servetune.schemas.profile import Profile
@@ -28,6 +27,7 @@ def _save(profile: Profile, output: Path) -> None:
     # lazy: profile building imports HiGHS (25 ms) that every other command would pay
     from servetune.profiles.build import profile_header
     from servetune.profiles.shipped import require_kv_pool
+    from servetune.schemas.base import save_document
 
     require_kv_pool(profile, f"{output} (not written)")
     save_document(profile, output, header=profile_header(profile))

@@ -117,6 +117,15 @@ class _ErrorsAsLines(TyperGroup):
     top, framework usage errors into one line (exit 2) and Ctrl-C into one line (exit
     130), never a box or a traceback."""
 
+    def get_help_option(self, ctx: typer.Context) -> Any:
+        option = super().get_help_option(ctx)
+        # An unset flag's value is None, which typer >= 0.22 coerces through a pydantic
+        # TypeAdapter: importing pydantic for it cost `servetune CMD --help` 0.1 s (the
+        # group's own --help is unset there). False, the value the flag means, skips that.
+        if option is not None and option.default is None:
+            option.default = False
+        return option
+
     def invoke(self, ctx: typer.Context):  # type: ignore[override]
         try:
             return super().invoke(ctx)

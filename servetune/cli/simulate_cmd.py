@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from servetune.cli.options import (
@@ -28,24 +27,26 @@ from servetune.cli.options import (
     JsonTarget,
     OnBadRowOption,
     QuietOption,
+    RayOption,
     TraceFormatOption,
+    WorkersOption,
     compile_notice,
     console_say,
+    executor_for,
     print_json,
 )
 from servetune.cli.trace_cmd import load_trace_cli
 from servetune.engines import ENGINE_NAMES
 from servetune.errors import InfeasibleError, ServetuneError
 from servetune.io import check_outputs, require_file, write_all_or_none, write_text_atomic
-from servetune.schemas.base import load_document
-from servetune.schemas.policy import Policy
-from servetune.schemas.slo import SLOSet
-from servetune.workloads.trace import Trace
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # imported where used: see the lazy imports
+    from servetune.schemas.policy import Policy
     from servetune.schemas.profile import Profile
+    from servetune.schemas.slo import SLOSet
     from servetune.schemas.workload import Workload
     from servetune.sim.goodput import GoodputResult
+    from servetune.workloads.trace import Trace
 
 ENGINE_CHOICES = ENGINE_NAMES
 # Runs with at least this many requests (or any reference-mode run over REFERENCE_PROGRESS)
@@ -114,8 +115,11 @@ def load_inputs(
             f"--engine {engine!r}: unknown engine; choose one of {', '.join(ENGINE_CHOICES)}"
         )
     source = load_source(trace, workload, options)
-    # lazy: the Profile schema adds 20 ms to every command's start-up
+    # lazy: the schemas (pydantic) cost 0.1 s that `servetune --help` should not pay
     from servetune.profiles.shipped import load_profile, require_kv_pool
+    from servetune.schemas.base import load_document
+    from servetune.schemas.policy import Policy
+    from servetune.schemas.slo import SLOSet
 
     prof = load_profile(profile)
     require_kv_pool(prof, profile)
@@ -125,6 +129,8 @@ def load_inputs(
 
 
 def _expected_requests(source: Trace | Workload, n_requests: int | None) -> int:
+    from servetune.workloads.trace import Trace  # lazy: numpy
+
     if isinstance(source, Trace):
         return len(source) if n_requests is None else min(n_requests, len(source))
     return n_requests or 0
@@ -201,6 +207,8 @@ class _Progress:
     """A rich progress bar fed by the engine's progress callback (done, total)."""
 
     def __init__(self, console: Console, total: int, label: str) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
         self.progress = Progress(
             TextColumn(label), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
             TimeElapsedColumn(), console=console, transient=True,
@@ -225,6 +233,8 @@ def topology_specs(path: Path, profile: Profile, policy: Policy
     """The replicas of a Topology file (groups without a profile or policy get the
     command's), its router and link, and a one-line description."""
     from servetune.profiles.shipped import load_profile, require_kv_pool
+    from servetune.schemas.base import load_document
+    from servetune.schemas.policy import Policy
     from servetune.schemas.topology import Topology
     from servetune.sim.cluster import ReplicaSpec
 
@@ -514,6 +524,8 @@ def register(app: typer.Typer) -> None:
         columns: ColumnsOption = None,
         arrival_unit: ArrivalUnitOption = None,
         on_bad_row: OnBadRowOption = "error",
+        workers: WorkersOption = None,
+        ray: RayOption = None,
     ) -> None:
         """Find the highest arrival-rate scale at which a policy meets an SLO set.
 
@@ -548,11 +560,11 @@ def register(app: typer.Typer) -> None:
                 f"(attainment {_fmt(point['attainment'], 100, 2)}%)"
             )
 
-        with compile_notice(quiet, console_say(console)):
+        with compile_notice(quiet, console_say(console)), executor_for(workers, ray) as executor:
             result = goodput(
                 source, pol, prof, slo_set, engine=engine, seeds=seed_list,
                 n_requests=requests, duration_s=duration, reference=reference,
-                rel_tol=rel_tol, on_point=on_point,
+                rel_tol=rel_tol, on_point=on_point, executor=executor,
             )
         data = {
             "policy": pol.name, "profile": prof.name, "slo": slo_set.name, "engine": engine,

@@ -7,12 +7,9 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
-from rich.table import Table
 
 from servetune.cli.options import (
     ArrivalUnitOption,
@@ -25,8 +22,11 @@ from servetune.cli.options import (
     print_json,
 )
 from servetune.cli.root import new_group
-from servetune.workloads.stats import per_class_stats, trace_stats
-from servetune.workloads.trace import Trace
+
+if TYPE_CHECKING:  # imported where used: see the lazy imports
+    from rich.table import Table
+
+    from servetune.workloads.trace import Trace
 
 # Files at least this large show a progress bar while they load.
 PROGRESS_MIN_BYTES = 64 << 20
@@ -46,6 +46,9 @@ def load_progress(path: Path, quiet: bool = False) -> Iterator[Callable[[int, in
     if size < PROGRESS_MIN_BYTES:
         yield None
         return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),
@@ -92,6 +95,8 @@ def load_trace_cli(
 
 def stats_table(stats: dict[str, Any], title: str) -> Table:
     """A rich table of a ``trace_stats`` object."""
+    from rich.table import Table
+
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("", style="bold")
     for col in ("mean", "p50", "p90", "p99", "max"):
@@ -126,6 +131,11 @@ def register(app: typer.Typer) -> None:
         on_bad_row: OnBadRowOption = "error",
     ) -> None:
         """Request count, span, mean rate, burstiness and prompt/output length statistics."""
+        # lazy: numpy and rich's renderers cost 0.1 s that --help should not pay
+        from rich.console import Console
+
+        from servetune.workloads.stats import per_class_stats, trace_stats
+
         trace = load_trace_cli(file, trace_format, columns, arrival_unit, on_bad_row, quiet)
         result = trace_stats(trace)
         if trace.prefix_offsets is not None:

@@ -32,9 +32,7 @@ from servetune.io import (
     write_all_or_none,
     write_text_atomic,
 )
-from servetune.schemas.base import document_to_yaml, load_document
-from servetune.schemas.policy import Policy
-from servetune.workloads.bench import BENCH_FORMATS
+from servetune.workloads.bench_formats import BENCH_FORMATS
 
 
 def _fmt_ms(x: Any) -> str:
@@ -110,6 +108,8 @@ def register(app: typer.Typer) -> None:
         # lazy: the simulator package adds 35 ms to every command's start-up
         from servetune.apps import validate as V
         from servetune.profiles.shipped import load_profile, require_kv_pool
+        from servetune.schemas.base import document_to_yaml, load_document
+        from servetune.schemas.policy import Policy
         from servetune.workloads.bench import load_bench_run
 
         if engine not in ENGINE_NAMES:

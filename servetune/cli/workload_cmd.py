@@ -8,8 +8,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from servetune.cli.options import (
     ArrivalUnitOption,
@@ -24,9 +22,10 @@ from servetune.cli.root import new_group
 from servetune.cli.trace_cmd import load_trace_cli, stats_table
 from servetune.errors import ServetuneError
 from servetune.io import check_outputs
-from servetune.workloads.stats import trace_stats
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from servetune.schemas.workload import Arrival, Workload
     from servetune.workloads.fitting import ClassStats
 
@@ -36,6 +35,8 @@ SPLITS = ("none", "class", "prompt-quantiles")
 def class_table(workload: Workload, title: str) -> Table:
     """Classes as columns, statistics as rows (fits a terminal for a few classes)."""
     # lazy: workload fitting costs 20 ms that every other command would pay at start-up
+    from rich.table import Table
+
     from servetune.workloads.fitting import class_stats
 
     stats = class_stats(workload)
@@ -110,6 +111,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Fit a Workload to a trace: classes, arrival process, length distributions."""
         # lazy: as in class_table
+        from rich.console import Console
+
         from servetune.workloads.fitting import arrival_model, fit_workload, save_workload
         from servetune.workloads.prefixes import describe as describe_prefix_reuse
 
@@ -168,7 +171,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Show a workload's classes, or sample it and show the sample's statistics."""
         # lazy: as in class_table
+        from rich.console import Console
+
         from servetune.workloads.fitting import class_stats_json, load_workload, sample_trace
+        from servetune.workloads.stats import trace_stats
 
         workload = load_workload(path)
         console = Console()

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from servetune import __version__, knobs
-from servetune.engines import BY_NAME, CONFIG_FILES, ENGINE_NAMES
+from servetune.engines import BY_NAME, CONFIG_FILES, DISAGG_ROLES, ENGINE_NAMES
 from servetune.errors import ServetuneError
 from servetune.schemas.base import dump_yaml
 from servetune.schemas.policy import Policy
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 ENGINES: tuple[str, ...] = ENGINE_NAMES
 
 # The instances of a disaggregated prefill/decode pair an export may be for.
-ROLES: tuple[str, ...] = ("prefill", "decode")
+ROLES: tuple[str, ...] = DISAGG_ROLES
 
 FILENAMES: dict[str, str] = CONFIG_FILES
 

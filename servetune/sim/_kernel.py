@@ -66,10 +66,14 @@ else:
     # code, so they get no Python wrapper (unboxing the tuples there doubled the compile
     # time); the entry points are cached with their helpers linked in. The few tiny
     # helpers called with many different constants are inlined where they are called
-    # (numba would compile them once per constant).
+    # (numba would compile them once per constant). The entry points' compiled code is
+    # cached per user, keyed by the sources' hash (servetune.sim.kernel_cache).
+    from servetune.sim.kernel_cache import cached_jit
+
     jit = numba.njit(_nrt=False, no_cpython_wrapper=True)
     inline = numba.njit(_nrt=False, no_cpython_wrapper=True, inline="always")
-    entry = numba.njit(cache=True, _nrt=False)
+    # nogil: replicas that a static router keeps independent run in threads side by side
+    entry = cached_jit(_nrt=False, nogil=True)
     _step_seconds = jit(_step_seconds_py)
 
 # --- engines (their ids in the engine registry; compile-time constants here) ----------

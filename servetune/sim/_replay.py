@@ -19,9 +19,8 @@ Emitted rows, in output order: ``ints[k] = (kind, request, a, b, c)`` and
 
 from __future__ import annotations
 
-import numba
-
 from servetune.sim._kernel import EV_ADMIT, EV_FINISH, EV_PREEMPT, EV_SCHED, EV_SHED
+from servetune.sim.kernel_cache import cached_jit
 
 PHASE_NONE = 0
 PHASE_QUEUED = 1
@@ -35,7 +34,7 @@ OUT_CLOSE = 0
 OUT_SHED = 1
 OUT_STEP = 2
 
-jit = numba.njit(cache=True)
+jit = cached_jit()  # cached per user, keyed by the sources' hash
 
 
 @jit

@@ -42,6 +42,7 @@ from servetune.workloads.fitting import check_rate_scale, class_stats, sample_tr
 from servetune.workloads.trace import Trace
 
 if TYPE_CHECKING:  # the engine is imported where used (see _engine_module)
+    from servetune.executor import Executor
     from servetune.schemas.profile import Profile
     from servetune.sim.engine import EngineOutput
 
@@ -413,33 +414,32 @@ def goodput(
     min_scale: float = 1.0 / 1024,
     max_scale: float = 1024.0,
     on_point: Callable[[dict[str, Any]], Any] | None = None,
+    executor: Executor | None = None,
 ) -> GoodputResult:
     """Highest rate scale at which ``policy`` meets ``slo`` (every seed, for a workload).
 
     A trace is replayed once per scale (seeds do not change a replay); a workload is sampled
-    with each seed. Each point records its verdict, per-seed attainment and the summary of
+    with each seed, the seeds of a scale side by side on ``executor`` (default: in this
+    process). Each point records its verdict, per-seed attainment and the summary of
     every run (without wall-clock fields, so the result is deterministic)."""
     if not seeds:
         raise ServetuneError("goodput: give at least one seed")
     run_seeds = (seeds[0],) if isinstance(source, Trace) else tuple(seeds)
+    if executor is None:
+        from servetune.executor import SerialExecutor
+
+        executor = SerialExecutor()
+    shared = (source, policy, profile, slo,
+              dict(engine=engine, reference=reference, n_requests=n_requests,
+                   duration_s=duration_s))
 
     def evaluate(scale: float) -> tuple[bool, dict[str, Any]]:
-        ok = True
-        attainments = []
-        summaries = []
-        windows = []
-        for s in run_seeds:
-            result = simulate(
-                source, policy, profile, engine=engine, reference=reference, seed=s,
-                n_requests=n_requests, duration_s=duration_s, rate_scale=scale,
-            )
-            ok = result.meets_slo(slo) and ok
-            summary = result.summary(slo)
-            summary.pop("sim_wall_s", None)
-            attainments.append(summary["overall"]["attainment"])
-            summaries.append({"seed": s, **summary})
-            windows.append(result.trace.duration_s)
-        point = {"attainment": min(attainments), "window_s": min(windows), "seeds": summaries}
+        runs = executor.map(_seed_run, [(s, scale) for s in run_seeds], shared=shared)
+        ok = all(meets for meets, _summary, _window in runs)
+        summaries = [{"seed": s, **summary} for s, (_ok, summary, _w) in zip(
+            run_seeds, runs, strict=True)]
+        point = {"attainment": min(sm["overall"]["attainment"] for sm in summaries),
+                 "window_s": min(window for _ok, _sm, window in runs), "seeds": summaries}
         if on_point is not None:
             on_point({"rate_scale": scale, "meets_slo": ok, **point})
         return ok, point
@@ -455,6 +455,16 @@ def goodput(
     )
     result.warnings.extend(_short_window_warnings(result, slo))
     return result
+
+
+def _seed_run(shared: tuple, job: tuple[int, float]) -> tuple[bool, dict[str, Any], float]:
+    """One seed of one goodput point: (meets the SLOs, summary without wall time, window)."""
+    source, policy, profile, slo, kw = shared
+    seed, scale = job
+    result = simulate(source, policy, profile, seed=seed, rate_scale=scale, **kw)
+    summary = result.summary(slo)
+    summary.pop("sim_wall_s", None)
+    return result.meets_slo(slo), summary, float(result.trace.duration_s)
 
 
 # The steady-state window a goodput point should span before ``servetune goodput`` trusts

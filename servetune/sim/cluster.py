@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from servetune.errors import ServetuneError
+from servetune.executor import default_workers
 from servetune.schemas.policy import Policy
 from servetune.schemas.profile import Profile
 from servetune.schemas.topology import LINK_NAMES, ROLES, ROUTERS
@@ -321,8 +323,7 @@ def run_cluster(
                 rep.rows = np.flatnonzero(replica_of == rep.index).tolist()
         if progress is not None:
             progress(n, n)
-        for rep in replicas:
-            rep.advance(np.inf)
+        _finish_all(replicas, side_by_side=router in STATIC_ROUTERS and not reference)
         outputs = [rep.output() for rep in replicas]
         merged = _merge(trace, replicas, outputs, replica_of, local_of)
         return ClusterOutput(merged=merged, replica=replica_of, decode_replica=None,
@@ -388,6 +389,20 @@ def run_cluster(
                          specs=tuple(specs), outputs=outputs,
                          rows=[np.asarray(rep.rows, dtype=np.int64) for rep in replicas],
                          router=router, link=link, transfer_s=transfer)
+
+
+def _finish_all(replicas: list[_Replica], *, side_by_side: bool) -> None:
+    """Run every replica to its end. Under a static router the replicas never meet again,
+    so they run side by side in threads (the compiled kernel releases the GIL), one per
+    core; each replica's run is the same whatever the thread count."""
+    threads = min(len(replicas), default_workers()) if side_by_side else 1
+    if threads < 2:
+        for rep in replicas:
+            rep.advance(np.inf)
+        return
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for _ in pool.map(lambda rep: rep.advance(np.inf), replicas):
+            pass  # (re-raises a replica's error here)
 
 
 def _merge(trace: Trace, replicas: list[_Replica], outputs: list[E.EngineOutput],

@@ -1,12 +1,13 @@
 """One line when numba is about to compile the simulator (a cold cache), never otherwise.
 
-The kernel's entry points (:mod:`servetune.sim._kernel`) are compiled with
-``cache=True``: the first run on a machine (or after an upgrade) compiles them, which
-takes tens of seconds with nothing on screen; later runs load them from numba's on-disk
-cache in well under a second. numba looks in that cache first and broadcasts a
-``numba:compile`` event only when it found nothing there and starts compiling; a listener
-on that event therefore says exactly "a compile is starting", without guessing the
-signature or reading the cache index (numba's event API, ``numba.core.event``).
+The kernel's entry points (:mod:`servetune.sim._kernel`) are compiled once per machine and
+kernel version and cached in the user's cache folder (:mod:`servetune.sim.kernel_cache`,
+shared by every environment and clone): the first run compiles them, which takes tens of
+seconds; later runs load them from that cache in well under a second. numba looks in the
+cache first and broadcasts a ``numba:compile`` event only when it found nothing there and
+starts compiling; a listener on that event therefore says exactly "a compile is
+starting", without guessing the signature or reading the cache index (numba's event API,
+``numba.core.event``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from contextlib import contextmanager
 from typing import Any
 
 # Wall-clock seconds of the first compile of run_kernel and reject_at_arrival, measured
-# on the development machine (2 cores shared with other jobs): a 200-request `servetune
-# simulate` with NUMBA_CACHE_DIR an empty folder took 53, 53 and 66 s, the same run with
-# that folder filled 4.4-5.2 s; so the compile is 48-61 s, rounded to the typical 50.
-COMPILE_SECONDS = 50
+# on the development machine (2 cores shared with other jobs, load 1-2; benchmarks/
+# startup.py): a one-request `servetune simulate` with an empty cache folder took 35-40 s
+# against 1.2-3 s warm, and `servetune optimize configs/jobs/quickstart.yaml` 53 s against
+# 19 s warm; so the compile is 33-37 s, rounded to 35.
+COMPILE_SECONDS = 35
 NOTICE = f"compiling the simulator once, about {COMPILE_SECONDS} s (cached afterwards)"
 
 # numba functions of these modules are the simulator's (the only numba code servetune has).

@@ -47,9 +47,9 @@ import numpy as np
 
 from servetune.errors import ServetuneError
 from servetune.io import decode_text, read_bytes, sha256_bytes
+from servetune.workloads.bench_formats import BENCH_FORMATS
 from servetune.workloads.formats import MAX_TOKENS
 
-BENCH_FORMATS = ("vllm-bench", "sglang-bench", "aiperf")
 TIME_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
 
