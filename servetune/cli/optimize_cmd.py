@@ -24,8 +24,11 @@ from servetune.cli.options import (
     JsonOutOption,
     JsonTarget,
     QuietOption,
+    RayOption,
     TraceFormatOption,
+    WorkersOption,
     compile_notice,
+    executor_for,
     old_json_hint,
     print_json,
 )
@@ -45,6 +48,7 @@ from servetune.shipped_data import shipped_job, shipped_job_names
 
 if TYPE_CHECKING:
     from servetune.apps.optimize import OptimizeResult
+    from servetune.executor import Executor
 
 EXAMPLE = (
     "Example: servetune optimize --workload configs/workloads/azure-conv-2023.yaml "
@@ -75,8 +79,10 @@ def run_optimize(
     progress: Callable[[str], None] | None = None,
     max_simulations: int = DEFAULT_MAX_SIMULATIONS,
     columns: str | None = None,
+    executor: Executor | None = None,
 ) -> OptimizeResult:
-    """Check the options, then :func:`~servetune.apps.optimize.optimize_files`."""
+    """Check the options, then :func:`~servetune.apps.optimize.optimize_files` (its
+    independent simulations on ``executor``; default: in this process)."""
     if (trace is None) == (workload is None):
         raise ServetuneError("give exactly one of --trace FILE or --workload W.yaml")
     if method not in METHODS:
@@ -106,6 +112,7 @@ def run_optimize(
         trace_format=trace_format, columns=columns, method=method, time_limit_s=time_limit_s,
         seed=seed,
         n_requests=requests, engine=engine, progress=progress, max_simulations=max_simulations,
+        executor=executor,
     )
 
 
@@ -188,6 +195,8 @@ def register(app: typer.Typer) -> None:
         quiet: QuietOption = False,
         trace_format: TraceFormatOption = None,
         columns: ColumnsOption = None,
+        workers: WorkersOption = None,
+        ray: RayOption = None,
     ) -> None:
         console = Console(stderr=True, soft_wrap=True)  # one line per message, piped or not
         engine = "vllm"
@@ -233,7 +242,7 @@ def register(app: typer.Typer) -> None:
                 console.print(f"[dim]optimize:[/dim] {msg}", highlight=False)
 
         try:
-            with compile_notice(quiet, say):
+            with compile_notice(quiet, say), executor_for(workers, ray) as executor:
                 result = run_optimize(
                     trace=trace, workload=workload, profile=profile, slo=slo, space=space,
                     method=method or "milp",
@@ -243,6 +252,7 @@ def register(app: typer.Typer) -> None:
                     seed=0 if seed is None else seed,
                     requests=DEFAULT_REQUESTS if requests is None else requests,
                     engine=engine, trace_format=trace_format, columns=columns, progress=say,
+                    executor=executor,
                 )
         except InfeasibleError as err:
             _emit_json(json_to, err.details.get("summary", {"status": "infeasible"}))
