@@ -20,7 +20,11 @@ This is what ``servetune optimize`` and the nightly job call. Steps:
 
 Budgets are work, not time: the loop's iterations, ``max_simulations`` simulations, and
 the solvers' deterministic limits (:mod:`servetune.solvers.drivers`), so a slow machine or
-a cold numba cache gives the same policy. ``time_limit_s`` is only a safety stop: when it
+a cold numba cache gives the same policy. The goodput searches that do not depend on each
+other (a round's candidates, the edges, a baseline's points) run as batches on an
+executor (``executor=``, ``--workers`` / ``--ray``), each on a fork of the simulator
+(:meth:`TraceSimulator.fork`), so the policy is the same, byte for byte, on any backend
+and number of workers. ``time_limit_s`` is only a safety stop: when it
 fires, ``metadata.stopped_by`` is ``"time_limit"`` and the result is not reproducible.
 
 When no candidate meets the SLOs, :class:`~servetune.errors.InfeasibleError` (exit 3)
