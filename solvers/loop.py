@@ -15,6 +15,8 @@
    incumbent's rate plus 1%, and a failure there ends its search: one simulation for a
    candidate that cannot beat it (branch and bound with simulated bounds). The bar is
    fixed for the batch: a candidate that beats the incumbent raises it for the next.
+   While nothing has passed yet there is no bar, so the best-predicted candidate is
+   simulated first, alone, to set one, and the round's others follow as one batch.
 3. Recalibrate: scale the model's TTFT / TPOT predictions so that, for the metric the
    simulator saw fail just above a candidate's goodput, the model's limit falls where the
    simulator's did; other metrics move towards measured / predicted (damped); the KV
@@ -487,37 +489,26 @@ def search(
                         f"{promise:.2f} req/s for any untried candidate")
                 break
         chosen: list[tuple[int, Any]] = list(top.solutions[:k])
-        # The round's bar: the incumbent (its goodput narrowed first) raised by the
-        # tolerance. Only a pass above it matters: a candidate starts no lower, and a
-        # failure there or below ends its search (one simulation). It stays fixed for the
-        # whole batch, so the candidates' searches are independent.
-        leader = _incumbent(evaluated, sim, refine_tol, refined)
-        bar = None if leader is None else leader.goodput.rate_scale * (1.0 + bar_tol)
-        tasks = []
-        for _, cand in chosen:
-            # Start where the (recalibrated) model points, or at the bar.
-            start_scale = max(cand.rate_per_s, 1e-9) / sim.base_rate_per_s
-            tasks.append(GoodputTask(make_policy(cand.knobs),
-                                     start_scale if bar is None else max(start_scale, bar),
-                                     rel_tol, prune_at=bar))
+        # The round's candidates are one batch. Without an incumbent there is no bar yet:
+        # then the best-predicted candidate goes first, alone, to set one, and the others
+        # follow as one batch (without it every one of them would search its goodput in
+        # full).
+        pilot = not any(e.goodput.passed for e in evaluated) and len(chosen) > 1
+        batches = [chosen[:1], chosen[1:]] if pilot else [chosen]
         new: list[Evaluated] = []
-
-        def record(i: int, est: GoodputResult[SimPoint], it: int = it, chosen: list = chosen,
-                   tasks: list = tasks, new: list = new) -> None:
-            idx, cand = chosen[i]
-            ev = Evaluated(reps[idx], cand.knobs, cand.rate_per_s, cand.binding, est,
-                           tasks[i].policy, label=f"milp#{it + 1}")
-            new.append(ev)
-            evaluated.append(ev)
-            if log:
-                log(
-                    f"iteration {it + 1}: {_short(cand.knobs)} predicted "
-                    f"{cand.rate_per_s:.2f} req/s, simulated {_verdict(est)} "
-                    f"({len(est.points)} simulations)"
-                )
-
-        find_goodputs(sim, tasks, executor, each=record)
-        for idx, cand in chosen:
+        done: list[tuple[int, Any]] = []
+        for batch in batches:
+            if done and budget_spent():
+                stops.add(STOP_SIMULATIONS)
+                break  # the work budget is spent: keep what this round has simulated
+            if done and out_of_time():
+                stops.add(STOP_TIME_LIMIT)
+                break  # the safety stop: keep what this round has simulated
+            _simulate_batch(batch, it, evaluated, new, make_policy, sim, reps=reps,
+                            rel_tol=rel_tol, bar_tol=bar_tol, refine_tol=refine_tol,
+                            refined=refined, log=log, executor=executor)
+            done.extend(batch)
+        for idx, cand in done:
             cut.add(idx)
             # Its shape's other variants that the model ranks no higher add nothing the
             # simulation did not just answer: cut them too.
@@ -603,6 +594,43 @@ def search(
         stopped_by=_stopped_by(stops, converged),
         model_error=error,
     )
+
+
+def _simulate_batch(
+    batch: list[tuple[int, Any]], it: int, evaluated: list[Evaluated], new: list[Evaluated],
+    make_policy: Callable[[Knobs], Any], sim: Simulator, *, reps: list[int], rel_tol: float,
+    bar_tol: float, refine_tol: float | None, refined: set[int],
+    log: Callable[[str], Any] | None, executor: Executor | None,
+) -> None:
+    """Simulate one batch of a round's MILP candidates (module docstring, step 2) and add
+    them, in order, to ``evaluated`` and ``new``.
+
+    The bar: the incumbent (its goodput narrowed first) raised by the tolerance. Only a
+    pass above it matters: a candidate starts no lower, and a failure there or below ends
+    its search (one simulation). It is fixed for the batch, so the searches are
+    independent."""
+    leader = _incumbent(evaluated, sim, refine_tol, refined)
+    bar = None if leader is None else leader.goodput.rate_scale * (1.0 + bar_tol)
+    tasks = []
+    for _, cand in batch:
+        # Start where the (recalibrated) model points, or at the bar.
+        start_scale = max(cand.rate_per_s, 1e-9) / sim.base_rate_per_s
+        tasks.append(GoodputTask(make_policy(cand.knobs),
+                                 start_scale if bar is None else max(start_scale, bar),
+                                 rel_tol, prune_at=bar))
+
+    def record(i: int, est: GoodputResult[SimPoint]) -> None:
+        idx, cand = batch[i]
+        ev = Evaluated(reps[idx], cand.knobs, cand.rate_per_s, cand.binding, est,
+                       tasks[i].policy, label=f"milp#{it + 1}")
+        new.append(ev)
+        evaluated.append(ev)
+        if log:
+            log(f"iteration {it + 1}: {_short(cand.knobs)} predicted "
+                f"{cand.rate_per_s:.2f} req/s, simulated {_verdict(est)} "
+                f"({len(est.points)} simulations)")
+
+    find_goodputs(sim, tasks, executor, each=record)
 
 
 def work_stop(budget_spent: bool, out_of_time: bool) -> str:
