@@ -127,11 +127,11 @@ def _search_points(
     sim: Simulator, *, label: str, rel_tol: float, budget: int | None,
     deadline: float | None, executor: Executor | None,
     progress: Callable[[int, int], Any] | None = None,
-) -> tuple[list[Evaluated], int, str]:
+) -> tuple[list[Evaluated], str]:
     """The points ``order`` names, in that order, in batches on ``executor``: each batch
     (:func:`_batch_size`) starts only while the ``budget`` (None: none) has simulations
     left and, the safety stop, before ``deadline``; a started batch finishes. Returns the
-    points evaluated, the simulations spent and why it stopped."""
+    points evaluated and why it stopped."""
     start = sim.simulations
     out: list[Evaluated] = []
     stopped_by = STOP_EXHAUSTED
@@ -156,7 +156,7 @@ def _search_points(
 
         find_goodputs(sim, tasks, executor, each=record)
         at += len(part)
-    return out, sim.simulations - start, stopped_by
+    return out, stopped_by
 
 
 def grid_search(
@@ -174,7 +174,7 @@ def grid_search(
     batch starts once ``budget`` simulations are spent (None: no limit) or, the safety
     stop, after ``deadline`` (a ``time.perf_counter`` value)."""
     start = sim.simulations
-    out, _, stopped_by = _search_points(
+    out, stopped_by = _search_points(
         list(range(len(points))), points, make_policy, sim, label="grid", rel_tol=rel_tol,
         budget=budget, deadline=deadline, executor=executor, progress=progress)
     return BaselineResult("grid", _refined(out, sim), out, sim.simulations - start,
@@ -197,7 +197,7 @@ def random_search(
     more points than the budget left is expected to pay for."""
     start = sim.simulations
     order = [int(i) for i in np.random.default_rng(seed).permutation(len(points))]
-    out, _, stopped_by = _search_points(
+    out, stopped_by = _search_points(
         order, points, make_policy, sim, label="random", rel_tol=rel_tol, budget=budget,
         deadline=deadline, executor=executor)
     return BaselineResult("random", _refined(out, sim), out, sim.simulations - start,
