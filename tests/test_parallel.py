@@ -181,3 +181,9 @@ def test_nightly_is_byte_identical_on_one_and_two_workers(tmp_path):
         codes.append(res.exit_code)
         outputs.append(snapshot(out))
     assert "report.md" in outputs[0] and outputs[1] == outputs[0] and codes[1] == codes[0]
+
+
+@pytest.mark.parametrize("command", ["optimize", "nightly", "report", "validate"])
+def test_commands_take_workers_and_ray(command):
+    res = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and "--workers" in res.output and "--ray" in res.output
