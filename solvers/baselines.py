@@ -11,6 +11,9 @@
   loop's does), so answers are compared at the same resolution;
 - random search: points in a seeded random order, same goodput search, until the
   simulation budget is spent;
+- grid and random search evaluate their points in batches on an executor
+  (:mod:`servetune.executor`), each batch of a size fixed by the inputs (never by the
+  number of workers), the budget checked before each: a started batch finishes;
 - Optuna TPE (only when ``optuna`` is importable, the optional extra ``optuna``), seeded,
   same budget.
 
@@ -30,13 +33,16 @@ from typing import Any
 import numpy as np
 
 from servetune.engines import GpuFacts, engine
+from servetune.executor import Executor
 from servetune.models.fluid import Knobs
 from servetune.solvers.loop import (
     STOP_EXHAUSTED,
     STOP_TIME_LIMIT,
     Evaluated,
+    GoodputTask,
     Simulator,
     find_goodput,
+    find_goodputs,
     refine_goodput,
     work_stop,
 )
@@ -99,6 +105,60 @@ def _evaluate(
     return Evaluated(i, knobs, math.nan, None, est, policy, label=label)
 
 
+# Points per batch: at most this many, and no more than the simulation budget left is
+# expected to pay for (at the simulations per point seen so far, at first this guess).
+# Fixed numbers, never the worker count: where a budget stops the search then depends on
+# the inputs alone.
+MAX_BATCH = 16
+SIMS_PER_POINT_GUESS = 6
+
+
+def _batch_size(left: int | None, spent: int, done: int) -> int:
+    """How many points the next batch takes, with ``left`` simulations of the budget left
+    (None: no budget) after ``spent`` simulations on ``done`` points."""
+    if left is None:
+        return MAX_BATCH
+    per = spent / done if done and spent else SIMS_PER_POINT_GUESS
+    return max(1, min(MAX_BATCH, int(left // per)))
+
+
+def _search_points(
+    order: list[int], points: list[Knobs], make_policy: Callable[[Knobs], Any],
+    sim: Simulator, *, label: str, rel_tol: float, budget: int | None,
+    deadline: float | None, executor: Executor | None,
+    progress: Callable[[int, int], Any] | None = None,
+) -> tuple[list[Evaluated], str]:
+    """The points ``order`` names, in that order, in batches on ``executor``: each batch
+    (:func:`_batch_size`) starts only while the ``budget`` (None: none) has simulations
+    left and, the safety stop, before ``deadline``; a started batch finishes. Returns the
+    points evaluated and why it stopped."""
+    start = sim.simulations
+    out: list[Evaluated] = []
+    stopped_by = STOP_EXHAUSTED
+    at = 0
+    while at < len(order):
+        spent = sim.simulations - start
+        stop = work_stop(budget is not None and spent >= budget,
+                         deadline is not None and time.perf_counter() > deadline)
+        if stop:
+            stopped_by = stop
+            break
+        left = None if budget is None else budget - spent
+        part = [int(i) for i in order[at:at + _batch_size(left, spent, len(out))]]
+        tasks = [GoodputTask(make_policy(points[i]), 1.0, rel_tol, factor=2.0) for i in part]
+
+        def record(n: int, est: Any, part: list[int] = part, tasks: list = tasks) -> None:
+            i = part[n]
+            out.append(Evaluated(i, points[i], math.nan, None, est, tasks[n].policy,
+                                 label=label))
+            if progress:
+                progress(len(out), len(order))
+
+        find_goodputs(sim, tasks, executor, each=record)
+        at += len(part)
+    return out, stopped_by
+
+
 def grid_search(
     points: list[Knobs],
     make_policy: Callable[[Knobs], Any],
@@ -108,22 +168,15 @@ def grid_search(
     progress: Callable[[int, int], Any] | None = None,
     budget: int | None = None,
     deadline: float | None = None,
+    executor: Executor | None = None,
 ) -> BaselineResult:
-    """Every point simulated (the oracle), in order; no new point starts once ``budget``
-    simulations are spent (None: no limit) or, the safety stop, after ``deadline`` (a
-    ``time.perf_counter`` value)."""
+    """Every point simulated (the oracle), in order, in batches on ``executor``; no new
+    batch starts once ``budget`` simulations are spent (None: no limit) or, the safety
+    stop, after ``deadline`` (a ``time.perf_counter`` value)."""
     start = sim.simulations
-    out = []
-    stopped_by = STOP_EXHAUSTED
-    for i, k in enumerate(points):
-        stop = work_stop(budget is not None and sim.simulations - start >= budget,
-                         deadline is not None and time.perf_counter() > deadline)
-        if stop:
-            stopped_by = stop
-            break
-        out.append(_evaluate(i, k, make_policy, sim, "grid", rel_tol))
-        if progress:
-            progress(i + 1, len(points))
+    out, stopped_by = _search_points(
+        list(range(len(points))), points, make_policy, sim, label="grid", rel_tol=rel_tol,
+        budget=budget, deadline=deadline, executor=executor, progress=progress)
     return BaselineResult("grid", _refined(out, sim), out, sim.simulations - start,
                           stopped_by=stopped_by)
 
@@ -137,20 +190,16 @@ def random_search(
     seed: int = 0,
     rel_tol: float = 0.03,
     deadline: float | None = None,
+    executor: Executor | None = None,
 ) -> BaselineResult:
-    """Points in a seeded random order until ``budget`` simulations are used (or, the
-    safety stop, ``deadline`` passes)."""
+    """Points in a seeded random order, in batches on ``executor``, until ``budget``
+    simulations are used (or, the safety stop, ``deadline`` passes); a batch takes no
+    more points than the budget left is expected to pay for."""
     start = sim.simulations
-    order = np.random.default_rng(seed).permutation(len(points))
-    out = []
-    stopped_by = STOP_EXHAUSTED
-    for i in order:
-        stop = work_stop(sim.simulations - start >= budget,
-                         deadline is not None and time.perf_counter() > deadline)
-        if stop:
-            stopped_by = stop
-            break
-        out.append(_evaluate(int(i), points[int(i)], make_policy, sim, "random", rel_tol))
+    order = [int(i) for i in np.random.default_rng(seed).permutation(len(points))]
+    out, stopped_by = _search_points(
+        order, points, make_policy, sim, label="random", rel_tol=rel_tol, budget=budget,
+        deadline=deadline, executor=executor)
     return BaselineResult("random", _refined(out, sim), out, sim.simulations - start,
                           stopped_by=stopped_by)
 

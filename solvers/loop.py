@@ -7,10 +7,16 @@
    other variants of their shape (seats, watermark, queue caps) that the model ranks no
    higher.
 2. Simulate each candidate's goodput (bracket around the model's prediction, then bisect)
-   on a fixed sample of the workload. Once there is an incumbent (its goodput narrowed to
-   1%), a candidate starts no lower than the incumbent's rate plus 1%, and a failure
-   there ends its search: one simulation for a candidate that cannot beat it (branch and
-   bound with simulated bounds).
+   on a fixed sample of the workload. The round's candidates are one *batch*: their
+   searches do not depend on each other and run on an executor
+   (:mod:`servetune.executor`; :func:`find_goodputs`), each on a fork of the simulator,
+   results merged in candidate order. Once there is an incumbent (its goodput narrowed
+   to 1% before the batch), every candidate of the batch starts no lower than the
+   incumbent's rate plus 1%, and a failure there ends its search: one simulation for a
+   candidate that cannot beat it (branch and bound with simulated bounds). The bar is
+   fixed for the batch: a candidate that beats the incumbent raises it for the next.
+   While nothing has passed yet there is no bar, so the best-predicted candidate is
+   simulated first, alone, to set one, and the round's others follow as one batch.
 3. Recalibrate: scale the model's TTFT / TPOT predictions so that, for the metric the
    simulator saw fail just above a candidate's goodput, the model's limit falls where the
    simulator's did; other metrics move towards measured / predicted (damped); the KV
@@ -21,20 +27,21 @@
    no untried candidate above it by more than that tolerance, or the MILP has nothing
    left, or the iteration limit or the simulation budget is reached.
 5. Screen the step shapes never tried, one simulation each at the best goodput plus the
-   tolerance (a simulated bound); search only those that pass.
+   tolerance (a simulated bound), in batches of k (best predicted first; each batch at
+   the bar of the leader before it); search only those that pass.
 6. Judge the model (:func:`model_error`): re-predict every simulated candidate with the
    recalibrated model and compare with its simulated goodput bracket. When it misses
    some candidate by more than ``unsure_factor`` (default ``UNSURE_FACTOR`` = 1.25), the
    model's ranking cannot be trusted near the answer, so a local search by simulation
    follows (:func:`_local_search`): the incumbent's neighbours one grid step away in
    each knob (the space's own values, in a fixed order: knob by knob, the step down then
-   up) are each simulated once at the incumbent's goodput plus 1% (the same bar as
-   above: a failure there rejects the neighbour in one simulation, and a neighbour
+   up) are simulated as one batch, each at the incumbent's goodput plus 1% (the same bar
+   as above: a failure there rejects the neighbour in one simulation, and a neighbour
    whose earlier simulations already failed at or below the bar is not simulated
-   again); the first that passes is searched, becomes the incumbent, and the search
-   moves there. It stops at a neighbourhood where nothing passes the bar (a local
-   optimum *by simulation*), after ``local_simulations`` simulations, or when the
-   loop's budget is spent; it does not start when that budget or the safety stop
+   again); those that pass are searched, the best simulated becomes the incumbent, and
+   the search moves there. It stops at a neighbourhood where nothing passes the bar (a
+   local optimum *by simulation*), once ``local_simulations`` simulations are spent, or
+   when the loop's budget is; it does not start when that budget or the safety stop
    already ended the loop. The result records the model's error and whether this
    fallback ran (:attr:`LoopResult.model_error`).
 7. Narrow the answer's goodput bracket to 1% (it stays a lower bound, a tighter one).
@@ -44,13 +51,16 @@ returned: the answer is the best *simulated* goodput, never the model's promise.
 
 Budgets are counted in work (iterations, simulations, the solvers' node / iteration /
 deterministic-time limits), so the same inputs stop at the same point on any machine,
-cold numba cache or warm. The wall-clock ``time_limit_s`` is only a safety stop; when it
+cold numba cache or warm, and with any executor or number of workers: a simulation
+budget is checked before each batch, and a started batch finishes (its searches are
+bounded themselves). The wall-clock ``time_limit_s`` is only a safety stop; when it
 fires, :attr:`LoopResult.stopped_by` says ``"time_limit"`` and the answer is not
 reproducible (the caller reports it; ``nightly`` keeps the current policy).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -61,6 +71,7 @@ import numpy as np
 
 from servetune import knobs as knob_table
 from servetune.conditions import Condition, Family
+from servetune.executor import Executor, SerialExecutor
 from servetune.models.fluid import Calibration, FluidModel, Knobs, binding_limit
 from servetune.models.policy_milp import MilpInstance
 from servetune.search import GoodputResult
@@ -162,6 +173,96 @@ def refine_goodput(
     tighter one. Unchanged when nothing passed or nothing failed above."""
     return _refine_goodput(lambda scale: sim.run(policy, scale), est, rel_tol=rel_tol,
                            max_evaluations=max_sims, base_rate_per_s=sim.base_rate_per_s)
+
+
+# --------------------------------------------------------------------------- batches
+#
+# The goodput searches of one batch (a round's candidates, a batch of screened shapes, a
+# neighbourhood) do not depend on each other, so they run on an executor
+# (:mod:`servetune.executor`). Each runs on its own *fork* of the simulator as it was when
+# the batch started, and what each fork learned comes back as a :class:`SimTally`, merged
+# into the simulator in the batch's order. The serial path forks too, so a fork never
+# sees what another search of its batch simulated: the answers, the simulation counts and
+# the caches are the same, byte for byte, on any backend and any number of workers.
+
+
+@dataclass
+class SimTally:
+    """What a forked simulator did: its simulations and their time, and the cache entries
+    it added (``TraceSimulator``'s ``_seen`` points and ``_longer`` samples; empty for a
+    simulator without caches)."""
+
+    simulations: int = 0
+    simulation_s: float = 0.0
+    caches: dict[str, dict[Any, Any]] = field(default_factory=dict)
+
+
+def fork_simulator(sim: Simulator) -> Simulator:
+    """A copy of ``sim`` for one search of a batch, its counters at zero: ``sim.fork()``
+    when the simulator has one, else a shallow copy (a simulator whose ``run`` keeps no
+    state but its counters, as the tests' stand-ins)."""
+    fork = getattr(sim, "fork", None)
+    if callable(fork):
+        return fork()
+    child = copy.copy(sim)
+    child.simulations = 0
+    child.simulation_s = 0.0
+    return child
+
+
+def tally_of(child: Simulator) -> SimTally:
+    """What a fork did (``child.tally()`` when it has one, else its counters)."""
+    tally = getattr(child, "tally", None)
+    if callable(tally):
+        return tally()
+    return SimTally(child.simulations, child.simulation_s)
+
+
+def merge_tally(sim: Simulator, tally: SimTally) -> None:
+    """Add a fork's tally to ``sim`` (``sim.merge(tally)`` when it has one, else the
+    counters)."""
+    merge = getattr(sim, "merge", None)
+    if callable(merge):
+        merge(tally)
+        return
+    sim.simulations += tally.simulations
+    sim.simulation_s += tally.simulation_s
+
+
+@dataclass(frozen=True)
+class GoodputTask:
+    """One goodput search of a batch: :func:`find_goodput`'s arguments but the simulator."""
+
+    policy: Any
+    start_scale: float
+    rel_tol: float
+    prune_at: float | None = None
+    factor: float = 1.25
+
+
+def _goodput_task(sim: Simulator, task: GoodputTask) -> tuple[GoodputResult[SimPoint], SimTally]:
+    child = fork_simulator(sim)
+    est = find_goodput(child, task.policy, start_scale=task.start_scale, factor=task.factor,
+                       rel_tol=task.rel_tol, prune_at=task.prune_at)
+    return est, tally_of(child)
+
+
+def find_goodputs(
+    sim: Simulator, tasks: list[GoodputTask], executor: Executor | None = None, *,
+    each: Callable[[int, GoodputResult[SimPoint]], Any] | None = None,
+) -> list[GoodputResult[SimPoint]]:
+    """The goodput search of every task, as one batch on ``executor`` (default: in this
+    process), each on a fork of ``sim``; the forks' tallies are merged into ``sim`` in
+    task order, and ``each(i, estimate)`` is called in that order as results arrive."""
+
+    def merged(i: int, out: tuple[GoodputResult[SimPoint], SimTally]) -> None:
+        merge_tally(sim, out[1])
+        if each is not None:
+            each(i, out[0])
+
+    results = (executor or SerialExecutor()).map(_goodput_task, tasks, shared=sim,
+                                                 each=merged)
+    return [est for est, _ in results]
 
 
 @dataclass
@@ -293,6 +394,7 @@ def search(
     refine_tol: float | None = 0.01,
     unsure_factor: float = UNSURE_FACTOR,
     local_simulations: int = LOCAL_SIMULATIONS,
+    executor: Executor | None = None,
 ) -> LoopResult:
     """Run the loop of the module docstring over the grid ``points``; then screen up to
     ``screen`` untried step shapes (:func:`_screen`); when the recalibrated model misses
@@ -302,9 +404,10 @@ def search(
     (:func:`refine_goodput`; ``None``: as searched).
 
     ``max_iterations`` and ``max_simulations`` (None: no limit) are the work budget: no
-    new candidate starts once ``max_simulations`` simulations are spent (a started
-    goodput search finishes; it is bounded itself). ``time_limit_s`` is the wall-clock
-    safety stop (module docstring)."""
+    new batch of candidates starts once ``max_simulations`` simulations are spent (a
+    started batch finishes; each goodput search is bounded itself). ``time_limit_s`` is
+    the wall-clock safety stop (module docstring). Each batch runs on ``executor``
+    (default: in this process); the result is the same on any executor."""
     started = time.perf_counter()
     sims_at_start = sim.simulations
 
@@ -386,30 +489,26 @@ def search(
                         f"{promise:.2f} req/s for any untried candidate")
                 break
         chosen: list[tuple[int, Any]] = list(top.solutions[:k])
+        # The round's candidates are one batch. Without an incumbent there is no bar yet:
+        # then the best-predicted candidate goes first, alone, to set one, and the others
+        # follow as one batch (without it every one of them would search its goodput in
+        # full).
+        pilot = not any(e.goodput.passed for e in evaluated) and len(chosen) > 1
+        batches = [chosen[:1], chosen[1:]] if pilot else [chosen]
         new: list[Evaluated] = []
-        for idx, cand in chosen:
-            if budget_spent():
+        done: list[tuple[int, Any]] = []
+        for batch in batches:
+            if done and budget_spent():
                 stops.add(STOP_SIMULATIONS)
                 break  # the work budget is spent: keep what this round has simulated
-            if new and out_of_time():
+            if done and out_of_time():
                 stops.add(STOP_TIME_LIMIT)
                 break  # the safety stop: keep what this round has simulated
-            policy = make_policy(cand.knobs)
-            # Start where the model points, corrected by how far off it was this round.
-            start_scale = max(cand.rate_per_s, 1e-9) * _bias(new) / sim.base_rate_per_s
-            leader = _incumbent(evaluated, sim, refine_tol, refined)
-            bar = None
-            if leader is not None:
-                # Only a pass above the leader by the tolerance matters: start no lower,
-                # and a failure there or below ends the search (one simulation).
-                bar = leader.goodput.rate_scale * (1.0 + bar_tol)
-                start_scale = max(start_scale, bar)
-            est = find_goodput(sim, policy, start_scale=start_scale, rel_tol=rel_tol,
-                               prune_at=bar)
-            ev = Evaluated(reps[idx], cand.knobs, cand.rate_per_s, cand.binding, est, policy,
-                           label=f"milp#{it + 1}")
-            new.append(ev)
-            evaluated.append(ev)
+            _simulate_batch(batch, it, evaluated, new, make_policy, sim, reps=reps,
+                            rel_tol=rel_tol, bar_tol=bar_tol, refine_tol=refine_tol,
+                            refined=refined, log=log, executor=executor)
+            done.extend(batch)
+        for idx, cand in done:
             cut.add(idx)
             # Its shape's other variants that the model ranks no higher add nothing the
             # simulation did not just answer: cut them too.
@@ -418,12 +517,6 @@ def search(
                     _predicted_rate(model, inst, j) <= cand.rate_per_s * (1.0 + rel_tol)
                 ):
                     cut.add(j)
-            if log:
-                log(
-                    f"iteration {it + 1}: {_short(cand.knobs)} predicted "
-                    f"{cand.rate_per_s:.2f} req/s, simulated {_verdict(est)} "
-                    f"({len(est.points)} simulations)"
-                )
         passing = [e for e in evaluated if e.goodput.passed]
         best = max(passing, key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
         calibration = recalibrate(fluid, new, calibration)
@@ -452,7 +545,8 @@ def search(
         stop = _screen(fluid, first_instance, unique, reps, shapes, evaluated, iterations,
                        make_policy, sim, screen=screen, rel_tol=rel_tol, log=log,
                        out_of_time=out_of_time, budget_spent=budget_spent,
-                       refine_tol=refine_tol, refined=refined)
+                       refine_tol=refine_tol, refined=refined, batch=max(k, 1),
+                       executor=executor)
         if stop:
             stops.add(stop)
     # Judge the model as recalibrated; where it is unsure, search by simulation.
@@ -467,16 +561,17 @@ def search(
         fallback["ran"] = True
         fallback["from_rate_per_s"] = leader.goodput.rate_per_s
         before = sim.simulations
-        stop, moves = _local_search(
+        stop, moves, batches = _local_search(
             final_model, unique, reps, evaluated, iterations, make_policy, sim,
             rel_tol=rel_tol, refine_tol=refine_tol, refined=refined, log=log,
             out_of_time=out_of_time, budget_spent=budget_spent,
-            max_sims=local_simulations,
+            max_sims=local_simulations, executor=executor,
         )
         if stop:
             stops.add(stop)
         fallback["simulations"] = sim.simulations - before
         fallback["moves"] = moves
+        fallback["batches"] = batches
     passing = [e for e in evaluated if e.goodput.passed]
     best = max(passing, key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
     if best is not None and refine_tol is not None and id(best) not in refined:
@@ -499,6 +594,43 @@ def search(
         stopped_by=_stopped_by(stops, converged),
         model_error=error,
     )
+
+
+def _simulate_batch(
+    batch: list[tuple[int, Any]], it: int, evaluated: list[Evaluated], new: list[Evaluated],
+    make_policy: Callable[[Knobs], Any], sim: Simulator, *, reps: list[int], rel_tol: float,
+    bar_tol: float, refine_tol: float | None, refined: set[int],
+    log: Callable[[str], Any] | None, executor: Executor | None,
+) -> None:
+    """Simulate one batch of a round's MILP candidates (module docstring, step 2) and add
+    them, in order, to ``evaluated`` and ``new``.
+
+    The bar: the incumbent (its goodput narrowed first) raised by the tolerance. Only a
+    pass above it matters: a candidate starts no lower, and a failure there or below ends
+    its search (one simulation). It is fixed for the batch, so the searches are
+    independent."""
+    leader = _incumbent(evaluated, sim, refine_tol, refined)
+    bar = None if leader is None else leader.goodput.rate_scale * (1.0 + bar_tol)
+    tasks = []
+    for _, cand in batch:
+        # Start where the (recalibrated) model points, or at the bar.
+        start_scale = max(cand.rate_per_s, 1e-9) / sim.base_rate_per_s
+        tasks.append(GoodputTask(make_policy(cand.knobs),
+                                 start_scale if bar is None else max(start_scale, bar),
+                                 rel_tol, prune_at=bar))
+
+    def record(i: int, est: GoodputResult[SimPoint]) -> None:
+        idx, cand = batch[i]
+        ev = Evaluated(reps[idx], cand.knobs, cand.rate_per_s, cand.binding, est,
+                       tasks[i].policy, label=f"milp#{it + 1}")
+        new.append(ev)
+        evaluated.append(ev)
+        if log:
+            log(f"iteration {it + 1}: {_short(cand.knobs)} predicted "
+                f"{cand.rate_per_s:.2f} req/s, simulated {_verdict(est)} "
+                f"({len(est.points)} simulations)")
+
+    find_goodputs(sim, tasks, executor, each=record)
 
 
 def work_stop(budget_spent: bool, out_of_time: bool) -> str:
@@ -524,7 +656,7 @@ def _screen(
     make_policy: Callable[[Knobs], Any], sim: Simulator, *, screen: int, rel_tol: float,
     log: Callable[[str], Any] | None, out_of_time: Callable[[], bool],
     budget_spent: Callable[[], bool], refine_tol: float | None = None,
-    refined: set[int] | None = None,
+    refined: set[int] | None = None, batch: int = 3, executor: Executor | None = None,
 ) -> str:
     """Screen the step shapes the loop never tried, one simulation each.
 
@@ -533,10 +665,13 @@ def _screen(
     The simulator settles it cheaply: each untried shape's best point (by the
     uncalibrated model, best first, at most ``screen`` of them) is simulated once at the
     leader's goodput raised by the tolerance; only one that passes can beat the leader,
-    and only then is its goodput searched (branch and bound on simulated bounds).
+    and only then is its goodput searched (branch and bound on simulated bounds). The
+    shapes go in batches of ``batch`` on ``executor``, each batch at the bar of the
+    leader before it (a shape that passes raises the bar for the next batch).
 
     Returns the limit that cut the screening short (``STOP_TIME_LIMIT`` or
-    ``STOP_SIMULATIONS``), or "" when every shape chosen was screened."""
+    ``STOP_SIMULATIONS``, checked before each batch), or "" when every shape chosen was
+    screened."""
     leader = max((e for e in evaluated if e.goodput.passed),
                  key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
     if leader is None:
@@ -552,21 +687,29 @@ def _screen(
     order = sorted(best_of.values(), key=lambda v: (-v[0], v[1]))[:screen]
     screened: list[Evaluated] = []
     stop = ""
-    for rate, j in order:
+    for at in range(0, len(order), batch):
         stop = work_stop(budget_spent(), out_of_time())
         if stop:
             break
         leader = _incumbent(evaluated + screened, sim, refine_tol,
                             refined if refined is not None else set())
+        assert leader is not None
         bar = leader.goodput.rate_scale * (1.0 + (refine_tol or rel_tol))
-        policy = make_policy(unique[j])
+        part = order[at:at + batch]
         # A failure at the bar ends it: it cannot beat the leader by the tolerance.
-        est = find_goodput(sim, policy, start_scale=bar, rel_tol=rel_tol, prune_at=bar)
-        ev = Evaluated(reps[j], unique[j], rate, None, est, policy, label="screen")
-        screened.append(ev)
-        if log:
-            log(f"screen: {_short(unique[j])} simulated {_verdict(est)} "
-                f"({len(est.points)} simulations)")
+        tasks = [GoodputTask(make_policy(unique[j]), bar, rel_tol, prune_at=bar)
+                 for _, j in part]
+
+        def record(i: int, est: GoodputResult[SimPoint], part: list = part,
+                   tasks: list = tasks) -> None:
+            rate, j = part[i]
+            screened.append(Evaluated(reps[j], unique[j], rate, None, est, tasks[i].policy,
+                                      label="screen"))
+            if log:
+                log(f"screen: {_short(unique[j])} simulated {_verdict(est)} "
+                    f"({len(est.points)} simulations)")
+
+        find_goodputs(sim, tasks, executor, each=record)
     if screened:
         _log_stage(evaluated, iterations, screened, "screen")
     return stop
@@ -696,19 +839,22 @@ def _local_search(
     iterations: list[dict[str, Any]], make_policy: Callable[[Knobs], Any], sim: Simulator, *,
     rel_tol: float, refine_tol: float | None, refined: set[int],
     log: Callable[[str], Any] | None, out_of_time: Callable[[], bool],
-    budget_spent: Callable[[], bool], max_sims: int,
-) -> tuple[str, int]:
+    budget_spent: Callable[[], bool], max_sims: int, executor: Executor | None = None,
+) -> tuple[str, int, list[int]]:
     """Search the incumbent's grid neighbourhood by simulation (module docstring, step 6):
-    first improvement, at most ``max_sims`` simulations. Candidates it simulates join
-    ``evaluated`` (label ``"local"``). Returns the limit that cut it short
+    each neighbourhood one batch on ``executor``, at most ``max_sims`` simulations (no
+    batch starts once they are spent; a started one finishes). Candidates it simulates
+    join ``evaluated`` (label ``"local"``). Returns the limit that cut it short
     (``STOP_TIME_LIMIT``, ``STOP_SIMULATIONS`` for the loop's budget; "" otherwise,
-    including its own ``max_sims``) and the number of moves."""
+    including its own ``max_sims``), the number of moves, and the candidates of each
+    neighbourhood simulated (one batch each)."""
     names = list(Knobs.FIELDS.values())
     axes = {n: sorted({getattr(k, n) for k in unique}, key=_axis_order) for n in names}
     index_of = {equivalence_key(k): j for j, k in enumerate(unique)}
     started = sim.simulations
     bar_tol = refine_tol if refine_tol is not None else rel_tol
     found: list[Evaluated] = []
+    batches: list[int] = []
     moves = 0
     stop = ""
 
@@ -719,6 +865,9 @@ def _local_search(
                    for p in e.goodput.points)
 
     while True:
+        stop = work_stop(budget_spent(), out_of_time())
+        if stop or sim.simulations - started >= max_sims:
+            break
         leader = _incumbent(evaluated + found, sim, refine_tol, refined)
         assert leader is not None
         bar = leader.goodput.rate_scale * (1.0 + bar_tol)
@@ -732,34 +881,32 @@ def _local_search(
                     continue
                 kn = replace(leader.knobs, **{n: values[at + step]})
                 j = index_of.get(equivalence_key(kn))
-                if j is not None and equivalence_key(unique[j]) != here and j not in neighbours:
+                if (j is not None and equivalence_key(unique[j]) != here
+                        and j not in neighbours and not known_below(j, bar)):
                     neighbours.append(j)
-        moved = False
-        for j in neighbours:
-            if known_below(j, bar):
-                continue
-            stop = work_stop(budget_spent(), out_of_time())
-            if stop:
-                break
-            if sim.simulations - started >= max_sims:
-                break
-            policy = make_policy(unique[j])
-            est = find_goodput(sim, policy, start_scale=bar, rel_tol=rel_tol, prune_at=bar)
+        tasks = [GoodputTask(make_policy(unique[j]), bar, rel_tol, prune_at=bar)
+                 for j in neighbours]
+
+        def record(i: int, est: GoodputResult[SimPoint], neighbours: list = neighbours,
+                   tasks: list = tasks) -> None:
+            j = neighbours[i]
             rate, binding, _ = model.goodput(unique[j])
-            ev = Evaluated(reps[j], unique[j], float(rate), binding, est, policy, label="local")
-            found.append(ev)
+            found.append(Evaluated(reps[j], unique[j], float(rate), binding, est,
+                                   tasks[i].policy, label="local"))
             if log:
                 log(f"local search: {_short(unique[j])} simulated {_verdict(est)} "
                     f"({len(est.points)} simulations)")
-            if est.passed and est.rate_scale >= bar:
-                moves += 1
-                moved = True
-                break
-        if stop or not moved or sim.simulations - started >= max_sims:
+
+        ests = find_goodputs(sim, tasks, executor, each=record)
+        batches.append(len(tasks))
+        # A neighbour that passed the bar moves the search: to the best candidate
+        # simulated (the next incumbent), whose neighbourhood is searched next.
+        if not any(est.passed and est.rate_scale >= bar for est in ests):
             break
+        moves += 1
     if found:
         _log_stage(evaluated, iterations, found, "local_search")
-    return stop, moves
+    return stop, moves, batches
 
 
 def _incumbent(
@@ -787,13 +934,6 @@ def _predicted_rate(model: FluidModel, inst: MilpInstance, p: int) -> float:
     if not (x > 0 and math.isfinite(x)):
         return 0.0
     return float(x / model.mean_step_s(x))
-
-
-def _bias(evaluated: list[Evaluated]) -> float:
-    """Geometric mean of simulated / predicted goodput over the candidates so far."""
-    ratios = [e.goodput.rate_per_s / e.predicted_rate_per_s for e in evaluated
-              if e.goodput.passed and e.predicted_rate_per_s > 0]
-    return float(np.exp(np.mean(np.log(ratios)))) if ratios else 1.0
 
 
 def equivalence_key(k: Knobs) -> tuple:

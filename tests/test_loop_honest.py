@@ -102,10 +102,13 @@ def test_the_local_search_is_bounded_in_simulations():
     res = search(fm, points, make_policy, ThresholdSim(truth), k=2, max_iterations=3,
                  rel_tol=0.02, local_simulations=3)
     fb = res.model_error["fallback"]
-    # It starts no simulation once 3 are spent; a started goodput search finishes.
+    # It starts no neighbourhood (one batch) once 3 simulations are spent; a started
+    # batch finishes.
     local = [e for e in res.evaluated if e.label == "local"]
-    assert fb["ran"] and local
-    assert sum(len(e.goodput.points) for e in local[:-1]) < 3
+    assert fb["ran"] and local and sum(fb["batches"]) == len(local)
+    before_last = local[:len(local) - fb["batches"][-1]]
+    assert sum(len(e.goodput.points) for e in before_last) < 3
+    assert fb["simulations"] == sum(len(e.goodput.points) for e in local)
 
 
 def test_same_inputs_same_result():

@@ -109,6 +109,20 @@ def test_calibrate_recovers_the_known_constants(measured, policy, profile):
     assert any(s.startswith("validate --calibrate") for s in prof.calibration.assumptions)
 
 
+def test_calibrate_is_the_same_on_processes(measured, policy, profile):
+    """The finite-difference replays of a round run side by side: the same fit, the same
+    count of simulations, the same corrected profile."""
+    from servetune.executor import ProcessExecutor
+
+    run = load_bench_run(measured)
+    serial = V.calibrate(run, policy, profile, max_rounds=2)
+    with ProcessExecutor(2) as ex:
+        parallel = V.calibrate(run, policy, profile, max_rounds=2, executor=ex)
+    assert parallel.fitted == serial.fitted and parallel.history == serial.history
+    assert parallel.simulations == serial.simulations
+    assert document_to_yaml(parallel.profile) == document_to_yaml(serial.profile)
+
+
 def test_cli_validate_calibrate_report(measured, tmp_path):
     out, rep_dir, js = tmp_path / "p2.yaml", tmp_path / "rep", tmp_path / "v.json"
     result = runner.invoke(app, [

@@ -69,6 +69,7 @@ from servetune.apps.report import (
 )
 from servetune.engines import CONFIG_FILES, ENGINE_NAMES
 from servetune.errors import EXIT_INFEASIBLE, EXIT_KEPT_CURRENT, InfeasibleError, ServetuneError
+from servetune.executor import Executor
 from servetune.export import (
     ENGINES,
     ExportResult,
@@ -377,6 +378,7 @@ def optimize_policy(
     inputs: dict[str, str] | None = None,
     engine: str = "vllm",
     progress: Progress | None = None,
+    executor: Executor | None = None,
 ) -> Optimized:
     """Run the optimizer on the trace (knobs outside the search space keep the current
     policy's values): candidates are judged by replaying the trace itself, time-scaled,
@@ -391,7 +393,7 @@ def optimize_policy(
     result = optimize(
         trace, profile, slo, space, seed=seed, base_policy=current, inputs=inputs or {},
         n_requests=min(DEFAULT_REQUESTS, max(len(trace), 2)), compare_defaults=False,
-        engine=engine, progress=progress, **kwargs,
+        engine=engine, progress=progress, executor=executor, **kwargs,
     )
     if result.policy is None:  # pragma: no cover - optimize raises InfeasibleError instead
         raise InfeasibleError(result.explanation or "no policy meets the SLOs")
@@ -455,8 +457,11 @@ def run_nightly(
     stress: Sequence[float] = DEFAULT_STRESS,
     progress: Progress | None = None,
     trace_read: Mapping[str, Any] | None = None,
+    executor: Executor | None = None,
 ) -> NightlyOutcome:
-    """The whole job (module docstring). Returns the exit code and what was written."""
+    """The whole job (module docstring). Returns the exit code and what was written. The
+    independent simulations (the optimizer's batches, the comparisons' runs) go to
+    ``executor`` (default: in this process); the outputs are the same on any executor."""
     if not (isinstance(min_gain, int | float) and math.isfinite(min_gain) and min_gain >= 0):
         raise ServetuneError(f"argument `min_gain` must be a number >= 0 (got {min_gain})")
     engines = parse_engines(engines)
@@ -504,10 +509,11 @@ def run_nightly(
             opt = optimize_policy(trace, workload, profile, slo, current=current, space=space,
                                   time_limit_s=time_limit_s, max_simulations=max_simulations,
                                   seed=seed, inputs=inputs,
-                                  engine=sim_engine, progress=progress)
+                                  engine=sim_engine, progress=progress, executor=executor)
         except InfeasibleError as err:
             _say(progress, "infeasible; simulating the current policy for the report")
-            comp = compare(trace, current, None, profile, slo, engine=sim_engine, stress=stress)
+            comp = compare(trace, current, None, profile, slo, engine=sim_engine, stress=stress,
+                           executor=executor)
             live = live_policy(out, current_path, current, engines, keep_files=True)
             return _write_infeasible(out, err, comp, base_summary, live, progress)
         new = with_profile_facts(opt.policy, profile)
@@ -518,7 +524,8 @@ def run_nightly(
             _say(progress, f"{e}: simulating current and new policies (trace, +20%, +50%, "
                            "goodput)")
             gate_prof, pool_note = gate_profile(profile, e, new)
-            comp_e = compare(trace, current, new, gate_prof, slo, engine=e, stress=stress)
+            comp_e = compare(trace, current, new, gate_prof, slo, engine=e, stress=stress,
+                             executor=executor)
             decision = decide(comp_e, min_gain)
             if timed_out:
                 # The safety stop cut the search short, so the new policy is whatever this
@@ -768,9 +775,11 @@ def run_report(
     engine: str = "vllm",
     progress: Progress | None = None,
     trace_read: Mapping[str, Any] | None = None,
+    executor: Executor | None = None,
 ) -> ReportOutcome:
     """``servetune report``: compare two given policies on a trace (steps 3 and 5 of the
-    module docstring, without the optimizer or a decision) and write the report."""
+    module docstring, without the optimizer or a decision; the simulations on
+    ``executor``) and write the report."""
     trace_path, profile_path, slo_path, current_path, new_path = (
         Path(trace_path), Path(profile_path), Path(slo_path), Path(current_path),
         Path(new_path))
@@ -781,7 +790,7 @@ def run_report(
     current = load_document(current_path, Policy)
     new = load_document(new_path, Policy)
     _say(progress, "simulating both policies (trace, +20%, +50%, goodput)")
-    comp = compare(trace, current, new, profile, slo, engine=engine)
+    comp = compare(trace, current, new, profile, slo, engine=engine, executor=executor)
     g_cur, g_new = comp.current.goodput.rate_per_s, comp.new.goodput.rate_per_s
     headline = (f"Goodput {g_cur:.3f} req/s (current `{current.name}`) vs {g_new:.3f} req/s "
                 f"(new `{new.name}`).")

@@ -20,7 +20,11 @@ This is what ``servetune optimize`` and the nightly job call. Steps:
 
 Budgets are work, not time: the loop's iterations, ``max_simulations`` simulations, and
 the solvers' deterministic limits (:mod:`servetune.solvers.drivers`), so a slow machine or
-a cold numba cache gives the same policy. ``time_limit_s`` is only a safety stop: when it
+a cold numba cache gives the same policy. The goodput searches that do not depend on each
+other (a round's candidates, the edges, a baseline's points) run as batches on an
+executor (``executor=``, ``--workers`` / ``--ray``), each on a fork of the simulator
+(:meth:`TraceSimulator.fork`), so the policy is the same, byte for byte, on any backend
+and number of workers. ``time_limit_s`` is only a safety stop: when it
 fires, ``metadata.stopped_by`` is ``"time_limit"`` and the result is not reproducible.
 
 When no candidate meets the SLOs, :class:`~servetune.errors.InfeasibleError` (exit 3)
@@ -29,6 +33,7 @@ says which condition binds, the best value reachable and what would make it feas
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -41,6 +46,7 @@ from servetune import knobs as knob_table
 from servetune.conditions import Condition, Family
 from servetune.engines import GpuFacts
 from servetune.errors import InfeasibleError, ServetuneError
+from servetune.executor import Executor
 from servetune.io import round_floats, sha256_doc, sha256_file
 from servetune.models.fluid import (
     Calibration,
@@ -73,10 +79,13 @@ from servetune.solvers.loop import (
     STOP_SIMULATIONS,
     STOP_TIME_LIMIT,
     Evaluated,
+    GoodputTask,
     LoopResult,
     SimPoint,
+    SimTally,
     equivalence_key,
     find_goodput,
+    find_goodputs,
     search,
 )
 from servetune.steady_state import MAX_WINDOW_REQUESTS, arrivals_in, steady_window_s
@@ -142,6 +151,9 @@ class TraceSimulator:
         # A policy simulated again at the same rate (a search over a widened space meets
         # its earlier candidates again) gives the same point: kept, not re-simulated.
         self._seen: dict[tuple[str, float], SimPoint] = {}
+        # A fork's caches as it started (:meth:`fork`), so that its tally holds only what
+        # it added.
+        self._forked_from: tuple[set, set] = (set(), set())
 
     def sample_for(self, rate_scale: float) -> tuple[Any, float]:
         """The trace a run at ``rate_scale`` (times the base rate) replays, and the rate
@@ -163,6 +175,37 @@ class TraceSimulator:
         if longer is self.trace or base <= 0:
             return self.trace, rate_scale
         return longer, rate / base
+
+    def fork(self) -> TraceSimulator:
+        """A copy for one search of a batch (:func:`servetune.solvers.loop.find_goodputs`):
+        the same inputs and caches (copied, so the fork adds to its own), counters at
+        zero; :meth:`tally` then says what it added."""
+        child = copy.copy(self)
+        child.simulations = 0
+        child.simulation_s = 0.0
+        child._seen = dict(self._seen)
+        child._longer = dict(self._longer)
+        child._forked_from = (set(self._seen), set(self._longer))
+        return child
+
+    def tally(self) -> SimTally:
+        """What this fork did since :meth:`fork`: its counters, and only the cache entries
+        it added (they travel back from a worker; the rest the parent has)."""
+        seen, longer = self._forked_from
+        return SimTally(self.simulations, self.simulation_s, {
+            "seen": {k: v for k, v in self._seen.items() if k not in seen},
+            "longer": {k: v for k, v in self._longer.items() if k not in longer},
+        })
+
+    def merge(self, tally: SimTally) -> None:
+        """Add a fork's tally: its counters, and its cache entries this one lacks (the
+        first fork's wins: they are the same simulations of the same inputs)."""
+        self.simulations += tally.simulations
+        self.simulation_s += tally.simulation_s
+        for key, point in tally.caches.get("seen", {}).items():
+            self._seen.setdefault(key, point)
+        for n, sample in tally.caches.get("longer", {}).items():
+            self._longer.setdefault(n, sample)
 
     def run(self, policy: Policy, rate_scale: float) -> SimPoint:
         key = (policy.model_dump_json(exclude={"name", "metadata"}), float(rate_scale))
@@ -354,6 +397,7 @@ class SearchInputs:
     k: int
     max_iterations: int
     say: Callable[[str], Any]
+    executor: Executor | None = None
 
 
 def _run_milp(run: SearchInputs) -> LoopResult:
@@ -361,6 +405,7 @@ def _run_milp(run: SearchInputs) -> LoopResult:
         run.fluid, run.points, run.make_policy, run.sim, k=run.k,
         max_iterations=run.max_iterations, max_simulations=run.max_simulations,
         time_limit_s=run.deadline - time.perf_counter(), rel_tol=run.rel_tol, log=run.say,
+        executor=run.executor,
     )
 
 
@@ -392,19 +437,25 @@ def _search_beyond_edges(run: SearchInputs, loop: LoopResult) -> tuple[LoopResul
             break
         grow: dict[str, Any] = {}
         tried: list[Evaluated] = []
+        beyond_edges = []
         for path, side, chosen, beyond in _edges(run.space, best.knobs):
             neighbour = replace(best.knobs, **{Knobs.FIELDS[path]: beyond})
             if (neighbour.max_num_batched_tokens < neighbour.max_num_seqs
                     or equivalence_key(neighbour) == equivalence_key(best.knobs)):
                 continue  # not a valid point, or one the simulator cannot tell apart
-            if run.sim.simulations >= run.max_simulations:
-                loop.stopped_by = STOP_SIMULATIONS  # the work budget ends it here
-                break
-            bar = best.goodput.rate_scale * (1.0 + EDGE_BAR)
-            est = find_goodput(run.sim, run.make_policy(neighbour), start_scale=bar,
-                               rel_tol=run.rel_tol, prune_at=bar)
-            tried.append(Evaluated(best.index, neighbour, 0.0, None, est,
-                                   run.make_policy(neighbour), label="edge"))
+            beyond_edges.append((path, side, chosen, beyond, neighbour))
+        if beyond_edges and run.sim.simulations >= run.max_simulations:
+            loop.stopped_by = STOP_SIMULATIONS  # the work budget ends it here
+            break
+        # The edges of a round are one batch, each at the same bar.
+        bar = best.goodput.rate_scale * (1.0 + EDGE_BAR)
+        tasks = [GoodputTask(run.make_policy(e[4]), bar, run.rel_tol, prune_at=bar)
+                 for e in beyond_edges]
+        ests = find_goodputs(run.sim, tasks, run.executor)
+        for (path, side, chosen, beyond, neighbour), task, est in zip(
+                beyond_edges, tasks, ests, strict=True):
+            tried.append(Evaluated(best.index, neighbour, 0.0, None, est, task.policy,
+                                   label="edge"))
             records.append({"round": round_, "knob": path, "side": side, "value": chosen,
                             "beyond": beyond,
                             "simulated_rate_per_s": est.rate_per_s if est.passed else None,
@@ -454,7 +505,7 @@ def _run_grid(run: SearchInputs) -> baselines.BaselineResult:
     say = run.say
     return baselines.grid_search(
         run.points, run.make_policy, run.sim, rel_tol=run.rel_tol,
-        budget=run.max_simulations, deadline=run.deadline,
+        budget=run.max_simulations, deadline=run.deadline, executor=run.executor,
         progress=lambda i, n: say(f"grid: {i}/{n} points simulated") if i % 25 == 0
         or i == n else None,
     )
@@ -463,7 +514,7 @@ def _run_grid(run: SearchInputs) -> baselines.BaselineResult:
 def _run_random(run: SearchInputs) -> baselines.BaselineResult:
     return baselines.random_search(
         run.points, run.make_policy, run.sim, budget=min(run.budget, run.max_simulations),
-        seed=run.seed, rel_tol=run.rel_tol, deadline=run.deadline,
+        seed=run.seed, rel_tol=run.rel_tol, deadline=run.deadline, executor=run.executor,
     )
 
 
@@ -521,6 +572,7 @@ def optimize(
     budget: int | None = None,
     rel_tol: float = 0.03,
     widen_edges: bool = True,
+    executor: Executor | None = None,
 ) -> OptimizeResult:
     """Choose a policy (see the module docstring). ``source`` is a Workload or a Trace;
     ``inputs`` names the input files and their sha256 for the provenance.
@@ -528,7 +580,10 @@ def optimize(
     decides the result; ``time_limit_s`` is the wall-clock safety stop. With
     ``widen_edges`` (method milp), an answer on the edge of the space is checked against
     the value beyond it, and the space widened there when that does better
-    (:func:`_search_beyond_edges`); the baselines search the space as given."""
+    (:func:`_search_beyond_edges`); the baselines search the space as given. The
+    independent goodput searches (a round's candidates, the edges, a baseline's points)
+    run on ``executor`` (default: in this process); the result is the same, byte for
+    byte, on any executor."""
     wall_start = time.perf_counter()
     if not (isinstance(max_simulations, int) and max_simulations >= 1):
         raise ServetuneError(
@@ -587,7 +642,7 @@ def optimize(
     run = SearchInputs(
         fluid, points, make_policy, sim, space, seed=seed, rel_tol=rel_tol,
         budget=budget or RANDOM_BUDGET, max_simulations=max_simulations, deadline=deadline,
-        k=k, max_iterations=max_iterations, say=say,
+        k=k, max_iterations=max_iterations, say=say, executor=executor,
     )
     if not spec.baseline:
         loop = spec.run(run)

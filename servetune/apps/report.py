@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from servetune.executor import Executor, SerialExecutor
 from servetune.io import commit_files, finite_or_none, plain_data
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import ClassSLO, SLOSet
@@ -112,24 +113,13 @@ class Comparison:
         return (self.current,) if self.new is None else (self.current, self.new)
 
 
-def evaluate_policy(
-    label: str,
-    trace: Trace,
-    policy: Policy,
-    profile: Profile,
-    slo: SLOSet,
-    *,
-    engine: str = "vllm",
-    scales: Sequence[float] = (1.0, *DEFAULT_STRESS),
-    goodput_rel_tol: float = 0.02,
-) -> PolicyEvaluation:
-    """Simulate ``policy`` on ``trace`` at each rate scale and search its goodput."""
-    runs = {
-        float(s): simulate(trace, policy, profile, engine=engine, rate_scale=float(s))
-        for s in scales
-    }
-    gp = goodput(trace, policy, profile, slo, engine=engine, rel_tol=goodput_rel_tol)
-    return PolicyEvaluation(label=label, policy=policy, runs=runs, goodput=gp)
+def _compare_task(shared: tuple, item: tuple) -> Any:
+    """One independent piece of :func:`compare`: a run of a policy at a rate scale
+    (``("run", policy, scale)``) or a policy's goodput search (``("goodput", policy)``)."""
+    trace, profile, slo, engine, goodput_rel_tol = shared
+    if item[0] == "run":
+        return simulate(trace, item[1], profile, engine=engine, rate_scale=item[2])
+    return goodput(trace, item[1], profile, slo, engine=engine, rel_tol=goodput_rel_tol)
 
 
 def compare(
@@ -142,20 +132,38 @@ def compare(
     engine: str = "vllm",
     stress: Sequence[float] = DEFAULT_STRESS,
     goodput_rel_tol: float = 0.02,
+    executor: Executor | None = None,
 ) -> Comparison:
     """Evaluate both policies (or the current one alone when ``new`` is None) on the same
-    trace, rates and SLO set."""
+    trace, rates and SLO set: each simulated at every rate scale (1.0, then ``stress``)
+    and its goodput searched, then both at the current policy's goodput. Those runs and
+    searches do not depend on each other: they run on ``executor`` (default: in this
+    process), and the comparison is the same on any executor."""
     scales = (1.0, *(float(s) for s in stress))
-    kw = dict(engine=engine, scales=scales, goodput_rel_tol=goodput_rel_tol)
-    cur = evaluate_policy("current", trace, current, profile, slo, **kw)
-    nxt = None if new is None else evaluate_policy("new", trace, new, profile, slo, **kw)
+    ex = executor or SerialExecutor()
+    shared = (trace, profile, slo, engine, goodput_rel_tol)
+    labelled = [("current", current)] + ([] if new is None else [("new", new)])
+    items = [("run", policy, s) for _, policy in labelled for s in scales]
+    items += [("goodput", policy) for _, policy in labelled]
+    results = ex.map(_compare_task, items, shared=shared)
+    runs = results[:len(scales) * len(labelled)]
+    evals = [
+        PolicyEvaluation(label=label, policy=policy,
+                         runs=dict(zip(scales, runs[n * len(scales):(n + 1) * len(scales)],
+                                       strict=True)),
+                         goodput=results[len(runs) + n])
+        for n, (label, policy) in enumerate(labelled)
+    ]
+    cur = evals[0]
+    nxt = evals[1] if new is not None else None
     capacity = (float(cur.goodput.rate_scale)
                 or (float(nxt.goodput.rate_scale) if nxt is not None else 0.0) or None)
     if capacity is not None:
-        for ev in (cur,) if nxt is None else (cur, nxt):
-            if capacity not in ev.runs:
-                ev.runs[capacity] = simulate(trace, ev.policy, profile, engine=engine,
-                                             rate_scale=capacity)
+        todo = [ev for ev in evals if capacity not in ev.runs]
+        extra = ex.map(_compare_task, [("run", ev.policy, capacity) for ev in todo],
+                       shared=shared)
+        for ev, res in zip(todo, extra, strict=True):
+            ev.runs[capacity] = res
     return Comparison(
         trace=trace,
         slo=slo,

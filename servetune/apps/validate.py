@@ -39,6 +39,7 @@ import numpy as np
 
 from servetune.apps.report import summary_json_text
 from servetune.errors import ServetuneError
+from servetune.executor import Executor, SerialExecutor
 from servetune.io import commit_files, plain_data
 from servetune.schemas.policy import Policy
 from servetune.schemas.profile import CalibrationFile, Profile
@@ -288,25 +289,41 @@ class Calibration:
         }
 
 
+def _replay_at(shared: tuple, x: np.ndarray) -> Replay:
+    """The replay of the run with the step parameters ``x`` (in ``_UNIT``s)."""
+    run, policy, profile, engine = shared
+    a, b, g = (x * _UNIT).tolist()
+    return replay(run, policy, with_step_params(profile, a, b, g), engine=engine)
+
+
+def _residuals_at(shared: tuple, x: np.ndarray) -> tuple[np.ndarray, int]:
+    """A finite-difference point of the fit: the residuals there, and its simulations."""
+    rep = _replay_at(shared, x)
+    return residuals(shared[0], rep), rep.rounds
+
+
 def calibrate(
     run: BenchRun, policy: Policy, profile: Profile, *, engine: str = "vllm",
     max_rounds: int = 30, progress: Callable[[int, float], None] | None = None,
-    baseline: Replay | None = None,
+    baseline: Replay | None = None, executor: Executor | None = None,
 ) -> Calibration:
     """Fit host seconds per step and per sequence and ``gpu_time_scale`` so the replay of
     ``run`` matches it (see the module doc); the corrected profile carries the fit in its
-    calibration block."""
+    calibration block. The three finite-difference replays of a round do not depend on
+    each other: they run on ``executor`` (default: in this process); the fit is the same
+    on any executor."""
     if profile.step_time.constant_s is not None:
         raise ServetuneError(
             f"profile {profile.name!r}: step_time.constant_s fixes every step's time; there "
             "is nothing to calibrate (use a profile with a fitted step-time model)"
         )
     sims = 0
+    shared = (run, policy, profile, engine)
+    ex = executor or SerialExecutor()
 
     def evaluate(x: np.ndarray) -> tuple[np.ndarray, Replay]:
         nonlocal sims
-        a, b, g = (x * _UNIT).tolist()
-        rep = replay(run, policy, with_step_params(profile, a, b, g), engine=engine)
+        rep = _replay_at(shared, x)
         sims += rep.rounds
         return residuals(run, rep), rep
 
@@ -324,13 +341,17 @@ def calibrate(
     fine = 1.0  # finite-difference steps shrink when a round cannot improve
     for rounds in range(1, max_rounds + 1):
         jac = np.empty((len(r), 3))
+        steps, moved = [], []
         for k in range(3):
             step = _STEP[k] * fine
             h = step if x[k] + step <= _HIGH[k] else -step
             xk = x.copy()
             xk[k] += h
-            rk, _ = evaluate(xk)
-            jac[:, k] = (rk - r) / h
+            steps.append(h)
+            moved.append(xk)
+        for k, (rk, n) in enumerate(ex.map(_residuals_at, moved, shared=shared)):
+            sims += n
+            jac[:, k] = (rk - r) / steps[k]
         a_mat = jac.T @ jac
         grad = jac.T @ r
         improved = False

@@ -13,8 +13,11 @@ from servetune.cli.options import (
     JsonOption,
     OnBadRowOption,
     QuietOption,
+    RayOption,
     TraceFormatOption,
+    WorkersOption,
     compile_notice,
+    executor_for,
     note_line,
     print_json,
 )
@@ -128,6 +131,8 @@ def register(app: typer.Typer) -> None:
         columns: ColumnsOption = None,
         arrival_unit: ArrivalUnitOption = None,
         on_bad_row: OnBadRowOption = "error",
+        workers: WorkersOption = None,
+        ray: RayOption = None,
     ) -> None:
         # lazy: the pipeline imports pyomo (0.3 s) that `servetune --help` should not pay
         from servetune.apps.nightly import run_nightly
@@ -137,13 +142,14 @@ def register(app: typer.Typer) -> None:
         preload_cpsat()  # OR-Tools and matplotlib imported before the work begins
         pyplot()
 
-        with compile_notice(quiet):
+        with compile_notice(quiet), executor_for(workers, ray) as executor:
             outcome = run_nightly(
                 trace, profile, slo, current, out_dir, engines=engines, min_gain=min_gain,
                 space_path=space, time_limit_s=time_limit, max_simulations=max_simulations,
                 seed=seed, sim_engine=sim_engine,
                 progress=None if quiet else note_line,
                 trace_read=_trace_read(trace_format, columns, arrival_unit, on_bad_row),
+                executor=executor,
             )
         if as_json:
             print_json(json.dumps(outcome.summary, indent=2) + "\n")
@@ -170,15 +176,18 @@ def register(app: typer.Typer) -> None:
         columns: ColumnsOption = None,
         arrival_unit: ArrivalUnitOption = None,
         on_bad_row: OnBadRowOption = "error",
+        workers: WorkersOption = None,
+        ray: RayOption = None,
     ) -> None:
         # lazy: the pipeline imports pyomo (0.3 s) that `servetune --help` should not pay
         from servetune.apps.nightly import run_report
 
-        with compile_notice(quiet):
+        with compile_notice(quiet), executor_for(workers, ray) as executor:
             outcome = run_report(trace, profile, slo, current, new, out_dir, engine=engine,
                                  progress=None if quiet else note_line,
                                  trace_read=_trace_read(trace_format, columns, arrival_unit,
-                                                        on_bad_row))
+                                                        on_bad_row),
+                                 executor=executor)
         if as_json:
             print_json(json.dumps(outcome.summary, indent=2) + "\n")
         else:

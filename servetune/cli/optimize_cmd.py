@@ -23,8 +23,11 @@ from servetune.cli.options import (
     JsonOutOption,
     JsonTarget,
     QuietOption,
+    RayOption,
     TraceFormatOption,
+    WorkersOption,
     compile_notice,
+    executor_for,
     old_json_hint,
     print_json,
 )
@@ -41,6 +44,7 @@ from servetune.shipped_data import shipped_job, shipped_job_names
 
 if TYPE_CHECKING:
     from servetune.apps.optimize import OptimizeResult
+    from servetune.executor import Executor
 
 EXAMPLE = (
     "Example: servetune optimize --workload configs/workloads/azure-conv-2023.yaml "
@@ -71,8 +75,10 @@ def run_optimize(
     progress: Callable[[str], None] | None = None,
     max_simulations: int = DEFAULT_MAX_SIMULATIONS,
     columns: str | None = None,
+    executor: Executor | None = None,
 ) -> OptimizeResult:
-    """Check the options, then :func:`~servetune.apps.optimize.optimize_files`."""
+    """Check the options, then :func:`~servetune.apps.optimize.optimize_files` (its
+    independent simulations on ``executor``; default: in this process)."""
     if (trace is None) == (workload is None):
         raise ServetuneError("give exactly one of --trace FILE or --workload W.yaml")
     if method not in METHODS:
@@ -102,6 +108,7 @@ def run_optimize(
         trace_format=trace_format, columns=columns, method=method, time_limit_s=time_limit_s,
         seed=seed,
         n_requests=requests, engine=engine, progress=progress, max_simulations=max_simulations,
+        executor=executor,
     )
 
 
@@ -184,6 +191,8 @@ def register(app: typer.Typer) -> None:
         quiet: QuietOption = False,
         trace_format: TraceFormatOption = None,
         columns: ColumnsOption = None,
+        workers: WorkersOption = None,
+        ray: RayOption = None,
     ) -> None:
         # lazy: the schemas (pydantic) and the knob table cost 0.15 s that --help should not pay
         from rich.console import Console
@@ -236,7 +245,7 @@ def register(app: typer.Typer) -> None:
                 console.print(f"[dim]optimize:[/dim] {msg}", highlight=False)
 
         try:
-            with compile_notice(quiet, say):
+            with compile_notice(quiet, say), executor_for(workers, ray) as executor:
                 result = run_optimize(
                     trace=trace, workload=workload, profile=profile, slo=slo, space=space,
                     method=method or "milp",
@@ -246,6 +255,7 @@ def register(app: typer.Typer) -> None:
                     seed=0 if seed is None else seed,
                     requests=DEFAULT_REQUESTS if requests is None else requests,
                     engine=engine, trace_format=trace_format, columns=columns, progress=say,
+                    executor=executor,
                 )
         except InfeasibleError as err:
             _emit_json(json_to, err.details.get("summary", {"status": "infeasible"}))

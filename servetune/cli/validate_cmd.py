@@ -19,8 +19,11 @@ from servetune.cli.options import (
     JsonOutOption,
     JsonTarget,
     QuietOption,
+    RayOption,
+    WorkersOption,
     compile_notice,
     console_say,
+    executor_for,
     print_json,
 )
 from servetune.cli.simulate_cmd import EngineOption, PolicyOption, ProfileOption
@@ -97,6 +100,8 @@ def register(app: typer.Typer) -> None:
         out: Path | None = typer.Option(
             None, "-o", "--out", help="with --calibrate: the corrected profile YAML"
         ),
+        workers: WorkersOption = None,
+        ray: RayOption = None,
     ) -> None:
         """Replay a real benchmark run in the simulator and compare the latencies.
 
@@ -142,9 +147,10 @@ def register(app: typer.Typer) -> None:
                 rep = V.replay(run, pol, prof, engine=engine)
             cal = None
             if calibrate:
-                with console.status("calibrating") as status:
+                with (console.status("calibrating") as status,
+                      executor_for(workers, ray) as executor):
                     cal = V.calibrate(
-                        run, pol, prof, engine=engine, baseline=rep,
+                        run, pol, prof, engine=engine, baseline=rep, executor=executor,
                         progress=lambda r, c: status.update(
                             f"calibrating: round {r}, cost {c:.4g}"),
                     )
