@@ -14,8 +14,8 @@ from servetune.cli.options import (
     OnBadRowOption,
     QuietOption,
     RayOption,
+    SmallWorkersOption,
     TraceFormatOption,
-    WorkersOption,
     compile_notice,
     executor_for,
     note_line,
@@ -131,7 +131,7 @@ def register(app: typer.Typer) -> None:
         columns: ColumnsOption = None,
         arrival_unit: ArrivalUnitOption = None,
         on_bad_row: OnBadRowOption = "error",
-        workers: WorkersOption = None,
+        workers: SmallWorkersOption = None,
         ray: RayOption = None,
     ) -> None:
         # lazy: the pipeline imports pyomo (0.3 s) that `servetune --help` should not pay
@@ -142,7 +142,7 @@ def register(app: typer.Typer) -> None:
         preload_cpsat()  # OR-Tools and matplotlib imported before the work begins
         pyplot()
 
-        with compile_notice(quiet), executor_for(workers, ray) as executor:
+        with compile_notice(quiet), executor_for(workers, ray, small=True) as executor:
             outcome = run_nightly(
                 trace, profile, slo, current, out_dir, engines=engines, min_gain=min_gain,
                 space_path=space, time_limit_s=time_limit, max_simulations=max_simulations,
@@ -176,13 +176,13 @@ def register(app: typer.Typer) -> None:
         columns: ColumnsOption = None,
         arrival_unit: ArrivalUnitOption = None,
         on_bad_row: OnBadRowOption = "error",
-        workers: WorkersOption = None,
+        workers: SmallWorkersOption = None,
         ray: RayOption = None,
     ) -> None:
         # lazy: the pipeline imports pyomo (0.3 s) that `servetune --help` should not pay
         from servetune.apps.nightly import run_report
 
-        with compile_notice(quiet), executor_for(workers, ray) as executor:
+        with compile_notice(quiet), executor_for(workers, ray, small=True) as executor:
             outcome = run_report(trace, profile, slo, current, new, out_dir, engine=engine,
                                  progress=None if quiet else note_line,
                                  trace_read=_trace_read(trace_format, columns, arrival_unit,

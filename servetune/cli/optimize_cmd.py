@@ -24,8 +24,8 @@ from servetune.cli.options import (
     JsonTarget,
     QuietOption,
     RayOption,
+    SmallWorkersOption,
     TraceFormatOption,
-    WorkersOption,
     compile_notice,
     executor_for,
     old_json_hint,
@@ -191,7 +191,7 @@ def register(app: typer.Typer) -> None:
         quiet: QuietOption = False,
         trace_format: TraceFormatOption = None,
         columns: ColumnsOption = None,
-        workers: WorkersOption = None,
+        workers: SmallWorkersOption = None,
         ray: RayOption = None,
     ) -> None:
         # lazy: the schemas (pydantic) and the knob table cost 0.15 s that --help should not pay
@@ -245,7 +245,7 @@ def register(app: typer.Typer) -> None:
                 console.print(f"[dim]optimize:[/dim] {msg}", highlight=False)
 
         try:
-            with compile_notice(quiet, say), executor_for(workers, ray) as executor:
+            with compile_notice(quiet, say), executor_for(workers, ray, small=True) as executor:
                 result = run_optimize(
                     trace=trace, workload=workload, profile=profile, slo=slo, space=space,
                     method=method or "milp",

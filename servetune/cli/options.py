@@ -9,7 +9,8 @@
   notes), on every command that prints progress or notes there.
 - ``--workers N`` / ``--ray [ADDRESS]``: where a command's independent simulations run
   (:mod:`servetune.executor`): N local processes (default: ``SERVETUNE_WORKERS``, else
-  the number of cores; 1: in this process), or Ray tasks. The output is the same, byte
+  the number of cores for plan, sweep and goodput, 1 for the commands whose batches are
+  small; 1: in this process), or Ray tasks. The output is the same, byte
   for byte, whatever they say.
 """
 
@@ -60,6 +61,12 @@ RAY_HELP = (
     "joined with `ray start`) or an address such as ray://HOST:10001. The output is the "
     "same as without Ray."
 )
+SMALL_WORKERS_HELP = (
+    "Local worker processes for the independent simulations (default: $SERVETUNE_WORKERS, "
+    "else 1: in this process, since this command's batches are a few simulations between "
+    "solver calls and a pool takes 1-2 s to start; more pays on long runs). The output is "
+    "the same whatever the count."
+)
 WORKERS_ENV = "SERVETUNE_WORKERS"
 
 # The options every command that reads a trace file takes (use as parameter annotations).
@@ -79,6 +86,10 @@ JsonOutOption = Annotated[
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)]
 WorkersOption = Annotated[
     int | None, typer.Option("--workers", metavar="N", min=1, help=WORKERS_HELP)
+]
+# For commands whose parallel batches are small (optimize, nightly, report, validate).
+SmallWorkersOption = Annotated[
+    int | None, typer.Option("--workers", metavar="N", min=1, help=SMALL_WORKERS_HELP)
 ]
 RayOption = Annotated[str | None, typer.Option("--ray", metavar="[ADDRESS]", help=RAY_HELP)]
 
@@ -123,9 +134,10 @@ def compile_notice(
     return notice(None if quiet else say)
 
 
-def executor_for(workers: int | None, ray: str | None) -> Executor:
+def executor_for(workers: int | None, ray: str | None, *, small: bool = False) -> Executor:
     """The executor ``--workers`` / ``--ray`` ask for (close it when done: it is a context
-    manager). Without ``--workers``, ``SERVETUNE_WORKERS`` or else the number of cores."""
+    manager). Without ``--workers``, ``SERVETUNE_WORKERS``, or else the number of cores
+    (``small``: 1, for the commands of :data:`SmallWorkersOption`)."""
     from servetune.executor import make_executor
 
     if workers is None and os.environ.get(WORKERS_ENV, "").strip():
@@ -137,6 +149,8 @@ def executor_for(workers: int | None, ray: str | None) -> Executor:
                                  ">= 1, or unset it") from None
         if workers < 1:
             raise ServetuneError(f"{WORKERS_ENV}={raw!r}: give a number of processes >= 1")
+    if workers is None and small:
+        workers = 1
     return make_executor(workers, ray)
 
 

@@ -20,7 +20,7 @@ from servetune.cli.options import (
     JsonTarget,
     QuietOption,
     RayOption,
-    WorkersOption,
+    SmallWorkersOption,
     compile_notice,
     console_say,
     executor_for,
@@ -100,7 +100,7 @@ def register(app: typer.Typer) -> None:
         out: Path | None = typer.Option(
             None, "-o", "--out", help="with --calibrate: the corrected profile YAML"
         ),
-        workers: WorkersOption = None,
+        workers: SmallWorkersOption = None,
         ray: RayOption = None,
     ) -> None:
         """Replay a real benchmark run in the simulator and compare the latencies.
@@ -148,7 +148,7 @@ def register(app: typer.Typer) -> None:
             cal = None
             if calibrate:
                 with (console.status("calibrating") as status,
-                      executor_for(workers, ray) as executor):
+                      executor_for(workers, ray, small=True) as executor):
                     cal = V.calibrate(
                         run, pol, prof, engine=engine, baseline=rep, executor=executor,
                         progress=lambda r, c: status.update(
