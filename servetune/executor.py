@@ -38,7 +38,7 @@ import pickle
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, Self, TypeVar
 
 from servetune.errors import ServetuneError
 
@@ -84,8 +84,21 @@ def _in_order(results: Iterable[R], each: Each | None) -> list[R]:
     return out
 
 
+class _Closing:
+    """``with executor:`` closes it at the end."""
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 @dataclass
-class SerialExecutor:
+class SerialExecutor(_Closing):
     """In this process, one item after another."""
 
     name: str = SERIAL
@@ -94,15 +107,6 @@ class SerialExecutor:
     def map(self, fn: Callable[..., R], items: Sequence[Any], *,
             shared: Any = _NO_SHARED, each: Each | None = None) -> list[R]:
         return _in_order((_call(fn, shared, item) for item in items), each)
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> SerialExecutor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # A process worker's copy of the last ``shared`` it was sent, by the parent's token: a
@@ -122,7 +126,7 @@ def _process_task(fn: Callable[..., R], token: int, shared_bytes: bytes | None,
     return fn(shared, item)
 
 
-class ProcessExecutor:
+class ProcessExecutor(_Closing):
     """A pool of ``workers`` local processes (started at the first map that needs them)."""
 
     name = PROCESSES
@@ -174,12 +178,6 @@ class ProcessExecutor:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
-    def __enter__(self) -> ProcessExecutor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def ray_available() -> bool:
     try:
@@ -198,7 +196,7 @@ def _ray_task(fn: Callable[..., R], has_shared: bool, shared: Any, item: Any) ->
     return fn(shared, item) if has_shared else fn(item)
 
 
-class RayExecutor:
+class RayExecutor(_Closing):
     """One Ray task per item, on the cluster at ``address`` (``None``/"local": a local Ray
     started here with ``workers`` CPUs; "auto": the cluster this machine belongs to)."""
 
@@ -241,12 +239,6 @@ class RayExecutor:
         if self._owns and self._ray.is_initialized():
             self._ray.shutdown()
             self._owns = False
-
-    def __enter__(self) -> RayExecutor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def default_workers() -> int:

@@ -36,6 +36,11 @@ def _profile(name: str, blocks: int) -> dict:
 def inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     # one candidate policy keeps the capacity search to a few dozen short simulations
     monkeypatch.setattr(C, "CANDIDATE_BATCHING", ((128, 4096),))
+    return write_inputs(tmp_path)
+
+
+def write_inputs(tmp_path: Path) -> dict[str, Path]:
+    """The synthetic fleet's files under ``tmp_path / "in"`` (module docstring)."""
     d = tmp_path / "in"
     d.mkdir()
     files = {

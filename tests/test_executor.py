@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_capacity_plan import _profile
+from test_capacity_plan import write_inputs
 from typer.testing import CliRunner
 
 from servetune.cli import app
@@ -108,44 +108,8 @@ def test_ray_missing_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 # ----------------------------------------------------------------- a plan on every backend
-
-def _plan_inputs(d: Path) -> dict[str, Path]:
-    """Two GPU types (as test_capacity_plan's) and a day forecast: capacities, validation,
-    single-type plans and a growth sweep all have several independent items."""
-    files = {
-        "big.yaml": _profile("big", 2000),
-        "small.yaml": _profile("small", 140),
-        "workload.yaml": {
-            "apiVersion": "servetune/v1", "kind": "Workload", "name": "synthetic",
-            "classes": {"default": {
-                "arrival": {"rate_per_s": 1.0},
-                "prompt_tokens": {"quantiles": [0, 0.5, 0.85, 1],
-                                  "values": [20, 300, 1500, 4000]},
-                "output_tokens": {"quantiles": [0, 0.5, 0.9, 1], "values": [2, 40, 150, 300]},
-            }},
-        },
-        "slo.yaml": {
-            "apiVersion": "servetune/v1", "kind": "SLOSet", "name": "test",
-            "classes": {"default": {"ttft_s": 3.0, "tpot_s": 0.2, "percentile": 90}},
-        },
-        "day.yaml": {
-            "apiVersion": "servetune/v1", "kind": "Forecast", "name": "day",
-            "classes": {"default": {"rate_per_s": [8.0] * 6 + [30.0] * 18}},
-        },
-        "fleet.yaml": {
-            "apiVersion": "servetune/v1", "kind": "Fleet", "name": "test",
-            "utilization_headroom": 0.8,
-            "gpu_types": [
-                {"name": "big", "profile": "big.yaml", "price_per_gpu_hour": 3.0},
-                {"name": "small", "profile": "small.yaml", "price_per_gpu_hour": 0.1},
-            ],
-        },
-    }
-    d.mkdir(parents=True, exist_ok=True)
-    for name, data in files.items():
-        (d / name).write_text(yaml.safe_dump(data, sort_keys=False))
-    return {name.split(".")[0]: d / name for name in files}
-
+# test_capacity_plan's two GPU types and its day forecast: capacities, validation,
+# single-type plans and a growth sweep all have several independent items.
 
 def _plan(inp: dict[str, Path], out: Path, cache: Path, *backend: str) -> bytes:
     r = runner.invoke(app, [
@@ -160,7 +124,8 @@ def _plan(inp: dict[str, Path], out: Path, cache: Path, *backend: str) -> bytes:
 
 
 def test_plan_is_byte_identical_serial_and_on_two_processes(tmp_path: Path) -> None:
-    inp = _plan_inputs(tmp_path / "in")
+    # (with every candidate policy: a worker process does not see a test's monkeypatch)
+    inp = write_inputs(tmp_path)
     serial = _plan(inp, tmp_path / "serial.yaml", tmp_path / "c1", "--workers", "1")
     two = _plan(inp, tmp_path / "two.yaml", tmp_path / "c2", "--workers", "2")
     assert two == serial
@@ -173,7 +138,7 @@ def test_plan_is_byte_identical_serial_and_on_two_processes(tmp_path: Path) -> N
 
 @pytest.mark.skipif(not ray_available(), reason="ray is not installed (extra `ray`)")
 def test_plan_is_byte_identical_on_ray(tmp_path: Path) -> None:
-    inp = _plan_inputs(tmp_path / "in")
+    inp = write_inputs(tmp_path)
     serial = _plan(inp, tmp_path / "serial.yaml", tmp_path / "c1", "--workers", "1")
     on_ray = _plan(inp, tmp_path / "ray.yaml", tmp_path / "c2", "--ray", "local",
                    "--workers", "2")
