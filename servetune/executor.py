@@ -156,22 +156,19 @@ class ProcessExecutor(_Closing):
         items = list(items)
         if len(items) < 2 or self.workers < 2:
             return _in_order((_call(fn, shared, item) for item in items), each)
-        first: list[R] = []
-        if self._pool is None:
-            # The first item runs here before any worker starts: on a cold numba cache it
-            # compiles the simulator once, in the process that shows the compile notice,
-            # and every worker then loads the compiled kernel from the disk cache.
-            first = [_call(fn, shared, items[0])]
-            if each is not None:
-                each(0, first[0])
+        # The first map of a pool also runs its first item here, while the workers start
+        # on the rest: on a cold numba cache this process compiles the simulator under
+        # the compile notice (the workers compile their own copy meanwhile, silently;
+        # the disk cache serves every later run), and on a warm one it is one more core.
+        here = 1 if self._pool is None else 0
         self._maps += 1
         blob = None if shared is _NO_SHARED else pickle.dumps(shared, pickle.HIGHEST_PROTOCOL)
         pool = self._started()
         futures = [pool.submit(_process_task, fn, self._maps, blob, item)
-                   for item in items[len(first):]]
-        offset = len(first)
-        return first + _in_order((f.result() for f in futures),
-                                 None if each is None else lambda i, r: each(i + offset, r))
+                   for item in items[here:]]
+        first = [_call(fn, shared, items[0])] if here else []
+        results = (r for part in (first, (f.result() for f in futures)) for r in part)
+        return _in_order(results, each)
 
     def close(self) -> None:
         if self._pool is not None:
