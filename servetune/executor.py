@@ -35,6 +35,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import socket
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -188,6 +189,25 @@ RAY_MISSING = ("--ray needs Ray, the optional extra: pip install 'servetune[ray]
                "(or pip install 'ray[default]>=2.9')")
 
 
+RAY_CONNECT_TIMEOUT_S = 5.0
+
+
+def _check_reachable(address: str) -> None:
+    """A HOST:PORT address (or ray://HOST:PORT) must answer a TCP connection within a few
+    seconds: Ray itself retries an unreachable one for minutes, printing its own logs."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto" and other forms: Ray's own answer is quick and clear
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)),
+                                 timeout=RAY_CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ServetuneError(
+            f"--ray {address}: nothing answers at {host}:{port} ({exc.strerror or exc}); "
+            "start the cluster there with `ray start --head` or give the address that "
+            "`ray status` prints") from None
+
+
 def _ray_task(fn: Callable[..., R], has_shared: bool, shared: Any, item: Any) -> R:
     # (the sentinel does not survive pickling, hence the flag)
     return fn(shared, item) if has_shared else fn(item)
@@ -212,6 +232,7 @@ class RayExecutor(_Closing):
             if address in (None, "", "local"):
                 kwargs["num_cpus"] = workers or os.cpu_count() or 1
             else:
+                _check_reachable(address)
                 kwargs["address"] = address
             try:
                 ray.init(**kwargs)

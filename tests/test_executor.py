@@ -107,6 +107,18 @@ def test_ray_missing_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None
         RayExecutor("local", 2)
 
 
+@pytest.mark.skipif(not ray_available(), reason="ray is not installed (extra `ray`)")
+def test_an_unreachable_ray_address_is_one_quick_error() -> None:
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on: bind, then let it go
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        with pytest.raises(ServetuneError, match=f"nothing answers at 127.0.0.1:{port}"):
+            RayExecutor(address, 2)
+
+
 # ----------------------------------------------------------------- a plan on every backend
 # test_capacity_plan's two GPU types and its day forecast: capacities, validation,
 # single-type plans and a growth sweep all have several independent items.
