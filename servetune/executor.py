@@ -86,16 +86,17 @@ def _in_order(results: Iterable[R], each: Each | None) -> list[R]:
 
 
 class _Closing:
-    """``with executor:`` closes it at the end."""
+    """``with executor:`` closes it at the end; on an error or Ctrl-C, at once (work in
+    flight is dropped)."""
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         pass
 
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(abort=exc_type is not None)
 
 
 @dataclass
@@ -171,10 +172,16 @@ class ProcessExecutor(_Closing):
         results = (r for part in (first, (f.result() for f in futures)) for r in part)
         return _in_order(results, each)
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+    def close(self, abort: bool = False) -> None:
+        if self._pool is None:
+            return
+        if abort:
+            # The pool has no public way to stop a task that runs: end its processes
+            # (a Ctrl-C must not wait for a long capacity measurement to finish).
+            for process in list(getattr(self._pool, "_processes", {}).values()):
+                process.terminate()
+        self._pool.shutdown(wait=not abort, cancel_futures=True)
+        self._pool = None
 
 
 def ray_available() -> bool:
@@ -253,7 +260,7 @@ class RayExecutor(_Closing):
         refs = [self._remote.remote(fn, has_shared, ref, item) for item in items]
         return _in_order((self._ray.get(r) for r in refs), each)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         if self._owns and self._ray.is_initialized():
             self._ray.shutdown()
             self._owns = False
