@@ -72,6 +72,29 @@ def test_a_worker_error_reaches_the_caller_whole() -> None:
     assert info.value.details == {"item": 3} and info.value.exit_code == 3
 
 
+def _slow(folder: str, x: int) -> int:
+    import time
+
+    Path(folder, f"started-{x}").touch()
+    time.sleep(0.2 if x == 0 else 30)
+    Path(folder, f"finished-{x}").touch()
+    return x
+
+
+def test_an_error_in_the_caller_ends_the_work_in_flight(tmp_path: Path) -> None:
+    """Ctrl-C (or any error) while a map waits drops the tasks in flight: the pool's
+    processes end at once instead of finishing a long task first."""
+
+    def stop(i: int, _result: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt), ProcessExecutor(2) as ex:
+        ex.map(functools.partial(_slow, str(tmp_path)), range(3), each=stop)
+    # item 0 ran here and was reported; the workers' items were ended, never finished
+    assert (tmp_path / "finished-0").exists()
+    assert not (tmp_path / "finished-1").exists() and not (tmp_path / "finished-2").exists()
+
+
 def test_make_executor_and_the_cli_options(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(make_executor(1), SerialExecutor)
     ex = make_executor(3)
