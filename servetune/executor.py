@@ -43,13 +43,11 @@ from typing import Any, Protocol, Self, TypeVar
 
 from servetune.errors import ServetuneError
 
-T = TypeVar("T")
 R = TypeVar("R")
 
 SERIAL = "serial"
 PROCESSES = "processes"
 RAY = "ray"
-BACKENDS = (SERIAL, PROCESSES, RAY)
 
 # Modules a process worker imports before its first task (in the fork server, once): the
 # simulator, the schemas and the apps that tasks run.
@@ -69,7 +67,11 @@ class Executor(Protocol):
     def map(self, fn: Callable[..., R], items: Sequence[Any], *,
             shared: Any = _NO_SHARED, each: Each | None = None) -> list[R]: ...
 
-    def close(self) -> None: ...
+    def close(self, abort: bool = False) -> None: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, exc_type: object, *exc: object) -> None: ...
 
 
 def _call(fn: Callable[..., R], shared: Any, item: Any) -> R:
