@@ -400,27 +400,45 @@ def replica_capacity(
         sims += c_sims
         if c_rate > rate * (1 + 1e-9):
             rate, policy = c_rate, c_policy
-    # Steady state: while the goodput's arrivals span less than MIN_WINDOW_S, measure again
-    # on a longer trace (the winner and the candidates; the optimizer runs once).
-    n = n_requests
+    # Steady state: measure the winner and the candidates again on longer traces (the
+    # optimizer runs once).
     contenders = [policy] + (_candidate_policies() if "candidates" in used else [])
-    for _ in range(3):
-        n_next = window_requests(rate, n, min_window_s)
-        if n_next <= n:
-            break
-        n = n_next
-        trace = slices.mixed_trace({bucket: 1.0}, n, seed)
-        # the base trace runs at 1 req/s, so a rate is a scale: start the search at the
-        # last one (an overestimate) instead of doubling up from 1
-        rate, policy, more = _best_candidate(trace, profile, slo, engine, contenders,
-                                             start=min(max(rate, 1.0 / 1024), 1024.0))
+
+    def again(trace: Trace, start: float) -> float:
+        nonlocal policy, sims
+        found, policy, more = _best_candidate(trace, profile, slo, engine, contenders,
+                                              start=start)
         sims += more
+        return found
+
+    rate = _steady(rate, slices, bucket, n_requests, seed, min_window_s, again)
     policy = policy.model_copy(update={"metadata": {}})
     _store(path, {
         "rate_per_s": rate, "policy": policy.model_dump(mode="json"), "method": used,
         "simulations": sims, "profile": getattr(profile, "name", ""), "bucket": bucket,
     })
     return ReplicaCapacity(rate, policy, used, sims)
+
+
+def _scale_start(rate_per_s: float) -> float:
+    """A goodput search's first rate scale on a bucket's trace: the trace runs at 1 req/s,
+    so a rate is a scale (kept within the search's limits)."""
+    return min(max(rate_per_s, 1.0 / 1024), 1024.0)
+
+
+def _steady(rate: float, slices: WorkloadSlices, bucket: str, n_requests: int, seed: int,
+            min_window_s: float | None, measure: Callable[[Trace, float], float]) -> float:
+    """While the goodput's arrivals span less than the steady-state window (up to three
+    times), ``measure(trace, start)`` again on a longer trace of the bucket, starting at
+    the last goodput (an overestimate) instead of doubling up from 1 req/s."""
+    n = n_requests
+    for _ in range(3):
+        n_next = window_requests(rate, n, min_window_s)
+        if n_next <= n:
+            break
+        n = n_next
+        rate = measure(slices.mixed_trace({bucket: 1.0}, n, seed), _scale_start(rate))
+    return rate
 
 
 def _cached(cache_dir: Path | None, inputs: dict[str, Any]) -> tuple[Path, Any]:
@@ -600,16 +618,9 @@ def unit_capacity(
                               rel_tol=0.03).rate_per_s
 
     # The unit has unit.size replicas: start the search near size x one replica's goodput.
-    n = n_requests
-    trace = slices.mixed_trace({bucket: 1.0}, n, seed)
-    rate = search(trace, min(max(agg.rate_per_s * unit.size, 1.0 / 1024), 1024.0))
-    for _ in range(3):  # steady state, as replica_capacity: lengthen short runs
-        n_next = window_requests(rate, n, min_window_s)
-        if n_next <= n:
-            break
-        n = n_next
-        trace = slices.mixed_trace({bucket: 1.0}, n, seed)
-        rate = search(trace, min(max(rate, 1.0 / 1024), 1024.0))
+    trace = slices.mixed_trace({bucket: 1.0}, n_requests, seed)
+    rate = search(trace, _scale_start(agg.rate_per_s * unit.size))
+    rate = _steady(rate, slices, bucket, n_requests, seed, min_window_s, search)
     method = f"cluster:{router}"
     _store(path, {
         "rate_per_s": rate, "method": method, "simulations": sims,
@@ -1461,11 +1472,9 @@ def run_plan(
     rows: list[dict[str, Any]] = []
     # the plan above is the scenario of its own growth: the same row, not planned twice
     reused = budget is None and compare_single
-    scenarios = dict(zip(
-        [g for g in sweep or () if not (g == growth and reused)],
-        ex.map(_growth_task, [g for g in sweep or () if not (g == growth and reused)],
-               shared=(fleet, forecast, slo, slices, profiles, capacity, kw)),
-        strict=True))
+    todo = [g for g in sweep or () if not (g == growth and reused)]
+    scenarios = dict(zip(todo, ex.map(_growth_task, todo, shared=(
+        fleet, forecast, slo, slices, profiles, capacity, kw)), strict=True))
     for g in sweep or ():
         res_g, best_g, infeasible = scenarios.get(g, (result, best_single(single), None))
         if infeasible is not None:  # one scenario beyond the limits: say so, go on
