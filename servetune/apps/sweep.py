@@ -290,7 +290,7 @@ def _path(settings: dict[str, Any], key: str) -> Path | None:
 def _run_optimize(job: Job, jobs_dir: Path) -> _Output:
     # lazy: the optimizer imports pyomo and OR-Tools
     from servetune.apps.optimize import optimize_files
-    from servetune.schemas.job import (
+    from servetune.optimize_options import (
         DEFAULT_MAX_SIMULATIONS,
         DEFAULT_REQUESTS,
         DEFAULT_TIME_LIMIT_S,
