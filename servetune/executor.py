@@ -32,16 +32,16 @@ machine (the first run says so) and loaded from disk by every worker after that.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import pickle
-import socket
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
 
 from servetune.errors import ServetuneError
+
+if TYPE_CHECKING:  # imported where a pool starts: the simulator imports this module
+    from concurrent.futures import ProcessPoolExecutor
 
 R = TypeVar("R")
 
@@ -144,6 +144,9 @@ class ProcessExecutor(_Closing):
 
     def _started(self) -> ProcessPoolExecutor:
         if self._pool is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
             # A fork server (where the platform has one): workers are forked from a clean
             # process that imported the simulator once, never from this one (which may
             # hold solver threads or a progress display's thread).
@@ -207,6 +210,8 @@ def _check_reachable(address: str) -> None:
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not port.isdigit():
         return  # "auto" and other forms: Ray's own answer is quick and clear
+    import socket
+
     try:
         socket.create_connection((host or "127.0.0.1", int(port)),
                                  timeout=RAY_CONNECT_TIMEOUT_S).close()

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -400,6 +399,8 @@ def _finish_all(replicas: list[_Replica], *, side_by_side: bool) -> None:
         for rep in replicas:
             rep.advance(np.inf)
         return
+    from concurrent.futures import ThreadPoolExecutor  # (only a static router's run)
+
     with ThreadPoolExecutor(max_workers=threads) as pool:
         for _ in pool.map(lambda rep: rep.advance(np.inf), replicas):
             pass  # (re-raises a replica's error here)
