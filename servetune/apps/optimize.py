@@ -8,7 +8,11 @@ This is what ``servetune optimize`` and the nightly job call. Steps:
    (knobs the models do not cover, such as ``scheduling``, take their first listed value);
 2. ``method``: ``milp`` runs the loop of :mod:`servetune.solvers.loop` (MILP, simulate,
    recalibrate) and then sizes long-request lanes with CP-SAT, kept only when the
-   simulator says they raise goodput; ``grid``, ``random`` and ``optuna`` are the
+   simulator says they raise goodput; then, when the SLO set gives two or more of the
+   sample's classes different tiers (``per_class``), the tiered search of
+   :mod:`servetune.solvers.tiers` (per-class priority, chunk caps, caps and reservations
+   chosen jointly) runs too, and its policy replaces the single-class one when the
+   simulator says it serves every tier at a higher load; ``grid``, ``random`` and ``optuna`` are the
    baselines of :mod:`servetune.solvers.baselines`;
 3. the engine defaults are simulated the same way for comparison;
 4. the policy carries provenance in ``metadata`` (inputs' sha256, method, solver
@@ -73,7 +77,7 @@ from servetune.schemas.workload import Workload
 from servetune.sim import metrics as M
 from servetune.sim import simulate
 from servetune.sim.api import base_rate_per_s, prepare_trace
-from servetune.solvers import baselines
+from servetune.solvers import baselines, tiers
 from servetune.solvers.formulations import solve_lanes
 from servetune.solvers.loop import (
     STOP_SIMULATIONS,
@@ -573,6 +577,7 @@ def optimize(
     rel_tol: float = 0.03,
     widen_edges: bool = True,
     executor: Executor | None = None,
+    per_class: bool | None = None,
 ) -> OptimizeResult:
     """Choose a policy (see the module docstring). ``source`` is a Workload or a Trace;
     ``inputs`` names the input files and their sha256 for the provenance.
@@ -583,7 +588,9 @@ def optimize(
     (:func:`_search_beyond_edges`); the baselines search the space as given. The
     independent goodput searches (a round's candidates, the edges, a baseline's points)
     run on ``executor`` (default: in this process); the result is the same, byte for
-    byte, on any executor."""
+    byte, on any executor. ``per_class`` (None: when the SLO set gives two or more of the
+    sample's classes different tiers) runs the tiered search after the single-class one
+    (method milp)."""
     wall_start = time.perf_counter()
     if not (isinstance(max_simulations, int) and max_simulations >= 1):
         raise ServetuneError(
@@ -684,6 +691,14 @@ def optimize(
                 if lanes_info.get("candidate"):
                     evaluated.append(lanes_info.pop("_evaluated"))
                 lanes_info.pop("_evaluated", None)
+        if best is not None and (per_class if per_class is not None
+                                 else has_tiers(sample, slo)):
+            best, tiers_info, tiers_s = _try_tiers(
+                best, sample, profile, slo, sim, engine=engine, rel_tol=rel_tol, say=say)
+            solver_s += tiers_s
+            solver_meta["tiers"] = {"solves": tiers_info["solves"]}
+            iterations.append({"iteration": len(iterations) + 1, "tiers": tiers_info})
+            evaluated += tiers_info.pop("_evaluated")
         predicted = best.predicted_rate_per_s if best else None
     else:
         # The baselines need no model, but if even vanishing load breaks a condition on
@@ -790,6 +805,9 @@ def optimize(
         "method": method,
         "status": "ok",
         "policy": policy.knobs(),
+        # the per-class settings that differ from the defaults (SLO tiers)
+        "classes": {name: cp.model_dump(exclude_defaults=True)
+                    for name, cp in policy.classes.items()},
         "goodput_rate_per_s": best.goodput.rate_per_s,
         "defaults_goodput_rate_per_s": defaults_rate,
         "defaults_rule": defaults_rule,
@@ -903,6 +921,66 @@ def _try_lanes(
         f"{choice.threshold_tokens}, simulated {est.rate_per_s:.2f} req/s"
         f"{' (kept)' if better else ' (not better; dropped)'}")
     return (ev if better else best), info, lanes_s
+
+
+def has_tiers(sample: Trace, slo: SLOSet) -> bool:
+    """Two or more of the sample's classes have different SLO tiers."""
+    present = {sample.class_names[i] for i in set(sample.class_ids().tolist())}
+    tiers = set()
+    for name in present:
+        try:
+            tiers.add(slo.for_class(name).model_dump_json())
+        except KeyError:
+            return False
+    return len(present) >= 2 and len(tiers) >= 2
+
+
+def _try_tiers(
+    best: Evaluated, sample: Trace, profile: Profile, slo: SLOSet, sim: TraceSimulator, *,
+    engine: str, rel_tol: float, say: Callable[[str], Any],
+) -> tuple[Evaluated, dict[str, Any], float]:
+    """The tiered search (:func:`servetune.solvers.tiers.optimize_tiers`) from the best
+    single-class policy; its best policy replaces that one when it serves every tier at a
+    higher simulated load."""
+    model = tiers.tier_model(sample, profile, slo, engine)
+    start = best.goodput.rate_scale or 1.0
+
+    def said(r: tiers.TierRound) -> None:
+        say(f"per-class policy ({r.variant}): model {r.scale_model * sim.base_rate_per_s:.2f} "
+            f"req/s, simulated {r.goodput.rate_per_s:.2f} req/s")
+
+    result = tiers.optimize_tiers(model, sim, slo, best.policy, engine=engine,
+                                  start_scale=start, rel_tol=rel_tol, on_round=said)
+    info: dict[str, Any] = {
+        "single_class_goodput_rate_per_s": best.goodput.rate_per_s,
+        "rounds": [r.as_dict() for r in result.rounds],
+        "solves": result.solves,
+        "kept": False,
+    }
+    evaluated = []
+    for i, r in enumerate(result.rounds):
+        evaluated.append(Evaluated(
+            best.index, Knobs.from_policy(r.policy), r.scale_model * sim.base_rate_per_s,
+            None, r.goodput, r.policy, label=f"per-class {i + 1} ({r.variant})"))
+    info["_evaluated"] = evaluated
+    top = result.best
+    if top is None:
+        info["explanation"] = result.explanation
+        say("per-class policy: the tier model finds no load at which every tier meets its SLO")
+        return best, info, result.solver_s
+    info["what_binds"] = tiers.what_binds(
+        model.with_calibration(top.calibration), top.choice, top.goodput.rate_scale or
+        top.scale_model, {n: tiers.class_options(engine) for n in model.names})
+    better = (top.goodput.passed
+              and top.goodput.rate_per_s > best.goodput.rate_per_s * (1 + rel_tol / 2))
+    info["kept"] = bool(better)
+    say(f"per-class policy: {top.goodput.rate_per_s:.2f} req/s against "
+        f"{best.goodput.rate_per_s:.2f} single-class"
+        f"{' (kept)' if better else ' (not better; dropped)'}")
+    if not better:
+        return best, info, result.solver_s
+    chosen = evaluated[result.rounds.index(top)]
+    return chosen, info, result.solver_s
 
 
 def optimize_files(

@@ -76,6 +76,7 @@ def run_optimize(
     max_simulations: int = DEFAULT_MAX_SIMULATIONS,
     columns: str | None = None,
     executor: Executor | None = None,
+    per_class: bool | None = None,
 ) -> OptimizeResult:
     """Check the options, then :func:`~servetune.apps.optimize.optimize_files` (its
     independent simulations on ``executor``; default: in this process)."""
@@ -108,7 +109,7 @@ def run_optimize(
         trace_format=trace_format, columns=columns, method=method, time_limit_s=time_limit_s,
         seed=seed,
         n_requests=requests, engine=engine, progress=progress, max_simulations=max_simulations,
-        executor=executor,
+        executor=executor, per_class=per_class,
     )
 
 
@@ -193,6 +194,10 @@ def register(app: typer.Typer) -> None:
         columns: ColumnsOption = None,
         workers: SmallWorkersOption = None,
         ray: RayOption = None,
+        per_class: bool | None = typer.Option(
+            None, "--per-class/--single-class",
+            help="also choose per-class priorities, chunk caps, caps and reservations "
+            "(default: when the SLO set gives the trace's classes different tiers)"),
     ) -> None:
         # lazy: the schemas (pydantic) and the knob table cost 0.15 s that --help should not pay
         from rich.console import Console
@@ -230,6 +235,7 @@ def register(app: typer.Typer) -> None:
             json_out = json_out or _resolve(base, doc.summary_json)
             trace_format = trace_format or doc.trace_format
             engine = doc.engine
+            per_class = per_class if per_class is not None else doc.per_class
         if profile is None or slo is None:
             raise ServetuneError("give --profile and --slo (or a job file); see --help")
         if output is None:
@@ -255,7 +261,7 @@ def register(app: typer.Typer) -> None:
                     seed=0 if seed is None else seed,
                     requests=DEFAULT_REQUESTS if requests is None else requests,
                     engine=engine, trace_format=trace_format, columns=columns, progress=say,
-                    executor=executor,
+                    executor=executor, per_class=per_class,
                 )
         except InfeasibleError as err:
             _emit_json(json_to, err.details.get("summary", {"status": "infeasible"}))
@@ -276,3 +282,7 @@ def register(app: typer.Typer) -> None:
             f"solver {s['solver_s']:.1f} s, simulation {s['simulation_s']:.1f} s, "
             f"wall {s['wall_s']:.1f} s; stopped by {s['stopped_by']}"
         )
+        if s.get("classes"):
+            typer.echo("per class: " + "; ".join(
+                f"{name}: " + ", ".join(f"{k} {v}" for k, v in c.items())
+                for name, c in s["classes"].items()))

@@ -46,6 +46,9 @@ class OptimizeJob(Document):
         description="requests per simulation (a sample, not the hour)",
     )
     engine: Literal[ENGINE_NAMES] = "vllm"  # type: ignore[valid-type]
+    per_class: bool | None = Field(
+        None, description="also choose per-class settings (SLO tiers); null: when the SLO "
+        "set gives the classes different tiers")
     output: str | None = Field(None, description="policy YAML to write (-o overrides)")
     summary_json: str | None = Field(
         None, description="summary JSON to write (--json-out overrides)"

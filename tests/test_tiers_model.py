@@ -1,0 +1,137 @@
+"""The per-class tier model, its MILP and the reservation CP-SAT (issue 16)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from servetune.models.reserve_cpsat import ReserveInstance
+from servetune.models.reserve_cpsat import build_model as build_reserve
+from servetune.models.tiers import ClassOption, erlang_wait_quantile, orderings
+from servetune.models.tiers_milp import TierChoice
+from servetune.profiles.shipped import load_profile
+from servetune.schemas.policy import Policy
+from servetune.schemas.slo import SLOSet
+from servetune.solvers import tiers
+from servetune.solvers.drivers import solve_cpsat
+from servetune.workloads.trace import from_arrays
+
+SLO = SLOSet.model_validate({"classes": {
+    "chat": {"ttft_s": 0.5, "tpot_s": 0.05, "attainment": 0.95},
+    "longctx": {"ttft_s": 8.0, "tpot_s": 0.1, "attainment": 0.9},
+}})
+
+
+def mixed_trace(n_chat: int = 2000, n_long: int = 60, span_s: float = 400.0, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    arrival = np.concatenate([np.sort(rng.uniform(0, span_s, n_chat)),
+                              np.sort(rng.uniform(0, span_s, n_long))])
+    prompt = np.concatenate([rng.integers(200, 2500, n_chat),
+                             np.clip(rng.lognormal(np.log(16000), 0.6, n_long), 4000, 64000)
+                             .astype(np.int64)])
+    output = np.concatenate([rng.integers(50, 600, n_chat), rng.integers(100, 600, n_long)])
+    cls = np.concatenate([np.zeros(n_chat, np.int32), np.ones(n_long, np.int32)])
+    return from_arrays(arrival, prompt, output, class_id=cls, class_names=("chat", "longctx"))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiers.tier_model(mixed_trace(), load_profile("h200-llama-3.1-8b"), SLO)
+
+
+SMALL_GRID = tiers.shared_grid(Policy(), seqs=(256,), budgets=(1024, 4096, 16384))
+SMALL_OPTIONS = tiers.class_options("vllm", chunk_caps=(0, 512, 2048),
+                                    caps=((None, 1.0), (None, 0.25), (8, 1.0)))
+
+
+def test_orderings_are_the_weak_orders():
+    # Fubini numbers: 1, 3, 13 weak orders of 1, 2, 3 items.
+    assert [len(orderings(n)) for n in (1, 2, 3)] == [1, 3, 13]
+    assert orderings(2) == [(0, 0), (0, 1), (1, 0)]
+
+
+def test_erlang_wait_worked_by_hand():
+    # M/M/1, load 0.5: waits with probability 0.5, then Exp(rate (1 - 0.5) / hold).
+    assert erlang_wait_quantile(1, 0.5, 1.0, 0.9) == pytest.approx(2.0 * math.log(5.0))
+    # M/M/2, offered 1: Erlang B = 0.2, C = 0.2 / (1 - 0.5 + 0.5 * 0.2) = 1/3.
+    assert erlang_wait_quantile(2, 1.0, 1.0, 0.9) == pytest.approx(math.log(10.0 / 3.0))
+    # The chance of waiting is below 1 - q: the quantile wait is 0.
+    assert erlang_wait_quantile(2, 1.0, 1.0, 0.5) == 0.0
+
+
+def test_priority_shortens_the_high_class_wait(model):
+    t = model.terms(2.0, SMALL_GRID[1], {n: SMALL_OPTIONS for n in model.names})
+    fcfs = t.wait_factor[("chat", (0, 0))]
+    assert fcfs > 0
+    assert t.wait_factor[("chat", (0, 1))] < fcfs < t.wait_factor[("chat", (1, 0))]
+    assert t.wait_factor[("longctx", (0, 1))] > t.wait_factor[("longctx", (0, 0))]
+
+
+def test_chunk_cap_shrinks_what_a_class_leaves_for_others(model):
+    t = model.terms(1.0, SMALL_GRID[2], {n: SMALL_OPTIONS for n in model.names})
+    w0 = t.classes["longctx"].w0
+    assert w0[512] < w0[2048] < w0[0]
+
+
+@pytest.mark.parametrize("scale", [0.5, 1.0, 2.0, 2.1, 2.15, 3.0])
+def test_milp_matches_enumeration(model, scale):
+    """The oracle: every shared setting x order x option per class, evaluated directly.
+    The MILP's margin (its linearisation of order x chunk cap) must be the same."""
+    options = {n: SMALL_OPTIONS for n in model.names}
+    choice, _ = tiers.solve_at(model, scale, SMALL_GRID, options)
+    best_margin, best = tiers.enumerate_best(model, scale, SMALL_GRID, options)
+    assert (choice is None) == (best is None)
+    if choice is None:
+        return
+    assert choice.margin == pytest.approx(best_margin, abs=1e-6)
+    # And the MILP's own choice, evaluated directly, has that margin.
+    ev = model.evaluate(model.terms(scale, choice.shared, options), choice.levels,
+                        choice.options)
+    assert min(ev.margin, 1.0) == pytest.approx(best_margin, abs=1e-6)
+
+
+def test_per_class_options_never_lower_the_model_goodput(model):
+    one = {n: [ClassOption()] for n in model.names}
+    many = {n: SMALL_OPTIONS for n in model.names}
+    s_one, _ = tiers.model_goodput(model, SMALL_GRID, one)
+    s_many, choice = tiers.model_goodput(model, SMALL_GRID, many)
+    assert s_many >= s_one > 0
+    assert choice is not None and choice.margin >= 0
+
+
+def test_reservations_worked_by_hand():
+    def solve(seats_total):
+        inst = ReserveInstance(names=("a", "b"), seats={"a": 3, "b": 4}, blocks={"a": 0, "b": 0},
+                               values={"a": 1.0, "b": 1.0}, max_num_seqs=seats_total,
+                               kv_blocks=10)
+        cp, r, _ = build_reserve(inst)
+        outcome, solver = solve_cpsat(cp, time_limit_s=10)
+        assert outcome.status.has_solution
+        return solver.Value(r["a"]), solver.Value(r["b"])
+    # Room for both demands: each class reserves all of it.
+    assert solve(8) == (3, 4)
+    # B = 6: b's 4 must fit beside a's reserve (r_a <= 2), a's 3 beside b's (r_b <= 3).
+    assert solve(6) == (2, 3)
+
+
+def test_to_policy_sets_order_caps_and_reservations():
+    choice = TierChoice(
+        margin=0.1, shared=tiers.Shared(256, 4096),
+        levels=(0, 1),
+        options={"chat": ClassOption(), "longctx": ClassOption(512, None, 0.25)})
+    p = tiers.to_policy(Policy(), choice, ("chat", "longctx"), kv_blocks=1000,
+                        reserved={"chat": (20, 300), "longctx": (2, 400)})
+    assert p.scheduling == "priority"
+    assert p.batching.max_num_seqs == 256 and p.batching.max_num_batched_tokens == 4096
+    assert p.classes["chat"].priority == 0 and p.classes["longctx"].priority == 1
+    assert p.classes["chat"].reserved_seqs == 20
+    assert p.classes["chat"].reserved_kv_fraction == pytest.approx(0.3)
+    lc = p.classes["longctx"]
+    assert (lc.long_prefill_token_threshold, lc.max_kv_fraction) == (512, 0.25)
+    assert lc.reserved_kv_fraction == 0.25  # held to the class's own cap
+    # One level: FCFS stays, no priorities.
+    flat = tiers.to_policy(Policy(), TierChoice(0.1, tiers.Shared(256, 4096), (0, 0),
+                                                choice.options), ("chat", "longctx"), 1000)
+    assert flat.scheduling == "fcfs" and flat.classes["longctx"].priority == 0
