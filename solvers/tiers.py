@@ -290,9 +290,9 @@ def recalibrate(model: TierModel, choice: TierChoice, options: dict[str, list[Cl
                 continue
             old = base.of(fam, name)
             limit = getattr(tgt, f"{fam}_s")
-            judged = fail.judged.get(name, {}) if fail is not None else {}
-            over = judged.get(f"p{tgt.q * 100:g}_{fam}_s")
-            if limit and over is not None and over > limit:
+            # The measured q-quantile (the SLO's percentile, or its attainment as one).
+            over = fail.measured.get(f"{fam}[{name}]") if fail is not None else None
+            if limit and over is not None and math.isfinite(over) and over > limit:
                 g = limit / pred  # binds in reality just above: match the target there
             else:
                 value = pt.measured.get(f"{fam}[{name}]")
@@ -307,9 +307,10 @@ def optimize_tiers(model: TierModel, sim: Simulator, slo: SLOSet, base: Policy, 
                    engine: str = "vllm", max_rounds: int = MAX_ROUNDS,
                    grid: Sequence[Shared] | None = None,
                    options: dict[str, list[ClassOption]] | None = None,
-                   start_scale: float = 1.0, rel_tol: float = 0.02,
+                   start_scale: float = 1.0, rel_tol: float = 0.02, reserve: bool = True,
                    on_round: Callable[[TierRound], None] | None = None) -> TierResult:
-    """The loop of the module docstring; the best simulated round wins."""
+    """The loop of the module docstring; the best simulated round wins. ``reserve=False``
+    leaves reservations out (the policies are then exactly the MILP's options)."""
     grid = list(grid) if grid is not None else shared_grid(base)
     opts = options or {n: class_options(engine) for n in model.names}
     stats: dict[str, float] = {}
@@ -324,17 +325,19 @@ def optimize_tiers(model: TierModel, sim: Simulator, slo: SLOSet, base: Policy, 
         if choice is None:
             result.explanation = explain(current, grid, opts)
             break
-        reserved = reservations(current, choice, scale, slo, opts)
         kv_blocks = int(current.platform.kv_blocks)
-        variants = [("reserved", to_policy(base, choice, model.names, kv_blocks, reserved)),
-                    ("caps only", to_policy(base, choice, model.names, kv_blocks))]
+        variants = [("caps only", to_policy(base, choice, model.names, kv_blocks))]
+        if reserve:
+            reserved = reservations(current, choice, scale, slo, opts)
+            variants.insert(0, ("reserved", to_policy(base, choice, model.names, kv_blocks,
+                                                      reserved)))
         key = variants[0][1].model_dump_json(exclude={"name", "metadata"})
         if key in seen:
             break
         seen.add(key)
         rounds = []
         for label, policy in variants:
-            if label != "reserved" and policy == variants[0][1]:
+            if label != variants[0][0] and policy == variants[0][1]:
                 continue
             est = find_goodput(sim, policy, start_scale=max(scale, 1 / 256), rel_tol=rel_tol)
             rounds.append(TierRound(scale, choice, policy, est, cal, label))

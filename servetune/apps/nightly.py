@@ -171,10 +171,8 @@ class NightlyOutcome:
 
 def same_knobs(a: Policy, b: Policy) -> bool:
     """Same scheduling settings (names and provenance aside): every knob of the knob
-    table equal, exactly, and the same class priorities."""
-    return knob_table.values(a) == knob_table.values(b) and {
-        k: v.priority for k, v in a.classes.items()
-    } == {k: v.priority for k, v in b.classes.items()}
+    table equal, exactly, and the same per-class settings."""
+    return knob_table.values(a) == knob_table.values(b) and a.classes == b.classes
 
 
 def decide(comp: Comparison, min_gain: float) -> Decision:

@@ -42,7 +42,7 @@ import numpy as np
 
 from servetune.executor import Executor, SerialExecutor
 from servetune.io import commit_files, finite_or_none, plain_data
-from servetune.schemas.policy import Policy
+from servetune.schemas.policy import ClassPolicy, Policy
 from servetune.schemas.slo import ClassSLO, SLOSet
 from servetune.sim import goodput, simulate
 from servetune.workloads.trace import Trace
@@ -192,12 +192,15 @@ def knob_changes(current: Policy, new: Policy, reasons: dict[str, str] | None = 
             continue
         reason = reasons.get(path) or reasons.get(path.split(".")[0]) or ""
         out.append({"knob": path, "current": cur[path], "new": nxt[path], "reason": reason})
+    default = ClassPolicy().model_dump()
     for name in sorted(set(current.classes) | set(new.classes)):
-        a, b = current.class_priority(name), new.class_priority(name)
-        if a != b:
-            path = f"classes.{name}.priority"
-            out.append({"knob": path, "current": a, "new": b,
-                        "reason": reasons.get(path, "")})
+        a = current.classes[name].model_dump() if name in current.classes else default
+        b = new.classes[name].model_dump() if name in new.classes else default
+        for key in a:
+            if a[key] != b[key]:
+                path = f"classes.{name}.{key}"
+                out.append({"knob": path, "current": a[key], "new": b[key],
+                            "reason": reasons.get(path, "")})
     return out
 
 
