@@ -13,7 +13,9 @@ group, classes in name order, the policy's numbers) and written as machine-reada
   own per-class queues by it;
 - ``max_seqs``: a concurrency limit: at most that many of the class's requests in flight
   at one replica; the rest wait at the gateway in a queue of the class's own, so a held
-  class blocks no other (as the policy's class lanes do);
+  class blocks no other (as the policy's class lanes do). The engine rule counts running
+  requests; in flight also counts those waiting inside the engine, so the gateway's limit
+  is as strict or a little stricter;
 - ``max_queued_requests``: a queue limit on the class's requests in flight and waiting;
   an arrival beyond it is answered with the engine's overload status (HTTP 503, vLLM's
   past ``max-num-queued-reqs``; 429 for TGI, its answer past ``--max-concurrent-requests``);
