@@ -36,6 +36,8 @@ ARGUMENT_FLAGS = {
     "bands": "--bands",
     "base_gpu": "--base-gpu",
     "bench_format": "--bench-format",
+    "class_field": "--class-field",
+    "class_header": "--class-header",
     "columns": "--columns",
     "duration_s": "--duration",
     "engine": "--engine",

@@ -6,6 +6,12 @@ says what the user needs instead, a router rule or a gateway limit), approximati
 (``notes``) and the conventional file name. Both lists are also written as comments at
 the top of the file, so nothing is dropped silently.
 
+Per-class settings (``Policy.classes``: priorities, seat and KV reservations and caps,
+chunk caps, queue caps) are no engine's: each exporter lists them with what the gateway in
+front of the engine does instead, and ``export_policy`` returns that as machine-readable
+rules (``gateway_rules``, a :class:`~servetune.schemas.gateway.GatewayRules`, None when no
+class asks anything of a gateway); see :mod:`servetune.export.classes`.
+
 ``role`` (``prefill`` or ``decode``; None: an aggregated instance, the file as before
 roles existed) makes the file one instance of a disaggregated prefill/decode pair: the
 engine's P/D settings are added (vLLM's ``kv-transfer-config``, SGLang's
@@ -44,10 +50,12 @@ from typing import TYPE_CHECKING, Any
 from servetune import __version__, knobs
 from servetune.engines import BY_NAME, CONFIG_FILES, DISAGG_ROLES, ENGINE_NAMES
 from servetune.errors import ServetuneError
+from servetune.export.classes import class_source, gateway_rules
 from servetune.schemas.base import dump_yaml
 from servetune.schemas.policy import Policy
 
 if TYPE_CHECKING:
+    from servetune.schemas.gateway import GatewayRules
     from servetune.schemas.profile import Profile
 
 ENGINES: tuple[str, ...] = ENGINE_NAMES
@@ -72,6 +80,7 @@ class ExportResult:
     env: dict[str, str] = field(default_factory=dict)  # environment variables (TGI)
     warnings: list[str] = field(default_factory=list)  # provenance mismatches (export_policy)
     requires: str = ""  # the minimum engine version the file's options need, in words
+    gateway_rules: GatewayRules | None = None  # per-class rules (export_policy), if any
 
 
 @dataclass(frozen=True)
@@ -435,9 +444,14 @@ def export_policy(
     profile: Profile | Mapping[str, Any] | MemoryFacts | None = None,
     check_provenance: bool = True,
     role: str | None = None,
+    class_header: str | None = None,
+    class_field: str | None = None,
 ) -> ExportResult:
     """Translate ``policy`` into ``engine``'s config file (see the module docstring), for
-    an aggregated instance or, with ``role``, one instance of a prefill/decode pair.
+    an aggregated instance or, with ``role``, one instance of a prefill/decode pair, with
+    the gateway rules for its per-class settings (``gateway_rules``; the gateway tells a
+    request's class by header ``class_header``, default ``x-servetune-class``, or by body
+    field ``class_field``).
 
     With ``check_provenance`` (the default), :func:`mismatch_warnings` (tuned under
     another engine's model, or for another GPU or model than a Profile ``profile``) go to
@@ -451,8 +465,11 @@ def export_policy(
         raise ServetuneError(
             f"argument `role` {role!r} is not supported; choose one of {', '.join(ROLES)}"
         )
+    source = class_source(class_header, class_field)
     facts = memory_facts(policy, profile)
     result = BY_NAME[engine].export_function()(policy, facts, role=role)
+    rules = gateway_rules(policy, engine, config_file=result.filename, source=source)
+    result = replace(result, gateway_rules=rules)
     if not check_provenance:
         return result
     given = profile if profile is not None and hasattr(profile, "memory_summary") else None

@@ -41,6 +41,13 @@ the file writes ``nixl``, the transfer library the vLLM and TensorRT-LLM exports
 Not expressible: ``long_prefill_token_threshold`` (no per-request chunk cap; sgl-project/sglang
 PR #34554 was closed unmerged), ``kv_watermark``, ``reserve_full_prompt: false``,
 ``max_queued_prompt_tokens``, long-request lanes, per-class priorities.
+
+Per-class settings (:mod:`servetune.export.classes`): priorities travel in each request's
+``priority`` field (the gateway sets them; the flag above keeps vLLM's lower-first
+values); a class's ``max_seqs`` and ``max_queued_requests`` become gateway concurrency and
+queue limits (HTTP 503 beyond; SGLang's own rejection status is not pinned by servetune);
+seat reservations a gateway reservation; KV reservations and caps, and a class chunk cap
+(SGLang has none), a replica pool of the class's own.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ from servetune.export import (
     unsupported_settings,
     yaml_result,
 )
+from servetune.export.classes import GatewayFacts, class_settings_instead
 from servetune.knobs import export_names
 from servetune.schemas.policy import Policy
 
@@ -113,15 +121,23 @@ def _reserve_full_instead(policy: Policy) -> str:
     )
 
 
+# What a missing per-request chunk cap does in SGLang.
+NO_CHUNK_CAP_WHY = ", so one long prompt takes a whole prefill pass"
+
 # What to do instead, for each knob the knob table says SGLang cannot express.
 INSTEAD: dict[str, Instead] = {
     "batching.long_prefill_token_threshold": lambda policy: no_chunk_cap_instead(
-        policy, TITLE, ", so one long prompt takes a whole prefill pass"),
+        policy, TITLE, NO_CHUNK_CAP_WHY),
     "admission.kv_watermark": _watermark_instead,
     "admission.reserve_full_prompt": _reserve_full_instead,
     "admission.max_queued_prompt_tokens": queued_tokens_instead,
     "long_requests.threshold_tokens": lanes_instead,
 }
+
+
+# What the gateway in front of SGLang does for per-class settings (export.classes).
+GATEWAY = GatewayFacts(title=TITLE, overflow_status=503, priority_field="priority",
+                       chunk_cap_key=None, no_chunk_cap_why=NO_CHUNK_CAP_WHY)
 
 
 def mem_fraction_static(facts: MemoryFacts) -> float | None:
@@ -203,6 +219,7 @@ def export(policy: Policy, facts: MemoryFacts, role: str | None = None) -> Expor
         notes.append(_role_note(role))
 
     unsupported += unsupported_settings(policy, "sglang", INSTEAD)
+    unsupported += class_settings_instead(policy, GATEWAY)
 
     requires = requires_text(TITLE, SINCE, ["--config", *settings])
     return yaml_result("sglang", TITLE, USAGE, policy, settings, unsupported, notes, requires,

@@ -39,6 +39,13 @@ the watermark (TGI reserves prompt + max_new_tokens up front and never over-comm
 ``max_queued_prompt_tokens``, long-request lanes. TGI serves prefill and decode in one
 process and has no disaggregated mode: an export for a prefill or decode instance
 (``role``) is refused.
+
+Per-class settings (:mod:`servetune.export.classes`): no priority field to set, so the
+gateway orders its per-class queues by the classes' priorities; a class's ``max_seqs`` and
+``max_queued_requests`` become gateway concurrency and queue limits (HTTP 429 beyond, as
+TGI answers past ``--max-concurrent-requests``); seat reservations a gateway reservation;
+KV reservations and caps, and a class chunk cap (TGI has none), a replica pool of the
+class's own.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ from servetune.export import (
     queued_tokens_instead,
     unsupported_settings,
 )
+from servetune.export.classes import GatewayFacts, class_settings_instead
 from servetune.knobs import export_names, value_for
 from servetune.schemas.policy import Policy
 
@@ -111,6 +119,11 @@ INSTEAD: dict[str, Instead] = {
     "long_requests.threshold_tokens": lanes_instead,
 }
 
+
+# What the gateway in front of TGI does for per-class settings (export.classes): 429, as
+# TGI answers past --max-concurrent-requests.
+GATEWAY = GatewayFacts(title=TITLE, overflow_status=429, priority_field=None,
+                       chunk_cap_key=None)
 
 # TGI's share of the free memory it gives the KV cache, by default, and the largest
 # --cuda-memory-fraction (a share of all memory).
@@ -249,6 +262,7 @@ def export(policy: Policy, facts: MemoryFacts, role: str | None = None) -> Expor
         env[WIGGLE_ENV] = _value(mem.wiggle_room)  # the fraction above assumes it
 
     unsupported = unsupported_settings(policy, "tgi", INSTEAD)
+    unsupported += class_settings_instead(policy, GATEWAY)
 
     body = ["# Environment variables (without `export`, the lines suit docker --env-file):"]
     body += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]

@@ -28,6 +28,12 @@ True, ...)``, https://nvidia.github.io/TensorRT-LLM/llm-api/reference/KvCacheCon
 Not expressible: priorities (TensorRT-LLM schedules FCFS), per-request chunk cap, queue
 caps, watermark, long-request lanes.
 
+Per-class settings (:mod:`servetune.export.classes`): no priority field to set, so the
+gateway orders its per-class queues by the classes' priorities; a class's ``max_seqs`` and
+``max_queued_requests`` become gateway concurrency and queue limits (HTTP 503 beyond); seat
+reservations a gateway reservation; KV reservations and caps, and a class chunk cap
+(TensorRT-LLM has none), a replica pool of the class's own.
+
 A prefill or decode instance (``role``; TensorRT-LLM says context and generation server)
 gets ``cache_transceiver_config: {backend: NIXL}``, and a prefill instance
 ``disable_overlap_scheduler: true``, as TensorRT-LLM's disaggregated serving page gives
@@ -65,6 +71,7 @@ from servetune.export import (
     unsupported_settings,
     yaml_result,
 )
+from servetune.export.classes import GatewayFacts, class_settings_instead
 from servetune.knobs import export_names
 from servetune.schemas.policy import Policy
 
@@ -106,12 +113,15 @@ def _queue_cap_instead(policy: Policy) -> str:
     )
 
 
+# What a missing per-request chunk cap leaves in TensorRT-LLM.
+NO_CHUNK_CAP_WHY = " (only the chunking policy)"
+
 # What to do instead, for each knob the knob table says TensorRT-LLM cannot express.
 INSTEAD: dict[str, Instead] = {
     "scheduling": lambda policy: fcfs_only_instead(
         "TensorRT-LLM schedules first come, first served"),
     "batching.long_prefill_token_threshold": lambda policy: no_chunk_cap_instead(
-        policy, TITLE, " (only the chunking policy)"),
+        policy, TITLE, NO_CHUNK_CAP_WHY),
     "admission.kv_watermark": _watermark_instead,
     "admission.reserve_full_prompt": _reserve_full_instead,
     "admission.max_queued_requests": _queue_cap_instead,
@@ -119,6 +129,10 @@ INSTEAD: dict[str, Instead] = {
     "long_requests.threshold_tokens": lanes_instead,
 }
 
+
+# What the gateway in front of TensorRT-LLM does for per-class settings (export.classes).
+GATEWAY = GatewayFacts(title=TITLE, overflow_status=503, priority_field=None,
+                       chunk_cap_key=None, no_chunk_cap_why=NO_CHUNK_CAP_WHY)
 
 # TensorRT-LLM's name for prefix caching (the knob table's): a kv_cache_config field.
 (BLOCK_REUSE_PATH,) = export_names("trtllm", "caching.enable_prefix_caching")
@@ -216,6 +230,7 @@ def export(policy: Policy, facts: MemoryFacts, role: str | None = None) -> Expor
             settings[OVERLAP_KEY] = True
         notes += _role_notes(role)
     unsupported = unsupported_settings(policy, "trtllm", INSTEAD)
+    unsupported += class_settings_instead(policy, GATEWAY)
 
     requires = requires_text(TITLE, SINCE, settings)
     return yaml_result("trtllm", TITLE, USAGE, policy, settings, unsupported, notes, requires,

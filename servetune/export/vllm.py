@@ -18,6 +18,13 @@ boolean into ``--key`` in every release, and a false one into ``--no-key`` only 
 releases (older ones dropped ``key: false`` without a word). Not expressible: long-request
 lanes (router rule) and per-class priorities (per-request field).
 
+Per-class settings (:mod:`servetune.export.classes`): priorities travel in each request's
+``priority`` field under ``scheduling-policy: priority`` (the gateway sets them); a class's
+``max_seqs`` and ``max_queued_requests`` become gateway concurrency and queue limits (HTTP
+503 beyond, as vLLM answers past ``max-num-queued-reqs``); seat reservations a gateway
+reservation; KV reservations and caps a replica pool of the class's own; a class chunk cap
+a pool whose ``long-prefill-token-threshold`` is the class's.
+
 A prefill or decode instance (``role``) gets ``kv-transfer-config``, the NixlConnector
 form of vLLM's NixlConnector usage guide
 (https://docs.vllm.ai/en/latest/features/nixl_connector_usage.html, source
@@ -54,6 +61,7 @@ from servetune.export import (
     unsupported_settings,
     yaml_result,
 )
+from servetune.export.classes import GatewayFacts, class_settings_instead
 from servetune.knobs import export_names
 from servetune.schemas.policy import Policy
 
@@ -78,6 +86,11 @@ SINCE: dict[str, Since] = {
 
 # What to do instead, for each knob the knob table says vLLM cannot express.
 INSTEAD: dict[str, Instead] = {"long_requests.threshold_tokens": lanes_instead}
+
+# What the gateway in front of vLLM does for per-class settings (export.classes).
+(CHUNK_CAP_KEY,) = export_names("vllm", "batching.long_prefill_token_threshold")
+GATEWAY = GatewayFacts(title=TITLE, overflow_status=503, priority_field="priority",
+                       chunk_cap_key=CHUNK_CAP_KEY)
 
 # vLLM's names for prefix caching on and off (the knob table's).
 PREFIX_ON_KEY, PREFIX_OFF_KEY = export_names("vllm", "caching.enable_prefix_caching")
@@ -139,6 +152,7 @@ def export(policy: Policy, facts: MemoryFacts, role: str | None = None) -> Expor
     unsupported = unsupported_settings(policy, "vllm", INSTEAD)
     if policy.scheduling == "priority" and policy.classes:
         unsupported.append(class_priority_instead(policy, TITLE))
+    unsupported += class_settings_instead(policy, GATEWAY)
     if not knobs.value_for("batching.enable_chunked_prefill", policy, "vllm"):
         notes.append(
             "enable-chunked-prefill is false: vLLM then requires max-num-batched-tokens >= "

@@ -9,6 +9,7 @@ from servetune.schemas.base import (
     load_document,
     save_document,
 )
+from servetune.schemas.gateway import GatewayRules
 from servetune.schemas.policy import Admission, Batching, ClassPolicy, LongRequests, Policy
 from servetune.schemas.slo import ClassSLO, SLOSet
 from servetune.schemas.space import SearchSpace, apply_knobs, knob_paths
@@ -20,6 +21,7 @@ __all__ = [
     "ClassPolicy",
     "ClassSLO",
     "Document",
+    "GatewayRules",
     "LongRequests",
     "Policy",
     "SLOSet",
