@@ -26,6 +26,9 @@ SHIPPED = {
     "configs/policies/vllm-serve-defaults.yaml": Policy,
     "configs/slos/mlperf-llama-3.1-8b-server.yaml": SLOSet,
     "configs/slos/mlperf-llama-3.1-8b-interactive.yaml": SLOSet,
+    "configs/slos/tiers-chat-longctx.yaml": SLOSet,
+    "configs/slos/tiers-chat-longctx-batch.yaml": SLOSet,
+    "configs/slos/tiers-by-length.yaml": SLOSet,
 }
 
 

@@ -49,7 +49,7 @@ def test_summary_has_its_documented_shape_and_hand_values():
     assert s["kv"] == {"mean_util": 0.25, "peak_util": 0.75}
     o = s["overall"]
     assert list(o) == ["ttft_s", "tpot_s", "e2e_s", "throughput_tok_s", "throughput_req_s",
-                       "attainment"]
+                       "attainment", "value_served_per_s"]
     assert list(o["ttft_s"]) == ["mean", "p50", "p90", "p99"]
     assert o["ttft_s"]["p50"] == pytest.approx(1.0)
     assert o["tpot_s"]["mean"] == pytest.approx(1.25)

@@ -158,7 +158,8 @@ def test_the_shipped_sweep_covers_the_shipped_8b_profiles_azure_workloads_and_sl
     used = {Path(j.settings[k]).name for j in loaded.jobs for k in ("profile", "workload", "slo")}
     assert {p.name for p in (REPO / "gpu_profiles").glob("*llama-3.1-8b.yaml")} <= used
     assert {p.name for p in (CONFIGS / "workloads").glob("azure-*.yaml")} <= used
-    assert {p.name for p in (CONFIGS / "slos").glob("*.yaml")} <= used
+    # the MLPerf sets; the tiers-* sets judge classes (chat, longctx, ...) these lack
+    assert {p.name for p in (CONFIGS / "slos").glob("mlperf-*.yaml")} <= used
     assert len(loaded.jobs) == 12
 
 

@@ -120,11 +120,18 @@ def load_inputs(
     from servetune.schemas.base import load_document
     from servetune.schemas.policy import Policy
     from servetune.schemas.slo import SLOSet
+    from servetune.workloads.trace import Trace
 
     prof = load_profile(profile)
     require_kv_pool(prof, profile)
     pol = load_document(_need_file(policy, "--policy"), Policy)
     slo_set = load_document(_need_file(slo, "--slo"), SLOSet) if slo is not None else None
+    if slo_set is not None and isinstance(source, Trace):
+        # SLO tiers: the set's length bands (if any) name the classes; every class judged
+        from servetune.workloads.tiers import check_fits, classify
+
+        source = classify(source, slo_set)
+        check_fits(source, slo_set, str(slo))
     return source, pol, prof, slo_set
 
 
@@ -196,6 +203,8 @@ def counts_table(summary: dict[str, Any], meets: bool | None) -> Table:
     ]
     if overall["attainment"] is not None:
         rows.append(("SLO attainment", _fmt(overall["attainment"], 100, 2) + "%"))
+    if overall.get("value_served_per_s") is not None:
+        rows.append(("value served (per s)", _fmt(overall["value_served_per_s"], 1, 3)))
     if meets is not None:
         rows.append(("meets SLO", "yes" if meets else "NO"))
     for key, value in rows:

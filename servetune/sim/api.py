@@ -170,12 +170,15 @@ class SimResult:
         return M.slo_verdicts(self.metrics, slo, self.trace.class_names)
 
     def summary(self, slo: SLOSet | None = None) -> dict[str, Any]:
-        """The run's summary: counts, latency distributions, throughput, attainment (null
-        without an SLO), per class, KV utilization and preemptions."""
+        """The run's summary: counts, latency distributions, throughput, attainment and value
+        served per second (null without an SLO), per class, KV utilization and
+        preemptions."""
         m = self.metrics
         span = self.span_s
         met = self.slo_met(slo) if slo is not None else None
-        overall = M.group_summary(m, span, None, met)
+        value = (M.request_values(slo, self.trace.class_names, m.class_id)
+                 if slo is not None else None)
+        overall = M.group_summary(m, span, None, met, value)
         preemptions = np.asarray(self.output.preemptions, dtype=np.int64)
         per_class: dict[str, Any] = {}
         verdicts = self.slo_verdicts(slo) if slo is not None else {}
@@ -183,7 +186,7 @@ class SimResult:
             sel = m.class_id == cid
             if not sel.any():
                 continue
-            group = M.group_summary(m, span, sel, met)
+            group = M.group_summary(m, span, sel, met, value)
             entry = {k: v for k, v in group.items()}
             entry["preemptions"] = int(preemptions[sel].sum())
             if name in verdicts:
@@ -199,7 +202,7 @@ class SimResult:
             "overall": {
                 k: overall[k]
                 for k in ("ttft_s", "tpot_s", "e2e_s", "throughput_tok_s", "throughput_req_s",
-                          "attainment")
+                          "attainment", "value_served_per_s")
             },
             "per_class": per_class,
             "kv": {

@@ -9,7 +9,9 @@ Definitions are the ones serving benchmarks report (``vllm bench serve``, MLPerf
 - SLO attainment = share of requests meeting every limit of their class; shed and rejected
   requests count as misses;
 - throughput = completed output tokens (or requests) per second of the run, the run lasting
-  from the first arrival to the later of the last finish and the last arrival.
+  from the first arrival to the later of the last finish and the last arrival;
+- value served = the sum of the ``value`` of each request's class (SLO tiers) over the
+  requests meeting every limit of their class, per second of the run.
 
 Latency distributions (mean, p50, p90, p99; numpy's linear interpolation) are over
 completed requests. A percentile-mode SLO (MLPerf's server scenario) instead judges the
@@ -142,6 +144,23 @@ def class_slos(slo: SLOSet, class_names: tuple[str, ...]) -> list[ClassSLO]:
     return out
 
 
+def request_values(slo: SLOSet, class_names: tuple[str, ...], class_id: np.ndarray
+                   ) -> np.ndarray:
+    """Per request: the ``value`` of its class's SLO (float64)."""
+    per_class = np.array([t.value for t in class_slos(slo, class_names)], dtype=np.float64)
+    return per_class[np.asarray(class_id, dtype=np.int64)]
+
+
+def value_served_per_s(met: np.ndarray, value: np.ndarray, span_s: float,
+                       mask: np.ndarray | None = None) -> float | None:
+    """Value of the (selected) requests that met every limit of their class, per second of
+    the run; None for a run of no length."""
+    if span_s <= 0:
+        return None
+    served = met if mask is None else met & mask
+    return float(value[served].sum()) / span_s
+
+
 def meets_limits(m: RequestMetrics, target: ClassSLO) -> np.ndarray:
     """Per request: completed and within every limit of ``target`` (TPOT limit vacuous for a
     1-token output)."""
@@ -230,9 +249,11 @@ def _subset(m: RequestMetrics, sel: np.ndarray) -> RequestMetrics:
 
 
 def group_summary(
-    m: RequestMetrics, span_s: float, mask: np.ndarray | None, met: np.ndarray | None
+    m: RequestMetrics, span_s: float, mask: np.ndarray | None, met: np.ndarray | None,
+    value: np.ndarray | None = None,
 ) -> dict:
-    """Counts, latency distributions, throughput and attainment of the selected requests."""
+    """Counts, latency distributions, throughput, attainment and value served per second
+    (``value`` per request, 1 each when not given) of the selected requests."""
     sel = np.ones(len(m), dtype=bool) if mask is None else mask
     sub = _subset(m, sel)
     n = int(sel.sum())
@@ -246,6 +267,8 @@ def group_summary(
         out[metric] = distribution(getattr(sub, metric))
     out.update(throughput(m, span_s, sel))
     out["attainment"] = None if met is None or n == 0 else float(met[sel].mean())
+    out["value_served_per_s"] = None if met is None else value_served_per_s(
+        met, np.ones(len(m)) if value is None else value, span_s, sel)
     return out
 
 

@@ -4,7 +4,8 @@ Formats (the columns as each trace's publisher ships them: Azure/AzurePublicData
 HPMLL/BurstGPT, kvcache-ai/Mooncake and vLLM's benchmark client):
 
 - ``azure``: Azure LLM inference 2023 CSV and the 2024 week-long CSV (same columns):
-  ``TIMESTAMP`` (date-time text), ``ContextTokens``, ``GeneratedTokens``;
+  ``TIMESTAMP`` (date-time text), ``ContextTokens``, ``GeneratedTokens``, and an optional
+  ``class`` column of our own (kept as the class label: servetune's tiered examples);
 - ``burstgpt``: BurstGPT CSV: ``Timestamp`` (seconds), ``Request tokens``,
   ``Response tokens``, ``Model`` (kept as the class label). Rows with 0 response tokens
   are failed requests: dropped and counted in a notice;
@@ -73,6 +74,8 @@ BURSTGPT_COLUMNS = {
     "class": "Model",
 }
 MOONCAKE_KEYS = {"arrival": "timestamp", "prompt": "input_length", "output": "output_length"}
+# An Azure-format CSV may add a column of this name: the request's class (SLO tiers).
+AZURE_CLASS_COLUMN = "class"
 
 ProgressFn = Callable[[int, int], None]
 
@@ -1006,7 +1009,11 @@ def load_trace(
         rows = _Rows(p, on_bad_row, unit="request" if fmt == "vllm-bench" else "row")
         head = head.lstrip(b"\xef\xbb\xbf")
         if fmt == "azure":
-            _load_csv(source, head, _CsvSpec(dict(AZURE_COLUMNS), "datetime"), rows, progress)
+            columns = dict(AZURE_COLUMNS)
+            header = _split_header(head.split(b"\n", 1)[0], p)
+            if AZURE_CLASS_COLUMN in (h.lower() for h in header):
+                columns["class"] = AZURE_CLASS_COLUMN
+            _load_csv(source, head, _CsvSpec(columns, "datetime"), rows, progress)
         elif fmt == "burstgpt":
             spec = _CsvSpec(dict(BURSTGPT_COLUMNS), "s", drop_zero_output=True)
             _load_csv(source, head, spec, rows, progress)
