@@ -95,6 +95,7 @@ from servetune.solvers.loop import (
 from servetune.steady_state import MAX_WINDOW_REQUESTS, arrivals_in, steady_window_s
 from servetune.workloads.fitting import class_stats, load_workload
 from servetune.workloads.formats import load_trace
+from servetune.workloads.tiers import check_fits, classify
 from servetune.workloads.trace import Trace
 
 if TYPE_CHECKING:
@@ -1016,6 +1017,9 @@ def optimize_files(
         inputs["profile"] = {"file": profile, "sha256": sha256_doc(prof)}
     slo_set = load_document(slo, SLOSet)
     inputs["slo"] = {"file": slo.name, "sha256": sha256_file(slo)}
+    if isinstance(source, Trace):  # classes by the set's length bands, and all judged
+        source = classify(source, slo_set)
+        check_fits(source, slo_set, str(slo))
     space_doc = None
     if space is not None:
         space_doc = load_document(space, SearchSpace)
