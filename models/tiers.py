@@ -12,14 +12,19 @@ MILP (:mod:`servetune.models.tiers_milp`) linear.
 Per class ``c`` with option ``o`` (chunk cap ``L``; caps ``m`` seats, ``F`` of the KV
 blocks), shared knobs ``g`` (seats ``B``, token budget ``M``, watermark ``w``):
 
-- decode rows per step ``D = sum_c x_c (O_c - 1)``; prefill room ``R = M - D``; the prefill
-  load ``rho_c = x_c E[P_c] / R``; the class's chunk ``ch = min(L, R)``;
+- decode rows per step ``D = sum_c x_c (O_c - 1)``; prefill room ``R = M - D``; the class's
+  chunk ``ch = min(L, R)``. A prompt of ``P`` tokens is ``S = a P + b P^2 / 2`` seconds of
+  prefill work (``a`` per token, ``b`` per attention pair) plus the decode-only time of
+  the ``ceil(P / ch)`` steps it rides on; ``rho_c = lambda_c E[a P + b P^2 / 2]`` is the
+  share of the GPU's time the class's prompts take;
 - prefill queue with priorities (Cobham's M/G/1 with non-preemptive priorities, made
-  G/G/1 by Kingman's factor): a class waits ``W_c = W0 / ((1 - a_c)(1 - b_c))`` steps,
-  ``a_c`` the load of the classes strictly before it and ``b_c`` that plus its own level's.
-  ``W0 = k sum_k x_k E[P_k min(P_k, ch_k)] / (2 R^2)`` is the work a newcomer finds in
-  progress: a prompt of a class with a chunk cap holds only a chunk of each step, so it
-  blocks others less (``k = (ca^2 + cs^2) / (1 + cs^2)``). The q-quantile wait uses an
+  G/G/1 by Kingman's factor ``k = (ca^2 + cs^2) / (1 + cs^2)``): a class waits
+  ``W_c = W0 / ((1 - a_c)(1 - b_c))``, ``a_c`` the load of the classes strictly before it
+  and ``b_c`` that plus its own level's. ``W0 = k sum_k lambda_k min(1, ch_k / R)
+  E[S_k^2] / 2`` is the work a newcomer finds in progress: a prompt that holds only a chunk
+  ``ch < R`` of each step blocks others for that share of its service. (In steps of the
+  mean step time, as the single-class model counts it, a 30k-token prompt's deep-attention
+  steps were invisible: chat's TTFT came out 2x low.) The q-quantile wait uses an
   exponential tail ``W_c / p ln(p / (1 - q))`` with ``p`` the chance of waiting;
 - TTFT = the wait, plus ``ceil(P_q / ch)`` prefill steps and the prompt's own attention
   (as the single-class model), plus, when a cap limits the class's running requests to
@@ -119,8 +124,8 @@ class TierCalibration:
 class ClassTerms:
     """One class's constants at (scale, shared knobs), per option of the class."""
 
-    rho: float  # prefill load
-    w0: dict[int, float]  # by chunk cap: the class's share of W0 (steps)
+    rho: float  # share of the GPU's time its prompts' prefill takes
+    w0: dict[int, float]  # by chunk cap: the class's share of W0 (seconds)
     own_ttft_s: dict[ClassOption, float]  # prefill steps, own attention, admission wait
     seats: dict[ClassOption, float]  # q-quantile running requests within its caps
     kv_blocks: dict[ClassOption, float]  # q-quantile KV blocks within its caps
@@ -238,7 +243,6 @@ class TierModel:
         bs = float(self.platform.block_size)
         kv_cap_blocks = self.platform.kv_blocks * (1.0 - shared.kv_watermark)
         terms.kv_capacity_blocks = kv_cap_blocks
-        rho_total = prefill / room
         ca2 = fm.ca2
         cs2 = fm.cs2
         kingman = (ca2 + cs2) / (1.0 + cs2)
@@ -249,18 +253,32 @@ class TierModel:
         running_pool = 0.0
         kv_k1_pool = kv_k2_pool = 0.0
         seat_sum = kv_sum = 0.0
+        # A prompt of P tokens costs a P + b P^2 / 2 seconds of prefill (per token, per
+        # attention pair) and rides on ceil(P / ch) steps' decode-only time.
+        token_s, pair_s = fm._chunk_token_s, fm._pair_s
+        decode_step_s = 0.0 if constant else float(fm.step_seconds(
+            np.array(decode), np.array(decode + x), np.array(decode),
+            np.array(decode * ctx_per_row), np.array(0.0)))
+        busy = 0.0
         for cl in self.load.classes:
             name = cl.name
             mom = self._moments[name]
             xc = xs[name]
             tgt = self.targets[name]
+            rate_c = xc / step  # requests per second
+            work = token_s * mom.prompts + 0.5 * pair_s * mom.prompts**2
             chunks = sorted({o.chunk_cap for o in options[name]} | {0})
             w0 = {}
             for cap in chunks:
                 ch = min(float(cap) if cap > 0 else math.inf, room)
-                w0[cap] = kingman * xc * mom.p_min_p(ch) / (2.0 * room * room)
-            ct = ClassTerms(rho=xc * cl.prompt_mean / room, w0=w0, own_ttft_s={}, seats={},
+                service = work + np.ceil(mom.prompts / ch - 1e-9) * decode_step_s
+                # A prompt holding ch of the step's R prefill tokens blocks a newcomer for
+                # that share of its service (all of it when it takes the whole room).
+                w0[cap] = kingman * rate_c * min(1.0, ch / room) * float(
+                    np.mean(service**2)) / 2.0
+            ct = ClassTerms(rho=rate_c * float(np.mean(work)), w0=w0, own_ttft_s={}, seats={},
                             kv_blocks={}, stable={}, excess_s={})
+            busy += ct.rho
             prompt_q = cl.prompt_quantile(tgt.q)
             for opt in options[name]:
                 ch = min(float(opt.chunk_cap) if opt.chunk_cap > 0 else math.inf, room)
@@ -316,7 +334,10 @@ class TierModel:
         terms.kv_pool = min(1.0, float(lognormal_quantile(kv_k1_pool, kv_k2_pool, q_cap))
                             / bs / max(kv_sum, 1e-12))
         # Priority waits: the factor on W0 for each class under each ordering.
-        p_busy = min(1.0, rho_total * max(1.0, 0.5 * (ca2 + 1.0)))
+        if busy >= 1.0:  # the prompts' prefill alone would take all of the GPU's time
+            terms.stable = False
+            return terms
+        p_busy = min(1.0, busy * max(1.0, 0.5 * (ca2 + 1.0)))
         for levels in orderings(len(self.names)):
             for i, name in enumerate(self.names):
                 ahead = sum(terms.classes[n].rho for j, n in enumerate(self.names)
@@ -329,7 +350,7 @@ class TierModel:
                 elif p_busy <= 1.0 - q:
                     factor = 0.0
                 else:
-                    factor = (step / ((1.0 - ahead) * (1.0 - upto)) / p_busy
+                    factor = (1.0 / ((1.0 - ahead) * (1.0 - upto)) / p_busy
                               * math.log(p_busy / (1.0 - q)))
                 terms.wait_factor[(name, levels)] = self.calibration.of("ttft", name) * factor
         # TPOT: per class, the decode-only step, the burst floor, and the excess each
