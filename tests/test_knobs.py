@@ -181,8 +181,10 @@ def test_only_the_knob_table_feeds_the_simulator_from_a_policy():
     def packed(policy: Policy) -> dict:
         params = kernel_params(policy, engine="vllm", kv_blocks=1000, block_size=16,
                                step_time=StepTimeModel())
+        # (lane_limits: the lanes' table, built from the lane knobs and the policy's classes)
         return {f: v for f, v in params._asdict().items() if f not in ("step_coef",
-                                                                       "step_pieces")}
+                                                                       "step_pieces",
+                                                                       "lane_limits")}
 
     default, changed = packed(Policy()), packed(policy_with(**OFF_DEFAULT))
     moved = {f for f in default if default[f] != changed[f]}

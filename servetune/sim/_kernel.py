@@ -15,8 +15,10 @@ Layout (module-level ``NamedTuple`` classes, which numba compiles and caches):
 - :class:`Requests`: the trace's columns, one entry per request, including the reason it
   is rejected at arrival (:func:`reject_at_arrival` fills it before the run).
 - :class:`State`: per-request progress and timestamps; the waiting queue as one binary
-  heap per lane (``heap_key[lane]``, ``heap_id[lane]``, ``heap_size[lane]``; lane 1 holds
-  long requests when lanes are on); the running list in admission order (in the spirit of
+  heap per lane, all in one flat pair of arrays (lane ``l``'s heap starts at
+  ``heap_start[l]`` and holds ``heap_size[l]`` requests; its room is the number of requests
+  in the lane, since a preempted request re-enters its own lane); what each lane's running
+  requests hold (``lane_use``); the running list in admission order (in the spirit of
   vLLM's ``scheduler.py``); the step's batch; and the scalars that survive between calls
   (clock, counters, KV in use; :data:`SCALARS`) in ``scalars[0]``, so the Python driver
   can pause the loop (to grow the step log or report progress) and resume it.
@@ -32,6 +34,15 @@ run out (``_sglang_decode_batch``). Admission is one routine for every engine
 (``_admit_waiting``); its checks (``_lane_has_room``, ``_kv_refused``) also decide which
 requests are rejected at arrival. Last, the step is executed (``_execute_step``): its
 duration from the batch's aggregates, then its tokens, first tokens and finishes.
+
+Lanes (``Params.lane_limits``, one row per lane; ``Requests.lane``): lane 0 is the common
+lane, which has no limits; the others (one per policy class with a lane of its own, then
+the long-request lane) each have reserved seats and blocks, a seat cap, a cap on their
+running requests' footprint (blocks of prompt + expected output) and a queue cap. A request
+is admitted only within its lane's caps and while it leaves every other lane's unused
+reserve free (seats within ``max_num_seqs``, blocks beside the watermark); each lane's
+queue is head-of-line blocking only within itself, and the lanes are merged by queue
+order. With one lane (no lanes in the policy) every lane check passes.
 
 Token accounting (one rule for every engine, as vLLM V1): a request's target is
 ``prompt + generated``; a step grants it ``new`` tokens towards that target; a step that
@@ -97,15 +108,18 @@ REASON_LANE = 4
 REASON_BUDGET = 5
 REASON_RESERVATION = 6
 REASON_READMIT = 7
+REASON_SHED_CLASS = 8
 REASONS = (
     "",
     "shed: max_queued_requests reached (HTTP 503)",
     "shed: max_queued_prompt_tokens reached (HTTP 503)",
     "rejected: needs more KV blocks than the pool (less lane reserve and watermark at admission)",
-    "rejected: the request's footprint exceeds the long-request lane (max_kv_fraction)",
+    "rejected: the request's footprint exceeds its lane's KV cap (max_kv_fraction of "
+    "long_requests or of its class)",
     "rejected: prompt longer than max_num_batched_tokens with chunked prefill off",
     "rejected: prompt + max output reservation exceeds the KV pool",
     "rejected: preempted, its re-prefill no longer fits the pool less watermark/lane reserve",
+    "shed: its class's max_queued_requests reached (HTTP 503)",
 )
 
 # --- step-log events (StepLog.event_kind) ------------------------------------------------
@@ -114,6 +128,18 @@ EV_PREEMPT = 1
 EV_FINISH = 2
 EV_ADMIT = 3
 EV_SHED = 4
+
+# --- the lanes' table (Params.lane_limits columns) and use (State.lane_use columns) --------
+LIM_RESERVED_SEQS = 0
+LIM_RESERVED_BLOCKS = 1
+LIM_MAX_SEQS = 2
+LIM_MAX_BLOCKS = 3  # cap on the lane footprint of its running requests
+LIM_MAX_QUEUED = 4  # cap on its waiting + running requests (<= 0: none)
+LANE_LIMITS = 5
+USE_RUNNING = 0
+USE_HELD = 1  # KV blocks its running requests hold
+USE_FOOTPRINT = 2  # their lane footprint (blocks)
+LANE_USE = 3
 
 WINDOW_MAX = 4096  # longest jumped stretch (size of the allocation histogram)
 
@@ -137,17 +163,20 @@ class Params(NamedTuple):
     priority_scheduling: bool  # else FCFS
     max_seqs: int  # max_num_seqs
     budget: int  # max_num_batched_tokens (the prefill budget for SGLang and TGI)
-    long_prefill_threshold: int  # vLLM only; 0 = off
+    long_prefill_threshold: int  # the policy's chunk cap (the kernel reads Requests.chunk_cap)
     chunked_prefill: bool
     reserve_full_prompt: bool  # vLLM's scheduler_reserve_full_isl
     watermark_blocks: int
     max_queued_requests: int  # <= 0: no cap
     max_queued_prompt_tokens: int  # <= 0: no cap
+    # the long-request lane as the knob table encodes it (servetune.knobs); the kernel
+    # reads lane_limits, whose last row it is when ``lanes``
     lanes: bool  # long-request lanes on
     lane_reserved_seqs: int
     lane_reserved_blocks: int
     lane_max_seqs: int
     lane_max_blocks: int
+    lane_limits: np.ndarray  # int64 (lanes, LANE_LIMITS): row 0 the common lane (no limits)
     prefix_caching: bool  # freed blocks stay cached (LRU) and a prompt's cached prefix is free
     # KV pool and step time
     total_blocks: int
@@ -175,8 +204,9 @@ class Requests(NamedTuple):
     output: np.ndarray  # int64, tokens it generates
     max_tokens: np.ndarray  # int64, its declared maximum output
     priority: np.ndarray  # int64, lower first
-    is_long: np.ndarray  # int8, 1: long lane
-    lane_blocks: np.ndarray  # int64, long lane footprint (0 for short requests)
+    lane: np.ndarray  # int32, its lane (0: the common lane)
+    lane_blocks: np.ndarray  # int64, lane footprint: blocks of prompt + expected output (lane 0: 0)
+    chunk_cap: np.ndarray  # int64, tokens per step (vLLM's long_prefill_token_threshold; 0: off)
     reserved_blocks: np.ndarray  # int64, TensorRT-LLM/TGI reservation (else 0)
     reject: np.ndarray  # int8, REASON_* it is rejected with at arrival (0: none)
     prefix_start: np.ndarray  # int64[n + 1], CSR: r's ids are prefix_ids[start[r]:start[r + 1]]
@@ -199,9 +229,6 @@ SCALARS = np.dtype([
     ("peak", np.int64),  # peak KV blocks in use
     ("front_count", np.int64),  # FCFS keys of requeued requests go below 0
     ("queued_prompt", np.int64),  # prompt tokens of accepted requests before their first token
-    ("long_running", np.int64),  # running long requests
-    ("long_held", np.int64),  # KV blocks held by long requests
-    ("long_footprint", np.int64),  # lane footprint (blocks) of running long requests
     ("reserved_sum", np.int64),  # reserved blocks of running requests (TensorRT-LLM, TGI)
     ("resolved", np.int64),  # requests completed, shed or rejected
     ("pure_decode", np.int64),  # 1: the last step only decoded (a stretch may be jumped)
@@ -240,10 +267,14 @@ class State(NamedTuple):
     preemptions: np.ndarray  # int32
     status: np.ndarray  # int8, PENDING/COMPLETED/SHED/REJECTED
     reason: np.ndarray  # int8, REASON_*
-    # waiting queue: a min-heap on (key, request id) per lane
-    heap_key: tuple  # (int64[], int64[])
-    heap_id: tuple  # (int64[], int64[])
-    heap_size: np.ndarray  # int64[2]
+    # waiting queue: a min-heap on (key, request id) per lane, lane l's at
+    # heap_key/heap_id[heap_start[l]:], room for the lane's requests
+    heap_key: np.ndarray  # int64
+    heap_id: np.ndarray  # int64
+    heap_start: np.ndarray  # int64[lanes]
+    heap_size: np.ndarray  # int64[lanes]
+    lane_use: np.ndarray  # int64 (lanes, LANE_USE); lane 0's is not counted (no limits)
+    lane_blocked: np.ndarray  # int8[lanes] scratch: lanes whose head waits this step
     # running list (admission order) and this step's batch (grant order)
     running: np.ndarray  # int64, request ids
     batch_req: np.ndarray  # int64, request ids
@@ -301,50 +332,62 @@ def _blocks(tokens, bs):
 
 
 @jit
-def _heap_push(hk, hid, size, key, r):
-    """Min-heap on (key, request id); returns the new size."""
+def _heap_push(hk, hid, base, size, key, r):
+    """Min-heap on (key, request id) at ``hk[base:]``, ``hid[base:]``; returns the new size."""
     i = size
     while i > 0:
         p = (i - 1) // 2
-        if hk[p] < key or (hk[p] == key and hid[p] < r):
+        if hk[base + p] < key or (hk[base + p] == key and hid[base + p] < r):
             break
-        hk[i] = hk[p]
-        hid[i] = hid[p]
+        hk[base + i] = hk[base + p]
+        hid[base + i] = hid[base + p]
         i = p
-    hk[i] = key
-    hid[i] = r
+    hk[base + i] = key
+    hid[base + i] = r
     return size + 1
 
 
 @jit
-def _heap_pop(hk, hid, size):
-    """Drop the heap's head; returns the new size."""
+def _heap_pop(hk, hid, base, size):
+    """Drop the head of the heap at ``base``; returns the new size."""
     size -= 1
     if size <= 0:
         return 0
-    key = hk[size]
-    r = hid[size]
+    key = hk[base + size]
+    r = hid[base + size]
     i = 0
     while True:
         c = 2 * i + 1
         if c >= size:
             break
-        if c + 1 < size and (hk[c + 1] < hk[c] or (hk[c + 1] == hk[c] and hid[c + 1] < hid[c])):
+        a = base + c
+        if c + 1 < size and (hk[a + 1] < hk[a] or (hk[a + 1] == hk[a] and hid[a + 1] < hid[a])):
             c += 1
-        if hk[c] < key or (hk[c] == key and hid[c] < r):
-            hk[i] = hk[c]
-            hid[i] = hid[c]
+            a += 1
+        if hk[a] < key or (hk[a] == key and hid[a] < r):
+            hk[base + i] = hk[a]
+            hid[base + i] = hid[a]
             i = c
         else:
             break
-    hk[i] = key
-    hid[i] = r
+    hk[base + i] = key
+    hid[base + i] = r
     return size
 
 
 @jit
 def _waiting(st):
-    return st.heap_size[0] + st.heap_size[1]
+    hs = st.heap_size
+    w = hs[0]
+    for lane in range(1, hs.shape[0]):
+        w += hs[lane]
+    return w
+
+
+@inline
+def _head(st, lane):
+    """The request at the head of waiting ``lane``."""
+    return st.heap_id[st.heap_start[lane]]
 
 
 @jit
@@ -359,29 +402,35 @@ def _enqueue(p, rq, st, r, front):
         key = -sc.front_count
     else:
         key = r
-    lane = 1 if p.lanes and rq.is_long[r] == 1 else 0
-    st.heap_size[lane] = _heap_push(st.heap_key[lane], st.heap_id[lane], st.heap_size[lane],
-                                    key, r)
+    lane = rq.lane[r]
+    st.heap_size[lane] = _heap_push(st.heap_key, st.heap_id, st.heap_start[lane],
+                                    st.heap_size[lane], key, r)
 
 
 @jit
 def _pop_head(st, lane):
-    st.heap_size[lane] = _heap_pop(st.heap_key[lane], st.heap_id[lane], st.heap_size[lane])
+    st.heap_size[lane] = _heap_pop(st.heap_key, st.heap_id, st.heap_start[lane],
+                                   st.heap_size[lane])
 
 
 @jit
-def _pick_lane(st, blocked0, blocked1):
-    """The waiting lane whose head comes first in queue order (-1: none unblocked)."""
-    lane = -1
-    if st.heap_size[0] > 0 and not blocked0:
-        lane = 0
-    if st.heap_size[1] > 0 and not blocked1:
-        hk0 = st.heap_key[0]
-        hk1 = st.heap_key[1]
-        if lane == -1 or hk1[0] < hk0[0] or (hk1[0] == hk0[0]
-                                             and st.heap_id[1][0] < st.heap_id[0][0]):
-            lane = 1
-    return lane
+def _pick_lane(st):
+    """The waiting lane whose head comes first in queue order (-1: none that is not
+    blocked)."""
+    best = -1
+    best_key = 0
+    best_id = 0
+    for lane in range(st.heap_size.shape[0]):
+        if st.heap_size[lane] == 0 or st.lane_blocked[lane] != 0:
+            continue
+        h = st.heap_start[lane]
+        key = st.heap_key[h]
+        r = st.heap_id[h]
+        if best == -1 or key < best_key or (key == best_key and r < best_id):
+            best = lane
+            best_key = key
+            best_id = r
+    return best
 
 
 @inline
@@ -663,8 +712,9 @@ def _cache_take(p, rq, st, r, k):
     st.prefix_blocks[r] = k
     st.held[r] += k
     st.computed[r] = k * p.block_size
-    if p.lanes and rq.is_long[r] == 1:
-        sc.long_held += k
+    lane = rq.lane[r]
+    if lane > 0:
+        st.lane_use[lane, USE_HELD] += k
     if sc.used > sc.peak:
         sc.peak = sc.used
 
@@ -767,8 +817,9 @@ def _alloc(p, rq, st, r, nblocks):
     sc = st.scalars[0]
     st.held[r] += nblocks
     sc.used += nblocks
-    if p.lanes and rq.is_long[r] == 1:
-        sc.long_held += nblocks
+    lane = rq.lane[r]
+    if lane > 0:
+        st.lane_use[lane, USE_HELD] += nblocks
     if sc.used > sc.peak:
         sc.peak = sc.used
     if p.prefix_caching:
@@ -783,10 +834,12 @@ def _release(p, rq, st, r):
         sc.used -= _cache_release(p, rq, st, r)
     else:
         sc.used -= st.held[r]
-    if p.lanes and rq.is_long[r] == 1:
-        sc.long_held -= st.held[r]
-        sc.long_running -= 1
-        sc.long_footprint -= rq.lane_blocks[r]
+    lane = rq.lane[r]
+    if lane > 0:
+        use = st.lane_use
+        use[lane, USE_HELD] -= st.held[r]
+        use[lane, USE_RUNNING] -= 1
+        use[lane, USE_FOOTPRINT] -= rq.lane_blocks[r]
     st.held[r] = 0
     sc.reserved_sum -= rq.reserved_blocks[r]
 
@@ -817,10 +870,12 @@ def _ungrant(st, r):
 
 
 @jit
-def _long_prefill_cap(p, tokens):
-    """vLLM's long_prefill_token_threshold caps a request's tokens per step (only vLLM)."""
-    if p.engine == E_VLLM and p.long_prefill_threshold > 0 and tokens > p.long_prefill_threshold:
-        return p.long_prefill_threshold
+def _long_prefill_cap(p, rq, r, tokens):
+    """vLLM's long_prefill_token_threshold (the policy's, or request ``r``'s class's) caps
+    its tokens per step (only vLLM)."""
+    cap = rq.chunk_cap[r]
+    if p.engine == E_VLLM and cap > 0 and tokens > cap:
+        return cap
     return tokens
 
 
@@ -897,37 +952,52 @@ def _retraction_victim(p, rq, st):
 
 @jit
 def _lane_has_room(p, rq, st, r):
-    """Request ``r``'s lane has a seat and KV share for it: a long request within the long
-    lane's seats and footprint cap; a short one leaving the seats reserved for long ones."""
-    if not p.lanes:
+    """Request ``r``'s lane has room for it: its lane's seat and footprint caps hold, and
+    (where lanes other than the common one and its own exist) a seat is left beside every
+    other lane's unused seat reserve. That check fails on a full batch too, as it always
+    did for short requests beside the long lane, so SGLang's priority preemption does not
+    act for such a request."""
+    lim = p.lane_limits
+    n_lanes = lim.shape[0]
+    if n_lanes == 1:
         return True
-    sc = st.scalars[0]
-    if rq.is_long[r] == 1:
-        return (sc.long_running + 1 <= p.lane_max_seqs
-                and sc.long_footprint + rq.lane_blocks[r] <= p.lane_max_blocks)
-    spare = p.lane_reserved_seqs - sc.long_running
-    if spare < 0:
-        spare = 0
-    return sc.n_running + 1 + spare <= p.max_seqs
+    use = st.lane_use
+    lane = rq.lane[r]
+    if lane > 0 and (use[lane, USE_RUNNING] + 1 > lim[lane, LIM_MAX_SEQS]
+                     or use[lane, USE_FOOTPRINT] + rq.lane_blocks[r] > lim[lane, LIM_MAX_BLOCKS]):
+        return False
+    others = False
+    spare = 0
+    for k in range(1, n_lanes):
+        if k == lane:
+            continue
+        others = True
+        unused = lim[k, LIM_RESERVED_SEQS] - use[k, USE_RUNNING]
+        if unused > 0:
+            spare += unused
+    return not others or st.scalars[0].n_running + 1 + spare <= p.max_seqs
 
 
 @jit
 def _headroom(p, rq, st, r):
-    """Blocks request ``r`` must leave free when admitted: the watermark, plus (for a short
-    request) what the long lane's reserve still lacks. vLLM keeps the watermark only while
-    the running list is non-empty (it includes requests admitted earlier in this step):
-    ``Scheduler.schedule`` passes ``has_scheduled_reqs=bool(self.running)`` to
-    ``KVCacheManager.allocate_slots``, so an idle engine admits a request into the
-    watermark. The other engines have no watermark; servetune's keeps it at every
-    admission."""
+    """Blocks request ``r`` must leave free when admitted: the watermark, plus what every
+    other lane's block reserve still lacks (what it reserves less what it holds). vLLM
+    keeps the watermark only while the running list is non-empty (it includes requests
+    admitted earlier in this step): ``Scheduler.schedule`` passes
+    ``has_scheduled_reqs=bool(self.running)`` to ``KVCacheManager.allocate_slots``, so an
+    idle engine admits a request into the watermark. The other engines have no watermark;
+    servetune's keeps it at every admission."""
     sc = st.scalars[0]
     headroom = p.watermark_blocks
     if p.engine == E_VLLM and sc.n_running == 0:
         headroom = 0
-    if p.lanes and rq.is_long[r] == 0:
-        spare = p.lane_reserved_blocks - sc.long_held
-        if spare > 0:
-            headroom += spare
+    lim = p.lane_limits
+    lane = rq.lane[r]
+    for k in range(1, lim.shape[0]):
+        if k != lane:
+            unused = lim[k, LIM_RESERVED_BLOCKS] - st.lane_use[k, USE_HELD]
+            if unused > 0:
+                headroom += unused
     return headroom
 
 
@@ -1064,7 +1134,7 @@ def _reject_head(p, rq, st, lg, lane):
     """Turn away the head of waiting ``lane``: an empty engine cannot admit it, so it never
     will (a resumed request whose re-prefill outgrew the headroom)."""
     sc = st.scalars[0]
-    r = st.heap_id[lane][0]
+    r = _head(st, lane)
     _pop_head(st, lane)
     st.status[r] = REJECTED
     st.reason[r] = REASON_READMIT
@@ -1080,7 +1150,7 @@ def _admit(p, rq, st, lg, lane, hit, base, chunk, t):
     tokens in KV (``hit`` cached blocks, or KV that arrived with it) and blocks allocated
     for its first ``chunk`` tokens beyond; returns the blocks allocated."""
     sc = st.scalars[0]
-    r = st.heap_id[lane][0]
+    r = _head(st, lane)
     _pop_head(st, lane)
     st.running[sc.n_running] = r
     sc.n_running += 1
@@ -1090,9 +1160,10 @@ def _admit(p, rq, st, lg, lane, hit, base, chunk, t):
         st.computed[r] = base
     nblocks = _blocks(base + chunk, p.block_size) - st.held[r]
     _alloc(p, rq, st, r, nblocks)
-    if p.lanes and rq.is_long[r] == 1:
-        sc.long_running += 1
-        sc.long_footprint += rq.lane_blocks[r]
+    lane = rq.lane[r]
+    if lane > 0:
+        st.lane_use[lane, USE_RUNNING] += 1
+        st.lane_use[lane, USE_FOOTPRINT] += rq.lane_blocks[r]
     sc.reserved_sum += rq.reserved_blocks[r]
     if st.admitted_s[r] != st.admitted_s[r]:  # nan: first admission
         st.admitted_s[r] = t
@@ -1115,9 +1186,9 @@ def _admit_waiting(p, rq, st, lg, t, budget, ratio):
     output estimate and what this pass admitted (prompt, clipped ``max_new_tokens`` and a
     page each); under priority scheduling a request refused for a seat or for KV may
     preempt less important running requests (``_sglang_preempt_for``). A head that does
-    not fit blocks its lane (strict head-of-line; with lanes, only within its lane), or is
-    rejected when the engine is empty. Admitting allocates the chunk's blocks only;
-    SGLang stops after a chunked admission.
+    not fit blocks its lane (strict head-of-line within its lane; the other lanes' heads
+    are still tried), or is rejected when the engine is empty. Admitting allocates the
+    chunk's blocks only; SGLang stops after a chunked admission.
     """
     sc = st.scalars[0]
     engine = p.engine
@@ -1134,13 +1205,13 @@ def _admit_waiting(p, rq, st, lg, t, budget, ratio):
     nvict = 0
     tried = -1  # SGLang: the request a preemption was last tried for
     nadm = 0
-    blocked0 = False
-    blocked1 = False
+    for lane in range(st.lane_blocked.shape[0]):
+        st.lane_blocked[lane] = 0
     while budget > 0:
-        lane = _pick_lane(st, blocked0, blocked1)
+        lane = _pick_lane(st)
         if lane == -1:
             break
-        r = st.heap_id[lane][0]
+        r = _head(st, lane)
         seat = sc.n_running < p.max_seqs
         if not seat and not (preempts and tried != r):
             break
@@ -1155,7 +1226,7 @@ def _admit_waiting(p, rq, st, lg, t, budget, ratio):
             hit = 0
             hit_evictable = 0
             base = rq.precomputed[r]
-        chunk = _long_prefill_cap(p, target - base)
+        chunk = _long_prefill_cap(p, rq, r, target - base)
         waits = False
         if chunk > budget:
             if not p.chunked_prefill and chunk <= p.budget:
@@ -1181,13 +1252,8 @@ def _admit_waiting(p, rq, st, lg, t, budget, ratio):
                 continue
             if not seat:
                 break
-            if p.lanes:  # each lane is head-of-line only within itself
-                if lane == 0:
-                    blocked0 = True
-                else:
-                    blocked1 = True
-                continue
-            break  # strict head-of-line blocking
+            st.lane_blocked[lane] = 1  # head-of-line blocking within its lane only
+            continue
         nblocks = _admit(p, rq, st, lg, lane, hit, base, chunk, t)
         nadm += 1
         if st.ready_s[r] > t:
@@ -1215,7 +1281,8 @@ def reject_at_arrival(p, rq, st):
 
     - REASON_KV_POOL: its last token's KV exceeds the pool (TensorRT-LLM, TGI: less the
       headroom), or (vLLM, SGLang) the KV check refuses it on an empty engine;
-    - REASON_LANE: its lane has no room for it on an empty engine;
+    - REASON_LANE: its lane has no room for it on an empty engine (its footprint exceeds
+      the lane's KV cap);
     - REASON_BUDGET: chunked prefill off and its first chunk exceeds the budget (a
       resumed request's longer re-prefill is chunked instead: vLLM's own config check
       rules that case out);
@@ -1229,7 +1296,7 @@ def reject_at_arrival(p, rq, st):
         prompt = rq.prompt[r]
         last = prompt + rq.output[r] - 1  # tokens in KV when its last token is sampled
         base = rq.precomputed[r]
-        chunk = _long_prefill_cap(p, prompt - base)
+        chunk = _long_prefill_cap(p, rq, r, prompt - base)
         over_budget = not p.chunked_prefill and chunk > p.budget
         if chunk > p.budget:
             chunk = p.budget
@@ -1258,6 +1325,14 @@ def reject_at_arrival(p, rq, st):
 # --- the step's parts ------------------------------------------------------------------------
 
 
+@inline
+def _lane_full(p, rq, st, r):
+    """Request ``r``'s lane has its queue cap of waiting + running requests."""
+    lane = rq.lane[r]
+    cap = p.lane_limits[lane, LIM_MAX_QUEUED]
+    return cap > 0 and st.heap_size[lane] + st.lane_use[lane, USE_RUNNING] >= cap
+
+
 @jit
 def _arrivals(p, rq, st, lg, t):
     """Arrivals up to ``t`` enter the waiting queue, or are rejected (``rq.reject``) or
@@ -1276,6 +1351,9 @@ def _arrivals(p, rq, st, lg, t):
         elif p.max_queued_requests > 0 and waiting + sc.n_running >= p.max_queued_requests:
             st.status[r] = SHED
             st.reason[r] = REASON_SHED_REQUESTS
+        elif _lane_full(p, rq, st, r):
+            st.status[r] = SHED
+            st.reason[r] = REASON_SHED_CLASS
         elif (p.max_queued_prompt_tokens > 0
               and sc.queued_prompt + rq.prompt[r] > p.max_queued_prompt_tokens):
             st.status[r] = SHED
@@ -1323,7 +1401,7 @@ def _grant_running(p, rq, st, lg):
         target = rq.prompt[r] + st.generated[r]
         new = target - st.computed[r]
         decoding = st.generated[r] >= 1 and new == 1
-        new = _long_prefill_cap(p, new)
+        new = _long_prefill_cap(p, rq, r, new)
         if not (tgi and decoding) and new > budget:
             new = budget
         if new <= 0:
@@ -1519,6 +1597,20 @@ def _need_blocks(run, nrun, comp, k, bs):
 
 
 @jit
+def _reserve_gives_way(p, st):
+    """A lane reserves blocks while requests of another lane wait (their headroom shrinks
+    as the reserving lane's requests grow)."""
+    lim = p.lane_limits
+    n_lanes = lim.shape[0]
+    for k in range(1, n_lanes):
+        if lim[k, LIM_RESERVED_BLOCKS] > 0:
+            for lane in range(n_lanes):
+                if lane != k and st.heap_size[lane] > 0:
+                    return True
+    return False
+
+
+@jit
 def _jump(p, rq, st, lg):
     """Advance a stretch of identical decode steps in one go; returns the steps taken
     (0: no stretch of at least two steps is possible here).
@@ -1540,11 +1632,10 @@ def _jump(p, rq, st, lg):
     nrun = sc.n_running
     bs = p.block_size
     engine = p.engine
-    if ((engine == E_TRTLLM or engine == E_TGI) and p.lanes and p.lane_reserved_blocks > 0
-            and st.heap_size[0] > 0):
+    if (engine == E_TRTLLM or engine == E_TGI) and _reserve_gives_way(p, st):
         # These engines admit against reservations, which decoding does not change, while
-        # a waiting short request's headroom (the long lane's reserve less what long
-        # requests hold) shrinks as long requests grow: it may fit after any step.
+        # a waiting request's headroom (another lane's block reserve less what that lane
+        # holds) shrinks as that lane's requests grow: it may fit after any step.
         return 0
     kfin = WINDOW_MAX
     csum = 0
@@ -1618,8 +1709,9 @@ def _jump(p, rq, st, lg):
         comp[r] += done
         st.generated[r] += done
         nb = _blocks(comp[r], bs)
-        if p.lanes and rq.is_long[r] == 1:
-            sc.long_held += nb - st.held[r]
+        lane = rq.lane[r]
+        if lane > 0:
+            st.lane_use[lane, USE_HELD] += nb - st.held[r]
         st.held[r] = nb
     sc.used = used
     if p.prefix_caching:
@@ -1715,7 +1807,7 @@ ROUTE_PREFIX_AWARE = 2
 def _replica_load(st):
     """Requests a replica has: running, waiting, and sent but not yet at a step boundary."""
     sc = st.scalars[0]
-    return sc.n_running + st.heap_size[0] + st.heap_size[1] + sc.known - sc.next_arrival
+    return sc.n_running + _waiting(st) + sc.known - sc.next_arrival
 
 
 @jit
@@ -1739,8 +1831,9 @@ def append_row(rq, st, full, row, t):
     rq.output[m] = full.output[row]
     rq.max_tokens[m] = full.max_tokens[row]
     rq.priority[m] = full.priority[row]
-    rq.is_long[m] = full.is_long[row]
+    rq.lane[m] = full.lane[row]
     rq.lane_blocks[m] = full.lane_blocks[row]
+    rq.chunk_cap[m] = full.chunk_cap[row]
     rq.reserved_blocks[m] = full.reserved_blocks[row]
     rq.reject[m] = full.reject[row]
     rq.precomputed[m] = full.precomputed[row]
@@ -1812,8 +1905,7 @@ def route_arrivals(ps, rqs, sts, lgs, fulls, arrival, router, replica_of, local_
             sc = st.scalars[0]
             if sc.now >= t:
                 continue
-            if (sc.next_arrival >= sc.known and sc.n_running == 0
-                    and st.heap_size[0] + st.heap_size[1] == 0):
+            if sc.next_arrival >= sc.known and sc.n_running == 0 and _waiting(st) == 0:
                 continue  # idle, nothing to do until a request comes
             sc.until = t
             rc = run_kernel(ps[k], rqs[k], st, lgs[k], 1 << 40)

@@ -131,7 +131,7 @@ class _Replica:
         self.params = E.kernel_params(
             spec.policy, engine=spec.engine, kv_blocks=self.total, block_size=self.block_size,
             step_time=profile.step_time, reference=reference, prefix_caching=prefix_caching,
-            prefix_block_tokens=trace.prefix_block_tokens)
+            prefix_block_tokens=trace.prefix_block_tokens, class_names=trace.class_names)
         full = E.kernel_requests(role_trace, spec.policy, engine=spec.engine,
                                  block_size=self.block_size, prefix=prefix)
         if spec.role == "decode":
@@ -145,12 +145,9 @@ class _Replica:
                    else np.zeros(n, getattr(full, name).dtype))
             for name in K.Requests._fields
         })
+        # the lanes' queues have room for every row of their lane the router may send
         self.state = E._initial_state(self.params, self.rq, reference, known=0,
-                                      horizon_s=horizon_s)
-        # the lanes' queues are sized by the long requests: size them for every row
-        self.state = self.state._replace(
-            heap_key=(np.zeros(n, np.int64), np.zeros(n, np.int64)),
-            heap_id=(np.zeros(n, np.int64), np.zeros(n, np.int64)))
+                                      horizon_s=horizon_s, lanes=full.lane)
         # which requests this replica could never run: its own checks on its empty engine
         self.km.reject_at_arrival(self.params, full, self.state)
         self.log = E._new_step_log(False, len(self.state.running), reference)
@@ -183,7 +180,7 @@ class _Replica:
 
     def idle(self) -> bool:
         return (self._get("next_arrival") >= self._get("known") and self._get("n_running") == 0
-                and self.heap_size[0] + self.heap_size[1] == 0)
+                and not self.heap_size.any())
 
     def advance(self, until: float) -> None:
         """Run the steps that start before ``until`` (all of them: ``inf``)."""

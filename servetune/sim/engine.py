@@ -52,29 +52,39 @@ Semantics (``docs/engines.md``; the step loop is in :mod:`servetune.sim._kernel`
 For every engine: ``max_num_seqs`` caps the running batch, ``kv_watermark`` blocks are
 kept free at admission (vLLM: only while something runs; the others have no watermark
 of their own, and servetune's applies at every admission), and
-``long_prefill_token_threshold`` applies only to vLLM (the others have no such knob).
+``long_prefill_token_threshold`` (the policy's, or a class's) applies only to vLLM (the
+others have no such knob).
 Where the trace has no ``max_tokens`` column, a request's declared maximum output is its
 output length (the engine "knows" it); with ``max_tokens``, a
 request generates ``min(output_tokens, max_tokens)`` tokens. Priorities come from the
 trace's ``priority`` column, else from the policy's class priorities (lower first).
 The policy's extensions act at admission for every engine:
 
-- long-request lanes (Policy docstring): a request is long when its prompt plus expected
-  output (``max_tokens``, else ``expected_output``, else its class's mean output in the
-  trace) reaches ``threshold_tokens``. Short requests are admitted only while they leave
-  ``reserved_seqs`` seats and ``reserved_kv_fraction`` of the blocks (less what long
-  requests hold) free; running long requests never exceed ``max_seqs``, nor
-  ``max_kv_fraction`` of the blocks counted by their lane footprint (blocks of prompt +
-  expected output, so the cap holds without preempting). The two lanes are separate
-  queues merged by queue order; each is head-of-line blocking only within itself, so a
-  long request that does not fit its lane does not block short ones behind it.
+- lanes (Policy docstring): lane 0 is the common lane; each class of the trace whose
+  policy entry sets a seat, KV or queue limit (``ClassPolicy.has_lane``) has a lane of its
+  own, in the trace's class order; with long-request lanes on, a request whose prompt
+  plus expected output (``max_tokens``, else ``expected_output``, else its class's mean
+  output in the trace) reaches ``threshold_tokens`` is long and goes to the last lane,
+  whatever its class. A lane's settings (``classes.NAME`` or ``long_requests``):
+  ``reserved_seqs`` seats and ``reserved_kv_fraction`` of the blocks that requests of
+  other lanes leave free (less what the lane's running requests hold) when they are
+  admitted; its running requests never exceed ``max_seqs``, nor ``max_kv_fraction`` of
+  the blocks counted by their lane footprint (blocks of prompt + expected output, so the
+  cap holds without preempting); a class's ``max_queued_requests`` sheds its arrivals
+  (status 1) while its lane's waiting + running requests reach it. Fractions become
+  blocks rounded down. The lanes are separate queues merged by queue order; each is
+  head-of-line blocking only within itself, so a request that does not fit its lane
+  blocks none of another lane. A class's ``long_prefill_token_threshold`` is its
+  requests' chunk cap (vLLM) instead of the policy's. A policy without lanes has one
+  queue and none of these checks.
 - queue caps: an arrival is shed (status 1, as HTTP 503) when waiting + running
-  requests reach ``max_queued_requests``, or when the prompt tokens of accepted requests
-  not yet past their first token would exceed ``max_queued_prompt_tokens``.
+  requests reach ``max_queued_requests``, or its class's lane cap (above), or when the
+  prompt tokens of accepted requests not yet past their first token would exceed
+  ``max_queued_prompt_tokens``.
 - a request that could never run (prompt + output exceed the pool; its admission, i.e. its
   prompt (vLLM without ``reserve_full_prompt``: its first chunk) or TensorRT-LLM/TGI's
-  reservation, exceeds the pool less the lane reserve and (except vLLM, which waives it
-  on an idle engine) the watermark; its lane; or the
+  reservation, exceeds the pool less the other lanes' reserves and (except vLLM, which
+  waives it on an idle engine) the watermark; its footprint exceeds its lane's KV cap; or the
   step budget with chunking off) is rejected at arrival (status 2) with a reason instead
   of blocking the queue forever; the kernel decides this before the run with its own
   admission checks on the empty engine. A preempted request whose re-prefill has outgrown
@@ -122,7 +132,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -289,12 +299,14 @@ def kernel_params(
     step_log: bool = False,
     prefix_caching: bool | None = None,
     prefix_block_tokens: int = 512,
+    class_names: Sequence[str] = (),
 ) -> K.Params:
     """The kernel's run constants: ``engine``, ``policy``'s knobs in tokens and blocks of a
-    pool of ``kv_blocks`` blocks of ``block_size`` tokens, the step-time coefficients,
-    SGLang's constants, and the mode (``reference``: no jumps; ``step_log``).
-    ``prefix_caching`` overrides the policy's ``caching.enable_prefix_caching``;
-    ``prefix_block_tokens`` is the trace's tokens per prefix id."""
+    pool of ``kv_blocks`` blocks of ``block_size`` tokens, its lanes for a trace of
+    ``class_names`` (:func:`lane_limits`), the step-time coefficients, SGLang's constants,
+    and the mode (``reference``: no jumps; ``step_log``). ``prefix_caching`` overrides the
+    policy's ``caching.enable_prefix_caching``; ``prefix_block_tokens`` is the trace's
+    tokens per prefix id."""
     total = int(kv_blocks)
     ratio_init = min(SGLANG_INIT_NEW_TOKEN_RATIO, 1.0)
     ratio_floor = ratio_init * SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
@@ -307,6 +319,7 @@ def kernel_params(
         engine=kernel_id(engine),
         # the policy's knobs, as the knob table encodes them
         **values,
+        lane_limits=lane_limits(policy, class_names, values, total),
         prefix_caching=caching,
         # the pool and the step time
         total_blocks=total,
@@ -327,6 +340,40 @@ def kernel_params(
     )
 
 
+def class_lanes(policy: Policy, class_names: Sequence[str]) -> tuple[str, ...]:
+    """The classes among ``class_names`` (a trace's, in its order) that have a lane of their
+    own (``ClassPolicy.has_lane``): the kernel's lanes 1, 2, ... (lane 0 is the common lane;
+    the long-request lane, when on, comes after them)."""
+    return tuple(name for name in class_names
+                 if name in policy.classes and policy.classes[name].has_lane)
+
+
+# A class's seats and KV shares become blocks and seats exactly as the long lane's do.
+_kv_share = knobs.knob("long_requests.max_kv_fraction").sim_encode
+_seat_cap = knobs.knob("long_requests.max_seqs").sim_encode
+
+
+def lane_limits(policy: Policy, class_names: Sequence[str], values: dict[str, int | bool],
+                kv_blocks: int) -> np.ndarray:
+    """The kernel's lane table (``Params.lane_limits``, columns ``K.LIM_*``): the common
+    lane (no limits), one lane per class of :func:`class_lanes`, then the long-request lane
+    when ``values`` (the knob table's :func:`~servetune.knobs.sim_values`) turn it on."""
+    total = int(kv_blocks)
+    rows = [[0, 0, policy.batching.max_num_seqs, total, -1]]
+    for name in class_lanes(policy, class_names):
+        c = policy.classes[name]
+        rows.append([c.reserved_seqs, _kv_share(c.reserved_kv_fraction, policy, total),
+                     _seat_cap(c.max_seqs, policy, total),
+                     _kv_share(c.max_kv_fraction, policy, total),
+                     -1 if c.max_queued_requests is None else c.max_queued_requests])
+    if values["lanes"]:
+        rows.append([values["lane_reserved_seqs"], values["lane_reserved_blocks"],
+                     values["lane_max_seqs"], values["lane_max_blocks"], -1])
+    table = np.array(rows, dtype=np.int64)
+    assert table.shape[1] == K.LANE_LIMITS
+    return table
+
+
 def kernel_requests(
     trace: Trace,
     policy: Policy,
@@ -337,8 +384,9 @@ def kernel_requests(
     prefix: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> K.Requests:
     """The kernel's columns of ``trace`` under ``policy`` on ``engine``: tokens generated
-    and declared maximum output, priorities, long-lane membership and footprint, and
-    TensorRT-LLM/TGI reservations. ``reject`` is left 0 for the kernel's
+    and declared maximum output, priorities, lanes (:func:`class_lanes`, then long
+    requests, whatever their class) and lane footprints, chunk caps, and TensorRT-LLM/TGI
+    reservations. ``reject`` is left 0 for the kernel's
     :func:`~servetune.sim._kernel.reject_at_arrival`. ``prefix``: the trace's
     :func:`prefix_columns`, when the caller has them already."""
     n = len(trace)
@@ -365,14 +413,25 @@ def kernel_requests(
     arrival = np.ascontiguousarray(trace.arrival_s, dtype=np.float64)
     if not (np.all(np.isfinite(arrival)) and np.all(np.diff(arrival) >= 0)):
         raise ServetuneError("trace arrivals must be finite and sorted (use trace.from_arrays)")
-    if lr.enabled:
-        expected = _expected_output(trace, declared, expected_output)
-        footprint = prompt + expected
-        is_long = (footprint >= int(lr.threshold_tokens)).astype(np.int8)
-        lane_blocks = _blocks(footprint, bs) * is_long
-    else:
-        is_long = np.zeros(n, dtype=np.int8)
-        lane_blocks = np.zeros(n, dtype=np.int64)
+    class_ids = trace.class_ids().astype(np.int64)
+    n_classes = max(int(class_ids.max()) + 1 if n else 1, len(trace.class_names))
+    lane_of_class = np.zeros(n_classes, dtype=np.int32)
+    cap_of_class = np.full(n_classes, int(policy.batching.long_prefill_token_threshold),
+                           dtype=np.int64)
+    for i, name in enumerate(trace.class_names):
+        entry = policy.classes.get(name)
+        if entry is not None and entry.long_prefill_token_threshold is not None:
+            cap_of_class[i] = entry.long_prefill_token_threshold
+    by_class = class_lanes(policy, trace.class_names)
+    for k, name in enumerate(by_class):
+        lane_of_class[trace.class_names.index(name)] = k + 1
+    lane = lane_of_class[class_ids]
+    lane_blocks = np.zeros(n, dtype=np.int64)
+    if lr.enabled or by_class:
+        footprint = prompt + _expected_output(trace, declared, expected_output)
+        if lr.enabled:
+            lane[footprint >= int(lr.threshold_tokens)] = len(by_class) + 1
+        lane_blocks = np.where(lane > 0, _blocks(footprint, bs), 0)
     reserved = np.zeros(n, dtype=np.int64)
     if kernel_id(engine) in (K.E_TRTLLM, K.E_TGI):
         # GUARANTEED_NO_EVICT / TGI: prompt + max output - 1 tokens reserved at admission
@@ -384,8 +443,9 @@ def kernel_requests(
         output=out,
         max_tokens=declared,
         priority=prio,
-        is_long=is_long,
+        lane=lane,
         lane_blocks=lane_blocks,
+        chunk_cap=cap_of_class[class_ids],
         reserved_blocks=reserved,
         reject=np.zeros(n, dtype=np.int8),
         prefix_start=prefix_start,
@@ -425,12 +485,17 @@ def _scalar_holder(dtype: np.dtype, reference: bool, **values: float) -> Any:
 
 
 def _initial_state(params: K.Params, requests: K.Requests, reference: bool,
-                   *, known: int | None = None, horizon_s: float | None = None) -> K.State:
+                   *, known: int | None = None, horizon_s: float | None = None,
+                   lanes: np.ndarray | None = None) -> K.State:
     """An empty engine at time 0 with every request still to arrive: ``known`` of the
     rows are known now (default: all; a router appends the rest), ``horizon_s`` sizes
-    the coarse series (default: the last arrival)."""
+    the coarse series (default: the last arrival), ``lanes`` (default: the requests')
+    are the lanes of the rows it may get, which size the lanes' queues."""
     n = len(requests.arrival)
-    n_long = int(requests.is_long.sum())
+    n_lanes = len(params.lane_limits)
+    per_lane = np.bincount(requests.lane if lanes is None else lanes, minlength=n_lanes)
+    heap_start = np.zeros(n_lanes, dtype=np.int64)
+    heap_start[1:] = np.cumsum(per_lane)[:-1]
     width = min(params.max_seqs, n) + 1
     last = float(requests.arrival[-1]) if horizon_s is None else float(horizon_s)
     bin_width = max(last, 1.0) / (SERIES_BINS // 2)
@@ -446,11 +511,12 @@ def _initial_state(params: K.Params, requests: K.Requests, reference: bool,
         preemptions=np.zeros(n, dtype=np.int32),
         status=np.full(n, K.PENDING, dtype=np.int8),
         reason=np.zeros(n, dtype=np.int8),
-        heap_key=(np.zeros(max(n - n_long, 1), dtype=np.int64),
-                  np.zeros(max(n_long, 1), dtype=np.int64)),
-        heap_id=(np.zeros(max(n - n_long, 1), dtype=np.int64),
-                 np.zeros(max(n_long, 1), dtype=np.int64)),
-        heap_size=np.zeros(2, dtype=np.int64),
+        heap_key=np.zeros(max(int(per_lane.sum()), 1), dtype=np.int64),
+        heap_id=np.zeros(max(int(per_lane.sum()), 1), dtype=np.int64),
+        heap_start=heap_start,
+        heap_size=np.zeros(n_lanes, dtype=np.int64),
+        lane_use=np.zeros((n_lanes, K.LANE_USE), dtype=np.int64),
+        lane_blocked=np.zeros(n_lanes, dtype=np.int8),
         running=np.zeros(width, dtype=np.int64),
         batch_req=np.zeros(width, dtype=np.int64),
         batch_tokens=np.zeros(width, dtype=np.int64),
@@ -598,7 +664,8 @@ def run_engine(
     params = kernel_params(policy, engine=engine, kv_blocks=kv_blocks, block_size=block_size,
                            step_time=step_time, reference=reference, step_log=logging,
                            prefix_caching=prefix_caching,
-                           prefix_block_tokens=trace.prefix_block_tokens)
+                           prefix_block_tokens=trace.prefix_block_tokens,
+                           class_names=trace.class_names)
     state = _initial_state(params, requests, reference)
     scalars = state.scalars[0]
     width = len(state.running)
@@ -632,7 +699,7 @@ def run_engine(
         elif rc == K.RC_STUCK:
             raise RuntimeError(
                 f"engine {engine} made no progress at t={scalars.now:.6f} s with "
-                f"{state.heap_size[0] + state.heap_size[1]} waiting and "
+                f"{int(state.heap_size.sum())} waiting and "
                 f"{scalars.n_running} running (a bug)"
             )
         if progress is not None:
