@@ -44,6 +44,12 @@ Objective
     maximize  m - eps (sum cost[o] u[g,c,o] + sum (levels[w] - 1) v[g,w])
     (the largest margin; among equal margins the simplest policy: fewest per-class
     settings, fewest priority levels)
+Second stage (where the margin is >= 0): with m >= m* fixed,
+    minimize  sum_c TTFT[c] / T[c,ttft] + eps sum cost[o] u[g,c,o]
+    (of the policies that keep the margin, the one that leaves the classes the most of
+    their TTFT budgets: when the margin is set by something no per-class knob moves, such
+    as TPOT or the GPU's throughput, the order and chunk caps still go where they shorten
+    the queues of the tight tiers most)
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from servetune.models.tiers import ClassOption, Shared, Terms, TierModel, orderi
 
 TIE_WEIGHT = 1e-5  # per setting or extra priority level; well below a margin that matters
 MARGIN_FLOOR = -10.0  # the margin's lower bound (keeps the LP bounded)
+MARGIN_SLACK = 1e-6  # the second stage keeps the first stage's margin to this
 
 
 @dataclass(frozen=True)
@@ -146,10 +153,13 @@ def build_model(model: TierModel, terms: list[Terms],
         return expr
 
     m.slo = pyo.ConstraintList()
+    m.ttft_share = {}  # TTFT[c] / T[c,ttft], for the second stage
     for c in names:
         tgt = model.targets[c]
         if tgt.ttft_s is not None:
-            m.slo.add(ttft(c) + tgt.ttft_s * m.m <= tgt.ttft_s)
+            expr = ttft(c)
+            m.ttft_share[c] = expr / tgt.ttft_s
+            m.slo.add(expr + tgt.ttft_s * m.m <= tgt.ttft_s)
         if tgt.tpot_s is not None:
             m.slo.add(tpot(c, skip_free=True) + tgt.tpot_s * m.m <= tgt.tpot_s)
             burst = sum(t.tpot_burst_s[c] * m.z[g] for g, t in enumerate(terms)
@@ -170,10 +180,21 @@ def build_model(model: TierModel, terms: list[Terms],
         for (g, c, o) in m.GCO if terms[g].stable)
         <= sum(terms[g].kv_capacity_blocks * m.z[g] for g in m.G))
 
+    m.cost = sum(options[c][o].cost() * m.u[g, c, o] for (g, c, o) in m.GCO)
     m.obj = pyo.Objective(sense=pyo.maximize, expr=m.m - TIE_WEIGHT * (
-        sum(options[c][o].cost() * m.u[g, c, o] for (g, c, o) in m.GCO)
-        + sum((len(set(orders[w])) - 1) * m.v[g, w] for (g, w) in m.GW)))
+        m.cost + sum((len(set(orders[w])) - 1) * m.v[g, w] for (g, w) in m.GW)))
     return m
+
+
+def second_stage(m: pyo.ConcreteModel, margin: float) -> None:
+    """Turn the solved model into its second stage: keep the margin (to ``MARGIN_SLACK``)
+    and spend what is left of the classes' TTFT budgets as little as possible (the sum of
+    TTFT[c] / T[c,ttft], the c-mu rule's spirit: priority to the classes whose prompts are
+    short and whose limits are tight), fewest settings among equals."""
+    m.obj.deactivate()
+    m.keep_margin = pyo.Constraint(expr=m.m >= margin - MARGIN_SLACK)
+    m.obj2 = pyo.Objective(sense=pyo.minimize, expr=sum(m.ttft_share.values())
+                           + TIE_WEIGHT * m.cost)
 
 
 def decode(m: pyo.ConcreteModel, terms: list[Terms], model: TierModel,

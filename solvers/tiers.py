@@ -24,7 +24,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,7 @@ from servetune.models.tiers import (
     TierModel,
     orderings,
 )
-from servetune.models.tiers_milp import TierChoice, build_model, decode
+from servetune.models.tiers_milp import TierChoice, build_model, decode, second_stage
 from servetune.schemas.policy import ClassPolicy, Policy
 from servetune.schemas.slo import SLOSet
 from servetune.search import GoodputResult
@@ -121,17 +121,30 @@ def tier_model(trace, profile, slo: SLOSet, engine: str = "vllm") -> TierModel:
 
 # ----------------------------------------------------------------------- the MILP
 def solve_at(model: TierModel, scale: float, grid: Sequence[Shared],
-             options: dict[str, list[ClassOption]], *, time_limit_s: float = 60.0
-             ) -> tuple[TierChoice | None, float]:
-    """The MILP at one scale: its choice (None when nothing is stable) and solve time."""
+             options: dict[str, list[ClassOption]], *, time_limit_s: float = 60.0,
+             second: bool = True) -> tuple[TierChoice | None, float]:
+    """The MILP at one scale: its choice (None when nothing is stable) and solve time;
+    where the margin is >= 0 and ``second``, the second stage's choice with that margin."""
     terms = [model.terms(scale, g, options) for g in grid]
     if not any(t.stable for t in terms):
         return None, 0.0
     m = build_model(model, terms, options)
-    outcome, _ = solve_highs(m, time_limit_s=time_limit_s)
+    outcome, solver = solve_highs(m, time_limit_s=time_limit_s)
     if not outcome.status.has_solution:
         return None, outcome.solve_s
-    return decode(m, terms, model, options), outcome.solve_s
+    choice = decode(m, terms, model, options)
+    solve_s = outcome.solve_s
+    if second and choice.margin >= 0:
+        second_stage(m, choice.margin)
+        outcome, _ = solve_highs(m, time_limit_s=time_limit_s)
+        solve_s += outcome.solve_s
+        if outcome.status.has_solution:
+            choice = decode(m, terms, model, options)
+            # Its own margin (the stage kept it to MARGIN_SLACK), as evaluated directly.
+            t = terms[grid.index(choice.shared)]
+            ev = model.evaluate(t, choice.levels, choice.options)
+            choice = replace(choice, margin=min(ev.margin, 1.0))
+    return choice, solve_s
 
 
 def largest_scale(feasible: Callable[[float], Any], *, start: float = 1.0,

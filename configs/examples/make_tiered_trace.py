@@ -4,7 +4,7 @@
     python configs/examples/make_tiered_trace.py --check    # exit 1 if either would differ
 
 Writes ``configs/examples/tiered-mixed.csv`` (three classes) and
-``configs/examples/tiered-2class.csv`` (the same requests less the batch class): ten minutes
+``configs/examples/tiered-2class.csv`` (the same requests less the batch class): twenty minutes
 of synthetic traffic in the Azure LLM inference trace 2023 CSV format (``TIMESTAMP,
 ContextTokens,GeneratedTokens``) plus a ``class`` column, which servetune reads as each
 request's class with no column mapping. Drawn with a fixed seed from one three-class
@@ -51,7 +51,7 @@ TWO_CLASS = HERE / "tiered-2class.csv"
 TWO_CLASSES = ("chat", "longctx")
 
 SEED = 20231116
-DURATION_S = 600.0
+DURATION_S = 1200.0
 CHAT_RATE_PER_S = 4.35
 LONGCTX_RATE_PER_S = 0.15
 LONGCTX_PROMPT_TOKENS = (8192.0, 65536.0)
