@@ -18,6 +18,9 @@ request within its limits, per second):
     (goodput per GPU: the common scale the pools sustain, over the number of GPUs);
 (j) the joint per-class policy (``optimize``'s tiered search: tier MILP + CP-SAT
     reservations, validated and recalibrated in the simulator);
+(f) a fleet of replicas: the pools MILP routes the classes to replica pools (all together
+    with the joint policy, each apart, or pairs) from one replica's goodput on each
+    subset, for 2, 3 and 4 replicas (two-tier) or 3, 4 and 6 (three-tier);
 (e) on a small instance (the two-tier example's first ``--small`` requests, the shared
     knobs fixed to (b)'s), every combination of priority order x each class's chunk cap x
     each class's KV cap, each simulated (a goodput search each), against the tier
@@ -142,7 +145,7 @@ def run_instance(name: str, trace_path: str, slo_path: str, small: int, quick: b
     record("b_single_class", single_policy, goodput_of(sim, single_policy,
                                                         single.summary["goodput_rate_per_s"]
                                                         / base_rate or 1.0),
-           extra={"wall_s": single.summary["wall_s"]})
+           extra={"wall_s": single.summary["wall_s"], "knobs": single_policy.knobs()})
 
     order = sorted(trace.class_names, key=lambda c: (slo.for_class(c).ttft_s or math.inf, c))
     prio = single_policy.model_copy(deep=True)
@@ -185,11 +188,47 @@ def run_instance(name: str, trace_path: str, slo_path: str, small: int, quick: b
                 max(top.goodput.rate_scale, 1e-3),
                 {n: tiers.class_options("vllm") for n in model.names}),
             "fails_first_in_simulation": first_failures(top.goodput, slo)})
+        # (f) a fleet: the pools MILP routes classes to replica pools, from what one
+        # replica sustains serving each subset of the classes.
+        names = trace.class_names
+        goodput = {(c,): pool_scales[c] for c in names}
+        goodput[tuple(names)] = top.goodput.rate_scale
+        for pair in itertools.combinations(names, 2):
+            if len(names) == 2:
+                break
+            ids = [names.index(c) for c in pair]
+            sub = trace.take(np.flatnonzero(np.isin(trace.class_ids(), ids)))
+            res = optimize(sub, profile, slo, rel_tol=REL_TOL, compare_defaults=False)
+            share = sum(out["classes"][c]["share"] for c in pair)
+            goodput[pair] = res.summary["goodput_rate_per_s"] / (share * base_rate)
+        fleet = {}
+        for replicas in (len(names), len(names) + 1, 2 * len(names)):
+            plan = tiers.route_pools(names, goodput, replicas)
+            fleet[replicas] = {"pools": {"+".join(p): n for p, n in plan.pools.items()},
+                               "scale": plan.scale,
+                               "rate_per_s_per_gpu": plan.scale * base_rate / replicas,
+                               "all_together_per_gpu": goodput[tuple(names)] * base_rate,
+                               "all_apart_scale": max(
+                                   min(pool_scales[c] * n for c, n in zip(names, split,
+                                                                          strict=True))
+                                   for split in _splits(replicas, len(names)))}
+            print(f"  {name} f_fleet R={replicas}: {fleet[replicas]['pools']} scale "
+                  f"{plan.scale:.3f}", flush=True)
+        rows["f_fleet"] = {"subset_scales": {"+".join(k): v for k, v in goodput.items()},
+                           "plans": fleet}
     out["policies"] = rows
     out["wall_s"] = time.perf_counter() - t0
     if name == "two-tier":
         out["exhaustive"] = exhaustive(trace, profile, slo, single_policy, small, quick)
     return out
+
+
+def _splits(total: int, parts: int) -> list[tuple[int, ...]]:
+    """Every way to give ``parts`` pools at least one of ``total`` replicas."""
+    if parts == 1:
+        return [(total,)]
+    return [(k,) + rest for k in range(1, total - parts + 2)
+            for rest in _splits(total - k, parts - 1)]
 
 
 def exhaustive(trace, profile, slo, single_policy: Policy, small: int, quick: bool) -> dict:

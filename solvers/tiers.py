@@ -16,6 +16,10 @@
 
 :func:`enumerate_best` is the oracle: every shared setting x order x option per class,
 each evaluated directly (:meth:`TierModel.evaluate`); the MILP must find the same margin.
+
+On a fleet of identical replicas, :func:`route_pools` chooses which classes share a
+replica pool and how many replicas each pool gets (:mod:`servetune.models.pools_milp`),
+from what one replica sustains serving each subset of the classes.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from typing import Any
 import numpy as np
 
 from servetune.models.fluid import LoadModel, Platform, targets_for
+from servetune.models.pools_milp import PoolPlan
+from servetune.models.pools_milp import build_model as build_pools
+from servetune.models.pools_milp import decode as decode_pools
 from servetune.models.reserve_cpsat import ReserveInstance
 from servetune.models.reserve_cpsat import build_model as build_reserve
 from servetune.models.tiers import (
@@ -393,3 +400,19 @@ def what_binds(model: TierModel, choice: TierChoice, scale: float,
     ev = model.evaluate(terms, choice.levels, choice.options)
     return {k: {"value": v, "limit": lim, "margin": 1.0 - v / lim if lim else 0.0}
             for k, (v, lim) in ev.conditions.items()}
+
+
+# ----------------------------------------------------------------------- fleets
+def route_pools(names: Sequence[str], goodput: dict[tuple[str, ...], float],
+                replicas: int) -> PoolPlan:
+    """The pools MILP (:mod:`servetune.models.pools_milp`): which classes share replicas,
+    and how many each pool gets, for the largest common load scale on ``replicas``
+    identical replicas; ``goodput[S]`` is one replica's scale serving exactly the classes
+    ``S`` (e.g. from :func:`optimize_tiers`, or the single-class search for one class)."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1 (got {replicas})")
+    m = build_pools(names, goodput, replicas)
+    outcome, _ = solve_highs(m, time_limit_s=60.0)
+    if not outcome.status.has_solution:
+        raise RuntimeError(f"pools MILP: {outcome.status.value} {outcome.message}")
+    return decode_pools(m)

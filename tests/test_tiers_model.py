@@ -158,3 +158,35 @@ def test_to_policy_sets_order_caps_and_reservations():
     flat = tiers.to_policy(Policy(), TierChoice(0.1, tiers.Shared(256, 4096), (0, 0),
                                                 choice.options), ("chat", "longctx"), 1000)
     assert flat.scheduling == "fcfs" and flat.classes["longctx"].priority == 0
+
+
+def test_pools_milp_matches_enumeration():
+    """Every partition of the classes into pools x every split of the replicas."""
+    from servetune.models.pools_milp import best_by_enumeration, subsets
+
+    rng = np.random.default_rng(7)
+    for names in (("a", "b"), ("a", "b", "c")):
+        for _ in range(15):
+            goodput = {s: float(rng.uniform(0.2, 3.0)) for s in subsets(names)}
+            for replicas in (1, 2, 3, 5):
+                plan = tiers.route_pools(names, goodput, replicas)
+                assert plan.scale == pytest.approx(
+                    best_by_enumeration(names, goodput, replicas), rel=1e-6)
+                # The plan is what it says: every class once, every replica used.
+                assert sorted(c for pool in plan.pools for c in pool) == sorted(names)
+                assert sum(plan.pools.values()) == replicas
+                assert plan.scale <= min(goodput[p] * n for p, n in plan.pools.items()) + 1e-9
+
+
+def test_pools_worked_by_hand():
+    # Together one replica serves 1.0x; apart, a's replica 1.5x and b's 4x. On two
+    # replicas: together 2.0x, apart min(1.5, 4) = 1.5x -> together. On three: together
+    # 3.0x; apart with a on two replicas min(3.0, 4.0) = 3.0x (a tie: the fewest pools win).
+    g = {("a",): 1.5, ("b",): 4.0, ("a", "b"): 1.0}
+    assert tiers.route_pools(("a", "b"), g, 2).pools == {("a", "b"): 2}
+    three = tiers.route_pools(("a", "b"), g, 3)
+    assert three.scale == pytest.approx(3.0) and three.pools == {("a", "b"): 3}
+    # Four replicas: together 4.0x, apart a on 3 = 4.5x and b on 1 = 4.0x -> 4.0 tie again;
+    # with b at 5x apart, (a on 3, b on 1) = 4.5x beats together.
+    g[("b",)] = 5.0
+    assert tiers.route_pools(("a", "b"), g, 4).pools == {("a",): 3, ("b",): 1}
