@@ -26,13 +26,15 @@ Parameters (at scale s; ``tiers.Terms``)
 Variables
     z[g], v[g,w], u[g,c,o] in {0,1}    the shared setting, the order, each class's option
     l[g,k,L] = sum of u[g,k,o] over o with chunk cap L  (an expression)
-    y[g,w,k,L] >= 0, y >= v[g,w] + l[g,k,L] - 1   (= v l for binaries: TTFT's only
-                  product, order x chunk cap; its coefficients are >= 0, so the minimum
-                  is the product)
+    W0[g] = sum_{k,L} w0[g,k,L] l[g,k,L]  (an expression; at most W0max[g], the sum over
+                  k of its largest w0)
+    y[g,w] >= 0, y >= W0[g] - W0max[g] (1 - v[g,w])   (= v[g,w] W0[g]: TTFT's only
+                  product, order x the chunk caps; its coefficients are >= 0, so the
+                  minimum is the product)
     m <= 1        the smallest relative margin over every SLO condition
 Constraints
     one_shared: sum_g z = 1;  one_order[g]: sum_w v = z[g];  one_option[g,c]: sum_o u = z[g]
-    ttft[c]:  TTFT[c] = sum wf[g,c,w] w0[g,k,L] y[g,w,k,L] + sum own[g,c,o] u[g,c,o]
+    ttft[c]:  TTFT[c] = sum wf[g,c,w] y[g,w] + sum own[g,c,o] u[g,c,o]
               TTFT[c] + T[c,ttft] m <= T[c,ttft]
     tpot[c]:  TPOT[c] = sum_g base[g,c] z[g] + sum ex[g,c,k,L] l[g,k,L];
               TPOT[c] + T[c,tpot] m <= T[c,tpot];  sum_g burst[g,c] z[g] + T m <= T
@@ -92,13 +94,11 @@ def build_model(model: TierModel, terms: list[Terms],
     m.GKL = pyo.Set(dimen=3, ordered=True, initialize=[
         (g, k, cap) for g in m.G for k in names for cap in chunks[k]])
     m.GW = pyo.Set(dimen=2, ordered=True, initialize=[(g, w) for g in m.G for w in m.W])
-    m.GWKL = pyo.Set(dimen=4, ordered=True, initialize=[
-        (g, w, k, cap) for g in m.G for w in m.W for k in names for cap in chunks[k]])
 
     m.z = pyo.Var(m.G, domain=pyo.Binary)
     m.v = pyo.Var(m.GW, domain=pyo.Binary)
     m.u = pyo.Var(m.GCO, domain=pyo.Binary)
-    m.y = pyo.Var(m.GWKL, domain=pyo.NonNegativeReals)
+    m.y = pyo.Var(m.GW, domain=pyo.NonNegativeReals)
     m.m = pyo.Var(bounds=(MARGIN_FLOOR, 1.0))
 
     def l_expr(g: int, k: str, cap: int):
@@ -108,8 +108,16 @@ def build_model(model: TierModel, terms: list[Terms],
     m.one_order = pyo.Constraint(m.G, rule=lambda m, g: sum(m.v[g, w] for w in m.W) == m.z[g])
     m.one_option = pyo.Constraint(m.G, m.C, rule=lambda m, g, c: sum(
         m.u[g, c, o] for o in range(len(options[c]))) == m.z[g])
-    m.product = pyo.Constraint(m.GWKL, rule=lambda m, g, w, k, cap: m.y[g, w, k, cap]
-                               >= m.v[g, w] + l_expr(g, k, cap) - 1)
+    # W0[g] and its bound; y[g,w] >= W0[g] - W0max[g] (1 - v[g,w]) is v W0 (TTFT's only
+    # product) wherever TTFT presses y down, which its coefficients >= 0 make it do.
+    def w0_expr(g: int):
+        t = terms[g]
+        return sum(t.classes[k].w0[cap] * l_expr(g, k, cap) for k in names
+                   for cap in chunks[k]) if t.stable else 0
+    w0_max = [sum(max(t.classes[k].w0[cap] for cap in chunks[k]) for k in names)
+              if t.stable else 0.0 for t in terms]
+    m.product = pyo.Constraint(m.GW, rule=lambda m, g, w: m.y[g, w]
+                               >= w0_expr(g) - w0_max[g] * (1 - m.v[g, w]))
 
     # Unstable choices (a queue that never drains) are off.
     m.unstable = pyo.ConstraintList()
@@ -132,11 +140,8 @@ def build_model(model: TierModel, terms: list[Terms],
                 continue
             for w, levels in enumerate(orders):
                 f = t.wait_factor[(c, levels)]
-                if not math.isfinite(f) or f == 0:
-                    continue
-                for k in names:
-                    for cap in chunks[k]:
-                        expr += f * t.classes[k].w0[cap] * m.y[g, w, k, cap]
+                if math.isfinite(f) and f > 0:
+                    expr += f * m.y[g, w]
             for o, opt in enumerate(options[c]):
                 expr += t.classes[c].own_ttft_s[opt] * m.u[g, c, o]
         return expr
