@@ -15,10 +15,11 @@ Layout (module-level ``NamedTuple`` classes, which numba compiles and caches):
 - :class:`Requests`: the trace's columns, one entry per request, including the reason it
   is rejected at arrival (:func:`reject_at_arrival` fills it before the run).
 - :class:`State`: per-request progress and timestamps; the waiting queue as one binary
-  heap per lane, all in one flat pair of arrays (lane ``l``'s heap starts at
-  ``heap_start[l]`` and holds ``heap_size[l]`` requests; its room is the number of requests
-  in the lane, since a preempted request re-enters its own lane); what each lane's running
-  requests hold (``lane_use``); the running list in admission order (in the spirit of
+  heap per lane, all in one flat pair of arrays (``heap_key``, ``heap_id``; lane ``l``'s
+  heap starts at ``lanes[l, LANE_HEAP_START]`` and holds ``lanes[l, LANE_WAITING]``
+  requests; its room is the number of requests in the lane, since a preempted request
+  re-enters its own lane); what each lane's running requests hold (``lanes``' other
+  columns); the running list in admission order (in the spirit of
   vLLM's ``scheduler.py``); the step's batch; and the scalars that survive between calls
   (clock, counters, KV in use; :data:`SCALARS`) in ``scalars[0]``, so the Python driver
   can pause the loop (to grow the step log or report progress) and resume it.
@@ -129,17 +130,20 @@ EV_FINISH = 2
 EV_ADMIT = 3
 EV_SHED = 4
 
-# --- the lanes' table (Params.lane_limits columns) and use (State.lane_use columns) --------
+# --- the lanes' limits (Params.lane_limits columns) and state (State.lanes columns) --------
 LIM_RESERVED_SEQS = 0
 LIM_RESERVED_BLOCKS = 1
 LIM_MAX_SEQS = 2
 LIM_MAX_BLOCKS = 3  # cap on the lane footprint of its running requests
 LIM_MAX_QUEUED = 4  # cap on its waiting + running requests (<= 0: none)
 LANE_LIMITS = 5
-USE_RUNNING = 0
-USE_HELD = 1  # KV blocks its running requests hold
-USE_FOOTPRINT = 2  # their lane footprint (blocks)
-LANE_USE = 3
+LANE_WAITING = 0  # requests in its queue (heap)
+LANE_HEAP_START = 1  # where its heap starts in State.heap_key and heap_id
+LANE_RUNNING = 2  # its running requests (not counted for lane 0, which has no limits)
+LANE_HELD = 3  # KV blocks they hold (idem)
+LANE_FOOTPRINT = 4  # their lane footprint, in blocks (idem)
+LANE_BLOCKED = 5  # 1: its head waits in this admission pass (scratch)
+LANE_STATE = 6
 
 WINDOW_MAX = 4096  # longest jumped stretch (size of the allocation histogram)
 
@@ -268,13 +272,11 @@ class State(NamedTuple):
     status: np.ndarray  # int8, PENDING/COMPLETED/SHED/REJECTED
     reason: np.ndarray  # int8, REASON_*
     # waiting queue: a min-heap on (key, request id) per lane, lane l's at
-    # heap_key/heap_id[heap_start[l]:], room for the lane's requests
+    # heap_key/heap_id[lanes[l, LANE_HEAP_START]:], room for the lane's requests
     heap_key: np.ndarray  # int64
     heap_id: np.ndarray  # int64
-    heap_start: np.ndarray  # int64[lanes]
-    heap_size: np.ndarray  # int64[lanes]
-    lane_use: np.ndarray  # int64 (lanes, LANE_USE); lane 0's is not counted (no limits)
-    lane_blocked: np.ndarray  # int8[lanes] scratch: lanes whose head waits this step
+    lanes: np.ndarray  # int64 (lanes, LANE_STATE): per lane its queue and use (one array:
+    # every array of a tuple costs seven machine words in each call)
     # running list (admission order) and this step's batch (grant order)
     running: np.ndarray  # int64, request ids
     batch_req: np.ndarray  # int64, request ids
@@ -377,17 +379,23 @@ def _heap_pop(hk, hid, base, size):
 
 @jit
 def _waiting(st):
-    hs = st.heap_size
-    w = hs[0]
-    for lane in range(1, hs.shape[0]):
-        w += hs[lane]
+    ls = st.lanes
+    w = ls[0, LANE_WAITING]
+    for lane in range(1, ls.shape[0]):
+        w += ls[lane, LANE_WAITING]
     return w
+
+
+@inline
+def _lane_of(p, rq, r):
+    """Request ``r``'s lane (its column is not read when the policy has no lanes)."""
+    return rq.lane[r] if p.lane_limits.shape[0] > 1 else 0
 
 
 @inline
 def _head(st, lane):
     """The request at the head of waiting ``lane``."""
-    return st.heap_id[st.heap_start[lane]]
+    return st.heap_id[st.lanes[lane, LANE_HEAP_START]]
 
 
 @jit
@@ -402,28 +410,31 @@ def _enqueue(p, rq, st, r, front):
         key = -sc.front_count
     else:
         key = r
-    lane = rq.lane[r]
-    st.heap_size[lane] = _heap_push(st.heap_key, st.heap_id, st.heap_start[lane],
-                                    st.heap_size[lane], key, r)
+    ls = st.lanes
+    lane = _lane_of(p, rq, r)
+    ls[lane, LANE_WAITING] = _heap_push(st.heap_key, st.heap_id, ls[lane, LANE_HEAP_START],
+                                        ls[lane, LANE_WAITING], key, r)
 
 
 @jit
 def _pop_head(st, lane):
-    st.heap_size[lane] = _heap_pop(st.heap_key, st.heap_id, st.heap_start[lane],
-                                   st.heap_size[lane])
+    ls = st.lanes
+    ls[lane, LANE_WAITING] = _heap_pop(st.heap_key, st.heap_id, ls[lane, LANE_HEAP_START],
+                                       ls[lane, LANE_WAITING])
 
 
 @jit
 def _pick_lane(st):
     """The waiting lane whose head comes first in queue order (-1: none that is not
     blocked)."""
+    ls = st.lanes
     best = -1
     best_key = 0
     best_id = 0
-    for lane in range(st.heap_size.shape[0]):
-        if st.heap_size[lane] == 0 or st.lane_blocked[lane] != 0:
+    for lane in range(ls.shape[0]):
+        if ls[lane, LANE_WAITING] == 0 or ls[lane, LANE_BLOCKED] != 0:
             continue
-        h = st.heap_start[lane]
+        h = ls[lane, LANE_HEAP_START]
         key = st.heap_key[h]
         r = st.heap_id[h]
         if best == -1 or key < best_key or (key == best_key and r < best_id):
@@ -712,9 +723,9 @@ def _cache_take(p, rq, st, r, k):
     st.prefix_blocks[r] = k
     st.held[r] += k
     st.computed[r] = k * p.block_size
-    lane = rq.lane[r]
+    lane = _lane_of(p, rq, r)
     if lane > 0:
-        st.lane_use[lane, USE_HELD] += k
+        st.lanes[lane, LANE_HELD] += k
     if sc.used > sc.peak:
         sc.peak = sc.used
 
@@ -817,9 +828,9 @@ def _alloc(p, rq, st, r, nblocks):
     sc = st.scalars[0]
     st.held[r] += nblocks
     sc.used += nblocks
-    lane = rq.lane[r]
+    lane = _lane_of(p, rq, r)
     if lane > 0:
-        st.lane_use[lane, USE_HELD] += nblocks
+        st.lanes[lane, LANE_HELD] += nblocks
     if sc.used > sc.peak:
         sc.peak = sc.used
     if p.prefix_caching:
@@ -834,12 +845,12 @@ def _release(p, rq, st, r):
         sc.used -= _cache_release(p, rq, st, r)
     else:
         sc.used -= st.held[r]
-    lane = rq.lane[r]
+    lane = _lane_of(p, rq, r)
     if lane > 0:
-        use = st.lane_use
-        use[lane, USE_HELD] -= st.held[r]
-        use[lane, USE_RUNNING] -= 1
-        use[lane, USE_FOOTPRINT] -= rq.lane_blocks[r]
+        ls = st.lanes
+        ls[lane, LANE_HELD] -= st.held[r]
+        ls[lane, LANE_RUNNING] -= 1
+        ls[lane, LANE_FOOTPRINT] -= rq.lane_blocks[r]
     st.held[r] = 0
     sc.reserved_sum -= rq.reserved_blocks[r]
 
@@ -873,10 +884,10 @@ def _ungrant(st, r):
 def _long_prefill_cap(p, rq, r, tokens):
     """vLLM's long_prefill_token_threshold (the policy's, or request ``r``'s class's) caps
     its tokens per step (only vLLM)."""
+    if p.engine != E_VLLM:
+        return tokens
     cap = rq.chunk_cap[r]
-    if p.engine == E_VLLM and cap > 0 and tokens > cap:
-        return cap
-    return tokens
+    return cap if 0 < cap < tokens else tokens
 
 
 # --- preempt ---------------------------------------------------------------------------------
@@ -961,10 +972,10 @@ def _lane_has_room(p, rq, st, r):
     n_lanes = lim.shape[0]
     if n_lanes == 1:
         return True
-    use = st.lane_use
+    ls = st.lanes
     lane = rq.lane[r]
-    if lane > 0 and (use[lane, USE_RUNNING] + 1 > lim[lane, LIM_MAX_SEQS]
-                     or use[lane, USE_FOOTPRINT] + rq.lane_blocks[r] > lim[lane, LIM_MAX_BLOCKS]):
+    if lane > 0 and (ls[lane, LANE_RUNNING] + 1 > lim[lane, LIM_MAX_SEQS]
+                     or ls[lane, LANE_FOOTPRINT] + rq.lane_blocks[r] > lim[lane, LIM_MAX_BLOCKS]):
         return False
     others = False
     spare = 0
@@ -972,7 +983,7 @@ def _lane_has_room(p, rq, st, r):
         if k == lane:
             continue
         others = True
-        unused = lim[k, LIM_RESERVED_SEQS] - use[k, USE_RUNNING]
+        unused = lim[k, LIM_RESERVED_SEQS] - ls[k, LANE_RUNNING]
         if unused > 0:
             spare += unused
     return not others or st.scalars[0].n_running + 1 + spare <= p.max_seqs
@@ -992,10 +1003,10 @@ def _headroom(p, rq, st, r):
     if p.engine == E_VLLM and sc.n_running == 0:
         headroom = 0
     lim = p.lane_limits
-    lane = rq.lane[r]
+    lane = _lane_of(p, rq, r)
     for k in range(1, lim.shape[0]):
         if k != lane:
-            unused = lim[k, LIM_RESERVED_BLOCKS] - st.lane_use[k, USE_HELD]
+            unused = lim[k, LIM_RESERVED_BLOCKS] - st.lanes[k, LANE_HELD]
             if unused > 0:
                 headroom += unused
     return headroom
@@ -1160,10 +1171,10 @@ def _admit(p, rq, st, lg, lane, hit, base, chunk, t):
         st.computed[r] = base
     nblocks = _blocks(base + chunk, p.block_size) - st.held[r]
     _alloc(p, rq, st, r, nblocks)
-    lane = rq.lane[r]
+    lane = _lane_of(p, rq, r)
     if lane > 0:
-        st.lane_use[lane, USE_RUNNING] += 1
-        st.lane_use[lane, USE_FOOTPRINT] += rq.lane_blocks[r]
+        st.lanes[lane, LANE_RUNNING] += 1
+        st.lanes[lane, LANE_FOOTPRINT] += rq.lane_blocks[r]
     sc.reserved_sum += rq.reserved_blocks[r]
     if st.admitted_s[r] != st.admitted_s[r]:  # nan: first admission
         st.admitted_s[r] = t
@@ -1205,8 +1216,8 @@ def _admit_waiting(p, rq, st, lg, t, budget, ratio):
     nvict = 0
     tried = -1  # SGLang: the request a preemption was last tried for
     nadm = 0
-    for lane in range(st.lane_blocked.shape[0]):
-        st.lane_blocked[lane] = 0
+    for lane in range(st.lanes.shape[0]):
+        st.lanes[lane, LANE_BLOCKED] = 0
     while budget > 0:
         lane = _pick_lane(st)
         if lane == -1:
@@ -1252,7 +1263,7 @@ def _admit_waiting(p, rq, st, lg, t, budget, ratio):
                 continue
             if not seat:
                 break
-            st.lane_blocked[lane] = 1  # head-of-line blocking within its lane only
+            st.lanes[lane, LANE_BLOCKED] = 1  # head-of-line blocking within its lane only
             continue
         nblocks = _admit(p, rq, st, lg, lane, hit, base, chunk, t)
         nadm += 1
@@ -1328,9 +1339,9 @@ def reject_at_arrival(p, rq, st):
 @inline
 def _lane_full(p, rq, st, r):
     """Request ``r``'s lane has its queue cap of waiting + running requests."""
-    lane = rq.lane[r]
+    lane = _lane_of(p, rq, r)
     cap = p.lane_limits[lane, LIM_MAX_QUEUED]
-    return cap > 0 and st.heap_size[lane] + st.lane_use[lane, USE_RUNNING] >= cap
+    return cap > 0 and st.lanes[lane, LANE_WAITING] + st.lanes[lane, LANE_RUNNING] >= cap
 
 
 @jit
@@ -1605,7 +1616,7 @@ def _reserve_gives_way(p, st):
     for k in range(1, n_lanes):
         if lim[k, LIM_RESERVED_BLOCKS] > 0:
             for lane in range(n_lanes):
-                if lane != k and st.heap_size[lane] > 0:
+                if lane != k and st.lanes[lane, LANE_WAITING] > 0:
                     return True
     return False
 
@@ -1709,9 +1720,9 @@ def _jump(p, rq, st, lg):
         comp[r] += done
         st.generated[r] += done
         nb = _blocks(comp[r], bs)
-        lane = rq.lane[r]
+        lane = _lane_of(p, rq, r)
         if lane > 0:
-            st.lane_use[lane, USE_HELD] += nb - st.held[r]
+            st.lanes[lane, LANE_HELD] += nb - st.held[r]
         st.held[r] = nb
     sc.used = used
     if p.prefix_caching:

@@ -158,7 +158,7 @@ class _Replica:
         self._view = {} if reference else {
             name: holder[name] for name in ("now", "known", "next_arrival", "n_running",
                                             "until")}
-        self.heap_size = self.state.heap_size
+        self.waiting = self.state.lanes[:, K.LANE_WAITING]  # a view
         self.rows: list[int] = []
 
     def _get(self, name: str) -> Any:
@@ -180,7 +180,7 @@ class _Replica:
 
     def idle(self) -> bool:
         return (self._get("next_arrival") >= self._get("known") and self._get("n_running") == 0
-                and not self.heap_size.any())
+                and not self.waiting.any())
 
     def advance(self, until: float) -> None:
         """Run the steps that start before ``until`` (all of them: ``inf``)."""

@@ -494,8 +494,8 @@ def _initial_state(params: K.Params, requests: K.Requests, reference: bool,
     n = len(requests.arrival)
     n_lanes = len(params.lane_limits)
     per_lane = np.bincount(requests.lane if lanes is None else lanes, minlength=n_lanes)
-    heap_start = np.zeros(n_lanes, dtype=np.int64)
-    heap_start[1:] = np.cumsum(per_lane)[:-1]
+    lane_state = np.zeros((n_lanes, K.LANE_STATE), dtype=np.int64)
+    lane_state[1:, K.LANE_HEAP_START] = np.cumsum(per_lane)[:-1]
     width = min(params.max_seqs, n) + 1
     last = float(requests.arrival[-1]) if horizon_s is None else float(horizon_s)
     bin_width = max(last, 1.0) / (SERIES_BINS // 2)
@@ -513,10 +513,7 @@ def _initial_state(params: K.Params, requests: K.Requests, reference: bool,
         reason=np.zeros(n, dtype=np.int8),
         heap_key=np.zeros(max(int(per_lane.sum()), 1), dtype=np.int64),
         heap_id=np.zeros(max(int(per_lane.sum()), 1), dtype=np.int64),
-        heap_start=heap_start,
-        heap_size=np.zeros(n_lanes, dtype=np.int64),
-        lane_use=np.zeros((n_lanes, K.LANE_USE), dtype=np.int64),
-        lane_blocked=np.zeros(n_lanes, dtype=np.int8),
+        lanes=lane_state,
         running=np.zeros(width, dtype=np.int64),
         batch_req=np.zeros(width, dtype=np.int64),
         batch_tokens=np.zeros(width, dtype=np.int64),
@@ -699,7 +696,7 @@ def run_engine(
         elif rc == K.RC_STUCK:
             raise RuntimeError(
                 f"engine {engine} made no progress at t={scalars.now:.6f} s with "
-                f"{int(state.heap_size.sum())} waiting and "
+                f"{int(state.lanes[:, K.LANE_WAITING].sum())} waiting and "
                 f"{scalars.n_running} running (a bug)"
             )
         if progress is not None:
