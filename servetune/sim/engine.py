@@ -160,7 +160,9 @@ from servetune.workloads.trace import Trace
 # priority retraction under priority scheduling.
 # 6: prefix caching, on by default as in every engine (a preempted request's re-prefill
 # finds its own blocks while they are cached; traces with prefix ids share blocks).
-ENGINE_MODEL_VERSION = 6
+# 7: per-class lanes: a policy's classes' seats, KV shares, queue caps and chunk caps act
+# (before, only their priorities did; policies without them give what they gave).
+ENGINE_MODEL_VERSION = 7
 ENGINES = ENGINE_NAMES  # in kernel-id order: ENGINES.index(name) is the kernel's E_* id
 
 # Why a request did not complete: the codes and texts live in the kernel, which records them.
@@ -250,7 +252,8 @@ def _blocks(tokens: np.ndarray, block_size: int) -> np.ndarray:
 def _expected_output(
     trace: Trace, declared: np.ndarray, expected_output: np.ndarray | None
 ) -> np.ndarray:
-    """Expected output per request for the long-request test (Policy docstring)."""
+    """Expected output per request, for the lanes' footprints and the long-request test
+    (Policy docstring)."""
     n = len(trace)
     if trace.max_tokens is not None:
         return declared
@@ -413,24 +416,13 @@ def kernel_requests(
     arrival = np.ascontiguousarray(trace.arrival_s, dtype=np.float64)
     if not (np.all(np.isfinite(arrival)) and np.all(np.diff(arrival) >= 0)):
         raise ServetuneError("trace arrivals must be finite and sorted (use trace.from_arrays)")
-    class_ids = trace.class_ids().astype(np.int64)
-    n_classes = max(int(class_ids.max()) + 1 if n else 1, len(trace.class_names))
-    lane_of_class = np.zeros(n_classes, dtype=np.int32)
-    cap_of_class = np.full(n_classes, int(policy.batching.long_prefill_token_threshold),
-                           dtype=np.int64)
-    for i, name in enumerate(trace.class_names):
-        entry = policy.classes.get(name)
-        if entry is not None and entry.long_prefill_token_threshold is not None:
-            cap_of_class[i] = entry.long_prefill_token_threshold
-    by_class = class_lanes(policy, trace.class_names)
-    for k, name in enumerate(by_class):
-        lane_of_class[trace.class_names.index(name)] = k + 1
-    lane = lane_of_class[class_ids]
+    lane, chunk_cap = _class_columns(trace, policy)
     lane_blocks = np.zeros(n, dtype=np.int64)
-    if lr.enabled or by_class:
+    if lr.enabled or lane.any():
         footprint = prompt + _expected_output(trace, declared, expected_output)
-        if lr.enabled:
-            lane[footprint >= int(lr.threshold_tokens)] = len(by_class) + 1
+        if lr.enabled:  # the last lane, after the classes'
+            lane[footprint >= int(lr.threshold_tokens)] = len(class_lanes(
+                policy, trace.class_names)) + 1
         lane_blocks = np.where(lane > 0, _blocks(footprint, bs), 0)
     reserved = np.zeros(n, dtype=np.int64)
     if kernel_id(engine) in (K.E_TRTLLM, K.E_TGI):
@@ -445,7 +437,7 @@ def kernel_requests(
         priority=prio,
         lane=lane,
         lane_blocks=lane_blocks,
-        chunk_cap=cap_of_class[class_ids],
+        chunk_cap=chunk_cap,
         reserved_blocks=reserved,
         reject=np.zeros(n, dtype=np.int8),
         prefix_start=prefix_start,
@@ -453,6 +445,23 @@ def kernel_requests(
         precomputed=np.zeros(n, dtype=np.int64),
         ready_delay=np.zeros(n, dtype=np.float64),
     )
+
+
+def _class_columns(trace: Trace, policy: Policy) -> tuple[np.ndarray, np.ndarray]:
+    """Per request, from its class: its lane among :func:`class_lanes` (0: the common
+    lane), and its chunk cap (its class's ``long_prefill_token_threshold``, else the
+    policy's; 0: none)."""
+    class_ids = trace.class_ids().astype(np.int64)
+    n_classes = max(int(class_ids.max()) + 1 if len(trace) else 1, len(trace.class_names))
+    lane = np.zeros(n_classes, dtype=np.int32)
+    for k, name in enumerate(class_lanes(policy, trace.class_names)):
+        lane[trace.class_names.index(name)] = k + 1
+    cap = np.full(n_classes, int(policy.batching.long_prefill_token_threshold), np.int64)
+    for i, name in enumerate(trace.class_names):
+        entry = policy.classes.get(name)
+        if entry is not None and entry.long_prefill_token_threshold is not None:
+            cap[i] = entry.long_prefill_token_threshold
+    return lane[class_ids], cap[class_ids]
 
 
 def prefix_columns(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
@@ -648,8 +657,8 @@ def run_engine(
     a time (:class:`~servetune.sim.timeline.StepChunk`), without the run keeping it.
     ``progress(done, total)`` is called between chunks of steps with the number of
     requests resolved so far. ``expected_output`` (per request or per class) overrides
-    the trace's class mean output in the long-request test when the trace has no
-    ``max_tokens``. ``prefix_caching`` overrides the policy's
+    the trace's class mean output in the lanes' footprints and the long-request test
+    when the trace has no ``max_tokens``. ``prefix_caching`` overrides the policy's
     ``caching.enable_prefix_caching``.
     """
     _validate(trace, kv_blocks, block_size, engine)
