@@ -50,6 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from servetune.apps.optimize import TraceSimulator, min_window_s, optimize  # noqa: E402
+from servetune.models.pools_milp import compositions  # noqa: E402
 from servetune.models.tiers import ClassOption, Shared  # noqa: E402
 from servetune.profiles.shipped import load_profile  # noqa: E402
 from servetune.schemas.base import load_document  # noqa: E402
@@ -211,7 +212,7 @@ def run_instance(name: str, trace_path: str, slo_path: str, small: int, quick: b
                                "all_apart_scale": max(
                                    min(pool_scales[c] * n for c, n in zip(names, split,
                                                                           strict=True))
-                                   for split in _splits(replicas, len(names)))}
+                                   for split in compositions(replicas, len(names)))}
             print(f"  {name} f_fleet R={replicas}: {fleet[replicas]['pools']} scale "
                   f"{plan.scale:.3f}", flush=True)
         rows["f_fleet"] = {"subset_scales": {"+".join(k): v for k, v in goodput.items()},
@@ -221,14 +222,6 @@ def run_instance(name: str, trace_path: str, slo_path: str, small: int, quick: b
     if name == "two-tier":
         out["exhaustive"] = exhaustive(trace, profile, slo, single_policy, small, quick)
     return out
-
-
-def _splits(total: int, parts: int) -> list[tuple[int, ...]]:
-    """Every way to give ``parts`` pools at least one of ``total`` replicas."""
-    if parts == 1:
-        return [(total,)]
-    return [(k,) + rest for k in range(1, total - parts + 2)
-            for rest in _splits(total - k, parts - 1)]
 
 
 def exhaustive(trace, profile, slo, single_policy: Policy, small: int, quick: bool) -> dict:

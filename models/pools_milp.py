@@ -93,7 +93,7 @@ def best_by_enumeration(names: Sequence[str], goodput: dict[tuple[str, ...], flo
         k = len(partition)
         if k > replicas:
             continue
-        for split in _compositions(replicas, k):
+        for split in compositions(replicas, k):
             best = max(best, min(goodput[p] * n for p, n in zip(partition, split, strict=True)))
     return best
 
@@ -111,8 +111,9 @@ def _partitions(items: list[str]) -> list[list[tuple[str, ...]]]:
     return out
 
 
-def _compositions(total: int, parts: int) -> list[tuple[int, ...]]:
+def compositions(total: int, parts: int) -> list[tuple[int, ...]]:
+    """Every way to give ``parts`` pools at least one of ``total`` replicas each."""
     if parts == 1:
         return [(total,)]
     return [(first,) + rest for first in range(1, total - parts + 2)
-            for rest in _compositions(total - first, parts - 1)]
+            for rest in compositions(total - first, parts - 1)]

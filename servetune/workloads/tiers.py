@@ -10,6 +10,8 @@ entry for.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from servetune.errors import ServetuneError
@@ -29,20 +31,7 @@ def classify(trace: Trace, slo: SLOSet) -> Trace:
     edges = np.array([b.max_prompt_tokens for b in slo.length_bands[:-1]], dtype=np.int64)
     # side="left": a prompt equal to a band's maximum stays in that band
     band = np.searchsorted(edges, np.asarray(trace.prompt_tokens, dtype=np.int64), side="left")
-    return Trace(
-        arrival_s=trace.arrival_s,
-        prompt_tokens=trace.prompt_tokens,
-        output_tokens=trace.output_tokens,
-        class_id=band_class[band],
-        class_names=names,
-        priority=trace.priority,
-        max_tokens=trace.max_tokens,
-        prefix_offsets=trace.prefix_offsets,
-        prefix_block_ids=trace.prefix_block_ids,
-        prefix_block_tokens=trace.prefix_block_tokens,
-        source=trace.source,
-        notices=trace.notices,
-    )
+    return replace(trace, class_id=band_class[band], class_names=names)
 
 
 def unjudged_classes(trace: Trace, slo: SLOSet) -> dict[str, int]:
