@@ -40,7 +40,7 @@ blocks), shared knobs ``g`` (seats ``B``, token budget ``M``, watermark ``w``):
   quantile of the pooled demand over the sum of the classes' quantiles, at no caps), fits
   ``B`` and ``K (1 - w)``.
 
-``Calibration`` factors per class (fitted by :mod:`servetune.solvers.tiers` to what the
+``TierCalibration`` factors per class (fitted by :mod:`servetune.solvers.tiers` to what the
 simulator measured) scale TTFT and TPOT, as the single-class loop does.
 """
 
@@ -58,6 +58,7 @@ from servetune.models.fluid import (
     COEF_CONSTANT,
     COEF_PREFILL_PAIR,
     FluidModel,
+    Knobs,
     LoadModel,
     Platform,
     Target,
@@ -130,8 +131,6 @@ class ClassTerms:
     seats: dict[ClassOption, float]  # q-quantile running requests within its caps
     kv_blocks: dict[ClassOption, float]  # q-quantile KV blocks within its caps
     stable: dict[ClassOption, bool]
-    excess_s: dict[int, float]  # by chunk cap: TPOT excess this class's prompts cause
-    # ... on each class c (keys: (c, chunk cap)), filled by Terms
 
 
 @dataclass
@@ -277,7 +276,7 @@ class TierModel:
                 w0[cap] = kingman * rate_c * min(1.0, ch / room) * float(
                     np.mean(service**2)) / 2.0
             ct = ClassTerms(rho=rate_c * float(np.mean(work)), w0=w0, own_ttft_s={}, seats={},
-                            kv_blocks={}, stable={}, excess_s={})
+                            kv_blocks={}, stable={})
             busy += ct.rho
             prompt_q = cl.prompt_quantile(tgt.q)
             for opt in options[name]:
@@ -422,9 +421,7 @@ class TierModel:
                                          for k in self.names)
 
 
-def _pooled_knobs(shared: Shared, chunk_cap: int):
-    from servetune.models.fluid import Knobs
-
+def _pooled_knobs(shared: Shared, chunk_cap: int) -> Knobs:
     return Knobs(max_num_seqs=shared.max_num_seqs,
                  max_num_batched_tokens=shared.max_num_batched_tokens,
                  long_prefill_token_threshold=chunk_cap, kv_watermark=shared.kv_watermark)
