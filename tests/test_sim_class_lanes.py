@@ -182,6 +182,16 @@ def test_a_request_over_its_class_kv_cap_is_rejected_at_arrival():
     assert "its lane's KV cap" in REASONS[K.REASON_LANE]
 
 
+def test_a_request_that_only_fits_into_another_classs_kv_reserve_is_rejected_at_arrival():
+    # 20 blocks of 4 tokens, A reserves 10: B's prompt of 48 tokens (12 blocks) never fits
+    # beside A's reserve; the same request of class A does.
+    rows = [(0, 48, 2, "B"), (0, 48, 2, "A")]
+    out, _ = run(classed(rows), policy(classes={"A": {"reserved_kv_fraction": 0.5}}),
+                 kv_blocks=20)
+    assert out.status.tolist() == [2, 0]
+    assert out.reason[0] == K.REASON_KV_POOL
+
+
 def test_lanes_are_the_trace_classes_with_settings_then_the_long_lane():
     # A and C have lanes (1, 2; D is not in the trace); a long request goes to lane 3
     # whatever its class. B's chunk cap is its own, the others' the policy's.
