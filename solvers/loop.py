@@ -344,13 +344,15 @@ def recalibrate(
         if not above:
             continue
         fail = min(above, key=lambda q: q.rate_scale)
-        for cls, judged in fail.judged.items():
+        for cls in fail.judged:
             target = fluid.targets.get(cls)
             if target is None:
                 continue
             for fam in ("ttft", "tpot"):
                 limit = getattr(target, f"{fam}_s")
-                value = judged.get(f"p{target.q * 100:g}_{fam}_s")
+                # The class's measured q-quantile: its SLO's percentile, or its attainment
+                # taken as one (an attainment verdict has no percentile of its own).
+                value = fail.measured.get(f"{fam}[{cls}]")
                 p = pred[f"{fam}_q_s"].get(cls)
                 if (limit and value is not None and value > limit and p and p > 0
                         and math.isfinite(p)):

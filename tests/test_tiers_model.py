@@ -190,3 +190,34 @@ def test_pools_worked_by_hand():
     # with b at 5x apart, (a on 3, b on 1) = 4.5x beats together.
     g[("b",)] = 5.0
     assert tiers.route_pools(("a", "b"), g, 4).pools == {("a",): 3, ("b",): 1}
+
+
+def test_single_class_recalibration_sees_an_attainment_tier_bind():
+    """A class judged by attainment has no percentile in its verdict: the loop reads its
+    measured q-quantile. Just above the goodput chat's q-quantile TTFT broke its limit,
+    so the TTFT factor makes the model's prediction at the goodput equal the limit."""
+    from servetune.models.fluid import (
+        Calibration,
+        FluidModel,
+        Knobs,
+        LoadModel,
+        Platform,
+        targets_for,
+    )
+    from servetune.search import GoodputResult
+    from servetune.solvers.loop import Evaluated, SimPoint, recalibrate
+
+    trace = mixed_trace()
+    load = LoadModel.from_trace(trace)
+    fluid = FluidModel(load, Platform.from_profile(load_profile("h200-llama-3.1-8b")),
+                       targets_for(load, SLO))
+    knobs = Knobs(max_num_seqs=256, max_num_batched_tokens=4096)
+    rate = 0.5 * load.rate_per_s
+    predicted = fluid.evaluate(knobs, rate)["ttft_q_s"]["chat"]
+    ok = SimPoint(0.5, rate, True, 0.97, measured={})
+    fail = SimPoint(0.55, 1.1 * rate, False, 0.9, measured={"ttft[chat]": 0.9},
+                    judged={"chat": {"attainment": 0.9, "rejected_share": 0.0}})
+    est = GoodputResult(0.5, rate, points=[ok, fail], base_rate_per_s=load.rate_per_s)
+    cal = recalibrate(fluid, [Evaluated(0, knobs, rate, None, est)], Calibration())
+    assert cal.ttft == pytest.approx(0.5 / predicted, rel=1e-9)
+    assert cal.tpot == 1.0  # TPOT did not break, and nothing was measured for it
