@@ -29,7 +29,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -54,6 +54,10 @@ from servetune.schemas.slo import SLOSet
 from servetune.search import GoodputResult
 from servetune.solvers.drivers import solve_cpsat, solve_highs
 from servetune.solvers.loop import SimPoint, Simulator, find_goodput
+
+if TYPE_CHECKING:
+    from servetune.schemas.profile import Profile
+    from servetune.workloads.trace import Trace
 
 CHUNK_CAPS = (0, 256, 512, 1024, 2048, 4096)
 # (max_seqs, max_kv_fraction) pairs a class may be held to; (None, 1.0): no cap.
@@ -117,7 +121,8 @@ class TierResult:
     explanation: dict[str, Any] = field(default_factory=dict)
 
 
-def tier_model(trace, profile, slo: SLOSet, engine: str = "vllm") -> TierModel:
+def tier_model(trace: Trace, profile: Profile, slo: SLOSet, engine: str = "vllm"
+               ) -> TierModel:
     """The per-class model of a trace's classes on a profile, with the SLO set's targets."""
     load = LoadModel.from_trace(trace)
     e2e = {c.name: slo.for_class(c.name).e2e_s for c in load.classes
@@ -136,7 +141,7 @@ def solve_at(model: TierModel, scale: float, grid: Sequence[Shared],
     if not any(t.stable for t in terms):
         return None, 0.0
     m = build_model(model, terms, options)
-    outcome, solver = solve_highs(m, time_limit_s=time_limit_s)
+    outcome, _ = solve_highs(m, time_limit_s=time_limit_s)
     if not outcome.status.has_solution:
         return None, outcome.solve_s
     choice = decode(m, terms, model, options)

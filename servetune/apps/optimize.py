@@ -927,13 +927,13 @@ def _try_lanes(
 def has_tiers(sample: Trace, slo: SLOSet) -> bool:
     """Two or more of the sample's classes have different SLO tiers."""
     present = {sample.class_names[i] for i in set(sample.class_ids().tolist())}
-    tiers = set()
+    distinct = set()
     for name in present:
         try:
-            tiers.add(slo.for_class(name).model_dump_json())
+            distinct.add(slo.for_class(name).model_dump_json())
         except KeyError:
             return False
-    return len(present) >= 2 and len(tiers) >= 2
+    return len(present) >= 2 and len(distinct) >= 2
 
 
 def _try_tiers(
