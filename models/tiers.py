@@ -140,7 +140,6 @@ class Terms:
     scale: float
     shared: Shared
     stable: bool  # the step-time fixed point exists and the budget keeps up
-    step_s: float = math.nan
     classes: dict[str, ClassTerms] = field(default_factory=dict)
     wait_factor: dict[tuple[str, tuple[int, ...]], float] = field(default_factory=dict)
     tpot_base_s: dict[str, float] = field(default_factory=dict)
@@ -237,7 +236,6 @@ class TierModel:
         if room <= 0 or (decode + prefill) / budget >= BUDGET_UTIL_MAX:
             return terms
         terms.stable = True
-        terms.step_s = step
         q_cap = self.capacity_quantile
         bs = float(self.platform.block_size)
         kv_cap_blocks = self.platform.kv_blocks * (1.0 - shared.kv_watermark)
@@ -255,9 +253,10 @@ class TierModel:
         # A prompt of P tokens costs a P + b P^2 / 2 seconds of prefill (per token, per
         # attention pair) and rides on ceil(P / ch) steps' decode-only time.
         token_s, pair_s = fm._chunk_token_s, fm._pair_s
-        decode_step_s = 0.0 if constant else float(fm.step_seconds(
+        decode_only_s = float(fm.step_seconds(
             np.array(decode), np.array(decode + x), np.array(decode),
             np.array(decode * ctx_per_row), np.array(0.0)))
+        decode_step_s = 0.0 if constant else decode_only_s
         busy = 0.0
         for cl in self.load.classes:
             name = cl.name
@@ -290,10 +289,8 @@ class TierModel:
                     np.array(decode * ctx_per_row), np.array(others * pairs_per_token)))
                 own_attention = 0.0 if constant else (
                     coef[COEF_PREFILL_PAIR] * 0.5 * prompt_q * prompt_q)
-                running = xc * (cl.output_mean - 1.0 + cl.prompt_mean / ch + 0.5)
+                running, k1, k2 = mom.demand(xc, ch)
                 seats_q = float(poisson_quantile_cf(running, q_cap))
-                k1 = xc * (mom.ctx + mom.p2 / ch + 0.5 * cl.prompt_mean)
-                k2 = xc * (mom.ctx_sq + mom.p3 / ch + 0.5 * mom.p2)
                 kv_q = (float(lognormal_quantile(k1, k2, q_cap)) + 0.5 * bs * seats_q) / bs
                 # The caps: at most n of the class run at once; beyond, it queues (M/M/n).
                 n = math.inf
@@ -319,11 +316,9 @@ class TierModel:
                 ct.kv_blocks[opt] = kv_q
                 ct.stable[opt] = stable
             # The uncapped demand, for the pooling factors.
-            running0 = xc * (cl.output_mean - 1.0 + cl.prompt_mean / room + 0.5)
+            running0, k1, k2 = mom.demand(xc, room)
             running_pool += running0
             seat_sum += float(poisson_quantile_cf(running0, q_cap))
-            k1 = xc * (mom.ctx + mom.p2 / room + 0.5 * cl.prompt_mean)
-            k2 = xc * (mom.ctx_sq + mom.p3 / room + 0.5 * mom.p2)
             kv_k1_pool += k1
             kv_k2_pool += k2
             kv_sum += float(lognormal_quantile(k1, k2, q_cap)) / bs
@@ -354,16 +349,16 @@ class TierModel:
                 terms.wait_factor[(name, levels)] = self.calibration.of("ttft", name) * factor
         # TPOT: per class, the decode-only step, the burst floor, and the excess each
         # source class's prompts add with each of its chunk caps.
-        base_state = fm.state(_pooled_knobs(shared, 0), x)
+        base_state = fm.state(Knobs(max_num_seqs=shared.max_num_seqs,
+                                    max_num_batched_tokens=shared.max_num_batched_tokens,
+                                    kv_watermark=shared.kv_watermark), x)
         sd_decode_s = math.sqrt(max(x * fm._decode_time_sq, 0.0))
         for cl in self.load.classes:
             name = cl.name
             tgt = self.targets[name]
             z_tab = fm.tpot_z.get(name)
             decode_noise = float(_tpot_z_at(fm._decode_tau, z_tab, tgt.q)) * sd_decode_s
-            base = float(fm.step_seconds(np.array(decode), np.array(decode + x),
-                                         np.array(decode), np.array(decode * ctx_per_row),
-                                         np.array(0.0))) + decode_noise
+            base = decode_only_s + decode_noise
             full = float(fm.step_seconds(
                 np.array(budget), np.array(decode + x), np.array(decode),
                 np.array(decode * ctx_per_row),
@@ -377,7 +372,7 @@ class TierModel:
                 pm = self._pair_model(name, src.name)
                 for cap in terms.classes[src.name].w0:
                     ch = min(float(cap) if cap > 0 else math.inf, room)
-                    mean, quant = pm.prefill_excess_quantile(name, np.array([xs[src.name]]),
+                    _, quant = pm.prefill_excess_quantile(name, np.array([xs[src.name]]),
                                                              np.array([ch]), tgt.q)
                     terms.excess_s[(name, src.name, cap)] = cal * float(quant[0])
         return terms
@@ -421,12 +416,6 @@ class TierModel:
                                          for k in self.names)
 
 
-def _pooled_knobs(shared: Shared, chunk_cap: int) -> Knobs:
-    return Knobs(max_num_seqs=shared.max_num_seqs,
-                 max_num_batched_tokens=shared.max_num_batched_tokens,
-                 long_prefill_token_threshold=chunk_cap, kv_watermark=shared.kv_watermark)
-
-
 def erlang_wait_quantile(servers: int, offered: float, hold: float, q: float) -> float:
     """The q-quantile wait (in the units of ``hold``) of an M/M/n queue with ``servers``
     servers, ``offered`` = mean busy servers, and mean holding time ``hold``: Erlang C
@@ -462,6 +451,15 @@ class _Moments:
     def p_min_p(self, chunk: float) -> float:
         """``E[P min(P, chunk)]``."""
         return float(np.mean(self.prompts * np.minimum(self.prompts, chunk)))
+
+    def demand(self, arrivals: float, chunk: float) -> tuple[float, float, float]:
+        """At ``arrivals`` per step and prompts prefilled ``chunk`` tokens a step: the
+        mean running requests, and the mean and variance of the KV tokens they hold
+        (shot noise, as :meth:`FluidModel.state` has it for the pooled classes)."""
+        running = arrivals * (self.output_mean - 1.0 + self.prompt_mean / chunk + 0.5)
+        k1 = arrivals * (self.ctx + self.p2 / chunk + 0.5 * self.prompt_mean)
+        k2 = arrivals * (self.ctx_sq + self.p3 / chunk + 0.5 * self.p2)
+        return running, k1, k2
 
     def footprint_blocks(self, block_size: float) -> float:
         """Mean lane footprint (blocks of prompt + output, as the kernel counts a cap)."""
