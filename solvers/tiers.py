@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -343,7 +342,6 @@ def optimize_tiers(model: TierModel, sim: Simulator, slo: SLOSet, base: Policy, 
     result = TierResult(best=None)
     seen: set[str] = set()
     start = start_scale
-    solver_start = time.perf_counter()
     for _ in range(max_rounds):
         current = model.with_calibration(cal)
         scale, choice = model_goodput(current, grid, opts, start=start, stats=stats)
@@ -378,7 +376,6 @@ def optimize_tiers(model: TierModel, sim: Simulator, slo: SLOSet, base: Policy, 
         start = max(chosen.goodput.rate_scale, 1 / 256)
     result.solves = int(stats.get("solves", 0))
     result.solver_s = float(stats.get("solver_s", 0.0))
-    result.explanation.setdefault("wall_s", time.perf_counter() - solver_start)
     return result
 
 
