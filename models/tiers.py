@@ -24,8 +24,9 @@ blocks), shared knobs ``g`` (seats ``B``, token budget ``M``, watermark ``w``):
   E[S_k^2] / 2`` is the work a newcomer finds in progress: a prompt that holds only a chunk
   ``ch < R`` of each step blocks others for that share of its service. (In steps of the
   mean step time, as the single-class model counts it, a 30k-token prompt's deep-attention
-  steps were invisible: chat's TTFT came out 2x low.) The q-quantile wait uses an
-  exponential tail ``W_c / p ln(p / (1 - q))`` with ``p`` the chance of waiting;
+  steps were invisible, and the goodput of unchunked policies came out 2.1-2.3x too
+  high.) The q-quantile wait uses an exponential tail ``W_c / p ln(p / (1 - q))`` with
+  ``p`` the chance of waiting;
 - TTFT = the wait, plus ``ceil(P_q / ch)`` prefill steps and the prompt's own attention
   (as the single-class model), plus, when a cap limits the class's running requests to
   ``n`` (``m``, or ``F K / E[footprint]``), the wait of an M/M/n admission queue (Erlang C)
