@@ -114,6 +114,7 @@ class TierRound:
 @dataclass
 class TierResult:
     best: TierRound | None
+    options: dict[str, list[ClassOption]] = field(default_factory=dict)  # searched
     rounds: list[TierRound] = field(default_factory=list)
     solves: int = 0
     solver_s: float = 0.0
@@ -339,7 +340,7 @@ def optimize_tiers(model: TierModel, sim: Simulator, slo: SLOSet, base: Policy, 
     opts = options or {n: class_options(engine) for n in model.names}
     stats: dict[str, float] = {}
     cal = TierCalibration()
-    result = TierResult(best=None)
+    result = TierResult(best=None, options=opts)
     seen: set[str] = set()
     start = start_scale
     for _ in range(max_rounds):

@@ -221,3 +221,29 @@ def test_single_class_recalibration_sees_an_attainment_tier_bind():
     cal = recalibrate(fluid, [Evaluated(0, knobs, rate, None, est)], Calibration())
     assert cal.ttft == pytest.approx(0.5 / predicted, rel=1e-9)
     assert cal.tpot == 1.0  # TPOT did not break, and nothing was measured for it
+
+
+def test_optimize_runs_the_tiered_search_and_keeps_it_only_when_better():
+    """The tiered stage of ``optimize`` on a small two-tier trace: the policy it returns
+    is the best simulated round when that beats the single-class policy, else the
+    single-class one; ``per_class=False`` skips the stage."""
+    from servetune.apps.optimize import optimize
+
+    trace = mixed_trace(n_chat=800, n_long=25, span_s=160.0)
+    profile = load_profile("h200-llama-3.1-8b")
+    res = optimize(trace, profile, SLO, compare_defaults=False, max_iterations=2,
+                   n_requests=len(trace))
+    info = next(i["tiers"] for i in res.summary["iterations"] if "tiers" in i)
+    best_round = max(r["simulated_rate_per_s"] for r in info["rounds"])
+    single = info["single_class_goodput_rate_per_s"]
+    if info["kept"]:
+        assert res.summary["goodput_rate_per_s"] == pytest.approx(best_round, rel=1e-3)  # rounded
+        assert best_round > single and res.policy.classes
+        assert set(res.summary["classes"]) == {"chat", "longctx"}
+    else:
+        assert res.summary["goodput_rate_per_s"] == pytest.approx(single, rel=1e-3)
+    assert "ttft[chat]" in info.get("what_binds", {"ttft[chat]": None})
+    flat = optimize(trace, profile, SLO, compare_defaults=False, max_iterations=2,
+                    n_requests=len(trace), per_class=False)
+    assert not any("tiers" in i for i in flat.summary["iterations"])
+    assert flat.summary["goodput_rate_per_s"] == pytest.approx(single, rel=1e-3)

@@ -971,7 +971,7 @@ def _try_tiers(
         return best, info, result.solver_s
     info["what_binds"] = tiers.what_binds(
         model.with_calibration(top.calibration), top.choice, top.goodput.rate_scale or
-        top.scale_model, {n: tiers.class_options(engine) for n in model.names})
+        top.scale_model, result.options)
     better = (top.goodput.passed
               and top.goodput.rate_per_s > best.goodput.rate_per_s * (1 + rel_tol / 2))
     info["kept"] = bool(better)
