@@ -751,16 +751,19 @@ class FluidModel:
 
     # The state ------------------------------------------------------------------------
     def state(self, knobs: Knobs, x) -> FluidState:
+        return self.states(float(knobs.max_num_batched_tokens), _chunk_cap(knobs), x)
+
+    def states(self, budget, chunk_cap, x) -> FluidState:
+        """:meth:`state` with the token budget and the per-request chunk cap (inf: none)
+        given as arrays of ``x``'s shape: the states of many step shapes at once."""
         x = np.atleast_1d(np.asarray(x, dtype=np.float64))
         cal = self.calibration
-        budget = float(knobs.max_num_batched_tokens)
         step = self.mean_step_s(x)
         decode = x * self.decode_rows
         prefill = x * self.prompt_mean
         tokens = decode + prefill
         room = np.maximum(budget - decode, 1e-9)  # prefill tokens a step can take
         rho = np.where(budget - decode > 0, prefill / room, np.inf)
-        chunk_cap = float(knobs.long_prefill_token_threshold) or math.inf
         chunk = np.minimum(room, chunk_cap)
         prefill_steps = self.prompt_mean / chunk + 0.5
         running = x * (self.decode_rows + prefill_steps)
@@ -857,8 +860,8 @@ class FluidModel:
                 decode, decode + x, decode, decode * context_per_row, 0.0 * decode,
             ) + pf_mean + spread
             full_step = self.step_seconds(
-                np.full_like(decode, budget), decode + x, decode, decode * context_per_row,
-                np.full_like(decode, budget * prompt_q)) + decode_noise
+                np.broadcast_to(budget, decode.shape), decode + x, decode, decode * context_per_row,
+                np.broadcast_to(budget * prompt_q, decode.shape)) + decode_noise
             tpot[cls.name] = cal.tpot * np.minimum(np.maximum(bursts, heavy), full_step)
         in_system = running + x * np.where(np.isfinite(wait_mean), wait_mean, 1e12)
         queued_q = poisson_quantile_cf(in_system, self.capacity_quantile)
@@ -884,30 +887,48 @@ class FluidModel:
         return out
 
     # Conditions -----------------------------------------------------------------------
+    def condition_values(self, st: FluidState) -> dict[Condition, np.ndarray]:
+        """Each condition's value in a state, whatever the policy's limits (the queue
+        caps' too: a policy without them ignores theirs)."""
+        out = {
+            Condition(Family.BUDGET): st.budget_util,
+            Condition(Family.SEATS): st.running_q,
+            Condition(Family.KV_MEMORY): st.kv_q_tokens,
+        }
+        for name, tgt in self.targets.items():
+            if tgt.ttft_s is not None:
+                out[Condition(Family.TTFT, name)] = st.ttft_q_s[name]
+            if tgt.tpot_s is not None:
+                out[Condition(Family.TPOT, name)] = st.tpot_q_s[name]
+        out[Condition(Family.QUEUE_REQUESTS)] = st.queued_q
+        out[Condition(Family.QUEUE_PROMPT_TOKENS)] = st.queued_prompt_tokens_q
+        return out
+
+    def condition_limits(self, knobs: Knobs) -> dict[Condition, float]:
+        """Each condition's limit under a policy: it holds where value <= limit."""
+        out = {
+            Condition(Family.BUDGET): BUDGET_UTIL_MAX,
+            Condition(Family.SEATS): float(knobs.max_num_seqs),
+            Condition(Family.KV_MEMORY): self.platform.kv_tokens * (1.0 - knobs.kv_watermark),
+        }
+        for name, tgt in self.targets.items():
+            if tgt.ttft_s is not None:
+                out[Condition(Family.TTFT, name)] = tgt.ttft_s
+            if tgt.tpot_s is not None:
+                out[Condition(Family.TPOT, name)] = tgt.tpot_s
+        if knobs.max_queued_requests is not None:
+            out[Condition(Family.QUEUE_REQUESTS)] = float(knobs.max_queued_requests)
+        if knobs.max_queued_prompt_tokens is not None:
+            out[Condition(Family.QUEUE_PROMPT_TOKENS)] = float(knobs.max_queued_prompt_tokens)
+        return out
+
     def conditions(
         self, knobs: Knobs, st: FluidState
     ) -> dict[Condition, tuple[np.ndarray, float]]:
         """Each condition as (value, limit): it holds where value <= limit."""
-        cap_tokens = self.platform.kv_tokens * (1.0 - knobs.kv_watermark)
-        out: dict[Condition, tuple[np.ndarray, float]] = {
-            Condition(Family.BUDGET): (st.budget_util, BUDGET_UTIL_MAX),
-            Condition(Family.SEATS): (st.running_q, float(knobs.max_num_seqs)),
-            Condition(Family.KV_MEMORY): (st.kv_q_tokens, cap_tokens),
-        }
-        for name, tgt in self.targets.items():
-            if tgt.ttft_s is not None:
-                out[Condition(Family.TTFT, name)] = (st.ttft_q_s[name], tgt.ttft_s)
-            if tgt.tpot_s is not None:
-                out[Condition(Family.TPOT, name)] = (st.tpot_q_s[name], tgt.tpot_s)
-        if knobs.max_queued_requests is not None:
-            out[Condition(Family.QUEUE_REQUESTS)] = (
-                st.queued_q, float(knobs.max_queued_requests)
-            )
-        if knobs.max_queued_prompt_tokens is not None:
-            out[Condition(Family.QUEUE_PROMPT_TOKENS)] = (
-                st.queued_prompt_tokens_q, float(knobs.max_queued_prompt_tokens)
-            )
-        return out
+        values = self.condition_values(st)
+        return {cond: (values[cond], limit)
+                for cond, limit in self.condition_limits(knobs).items()}
 
     def violations(
         self, knobs: Knobs, x: float, *, only_stability: bool = False
@@ -938,56 +959,67 @@ class FluidModel:
     ) -> list[dict[Condition, Limit]]:
         """:meth:`limits` for many points at once. The state depends only on the token
         budget and the chunk cap (seats, watermark and queue caps only move the limits),
-        so points sharing those two share every state evaluation."""
-        out: list[dict[Condition, Limit] | None] = [None] * len(points)
-        groups: dict[tuple[int, int], list[int]] = {}
+        so the states of every step shape are one evaluation on a grid of loads, and
+        each bisection step one evaluation for every limit still being narrowed."""
+        out: list[dict[Condition, Limit]] = [{} for _ in points]
+        shapes: dict[tuple[int, float], int] = {}
+        shape_of = [shapes.setdefault(
+            (k.max_num_batched_tokens, _chunk_cap(k)), len(shapes)) for k in points]
+        if not shapes:
+            return out
+        budget = np.array([b for b, _ in shapes], dtype=np.float64)
+        chunk_cap = np.array([c for _, c in shapes], dtype=np.float64)
+        # x from 0 to the budget's stability bound, per shape: one row each
+        base = np.concatenate([[1e-9], np.geomspace(1e-6, 1.0, grid)])
+        xs = (BUDGET_UTIL_MAX * budget / self.tokens)[:, None] * base[None, :]
+        cols = len(base)
+        values = self.condition_values(self.states(
+            np.repeat(budget, cols), np.repeat(chunk_cap, cols), xs.ravel()))
+        # (point, condition, its limit, its shape) of the limits to narrow by bisection
+        pairs: list[tuple[int, Condition, float, int]] = []
+        lo_l: list[float] = []
+        up_l: list[float] = []
         for i, k in enumerate(points):
-            key = (k.max_num_batched_tokens, k.long_prefill_token_threshold)
-            groups.setdefault(key, []).append(i)
-        for members in groups.values():
-            # Values do not depend on the caps' levels; set them so every condition exists.
-            rep = replace(points[members[0]], max_queued_requests=1, max_queued_prompt_tokens=1)
-            hi = self.x_upper(rep)
-            xs = hi * np.concatenate([[1e-9], np.geomspace(1e-6, 1.0, grid)])
-            st = self.state(rep, xs)
-            pairs: list[tuple[int, Condition, float]] = []  # (point, condition, its limit)
-            lo_l: list[float] = []
-            up_l: list[float] = []
-            for i in members:
-                res: dict[Condition, Limit] = {}
-                for cond, (value, limit) in self.conditions(points[i], st).items():
-                    ok = np.asarray(value <= limit)
-                    floor_value = float(value[0])
-                    bad = np.flatnonzero(~ok)
-                    if not ok[0]:
-                        res[cond] = Limit(cond, 0.0, floor_value, limit)
-                    elif len(bad) == 0:
-                        res[cond] = Limit(cond, float(xs[-1]), floor_value, limit)
-                    else:
-                        j = int(bad[0])
-                        res[cond] = Limit(cond, float(xs[j - 1]), floor_value, limit)
-                        pairs.append((i, cond, limit))
-                        lo_l.append(float(xs[j - 1]))
-                        up_l.append(float(xs[j]))
-                out[i] = res
-            if not pairs:
-                continue
-            lo = np.array(lo_l)
-            up = np.array(up_l)
-            for _ in range(refine):
-                mid = 0.5 * (lo + up)
-                mid_conds = self.conditions(rep, self.state(rep, mid))
-                values = np.array(
-                    [float(mid_conds[cond][0][j]) for j, (_, cond, _) in enumerate(pairs)]
-                )
-                limits = np.array([lim for _, _, lim in pairs])
-                good = values <= limits
-                lo = np.where(good, mid, lo)
-                up = np.where(good, up, mid)
-            for j, (i, cond, _) in enumerate(pairs):
-                prev = out[i][cond]
-                out[i][cond] = Limit(cond, float(lo[j]), prev.floor_value, prev.target)
-        return [o or {} for o in out]
+            g = shape_of[i]
+            row = xs[g]
+            res = out[i]
+            for cond, limit in self.condition_limits(k).items():
+                value = values[cond][g * cols:(g + 1) * cols]
+                floor_value = float(value[0])
+                bad = np.flatnonzero(~(value <= limit))
+                if len(bad) and bad[0] == 0:
+                    res[cond] = Limit(cond, 0.0, floor_value, limit)
+                elif len(bad) == 0:
+                    res[cond] = Limit(cond, float(row[-1]), floor_value, limit)
+                else:
+                    j = int(bad[0])
+                    res[cond] = Limit(cond, float(row[j - 1]), floor_value, limit)
+                    pairs.append((i, cond, limit, g))
+                    lo_l.append(float(row[j - 1]))
+                    up_l.append(float(row[j]))
+        if not pairs:
+            return out
+        lo, up = np.array(lo_l), np.array(up_l)
+        limits = np.array([lim for _, _, lim, _ in pairs])
+        of_shape = np.array([g for _, _, _, g in pairs])
+        by_condition: dict[Condition, list[int]] = {}
+        for j, (_, cond, _, _) in enumerate(pairs):
+            by_condition.setdefault(cond, []).append(j)
+        members = {cond: np.array(js) for cond, js in by_condition.items()}
+        for _ in range(refine):
+            mid = 0.5 * (lo + up)
+            at_mid = self.condition_values(
+                self.states(budget[of_shape], chunk_cap[of_shape], mid))
+            value = np.empty(len(pairs))
+            for cond, js in members.items():
+                value[js] = at_mid[cond][js]
+            good = value <= limits
+            lo = np.where(good, mid, lo)
+            up = np.where(good, up, mid)
+        for j, (i, cond, _, _) in enumerate(pairs):
+            prev = out[i][cond]
+            out[i][cond] = Limit(cond, float(lo[j]), prev.floor_value, prev.target)
+        return out
 
     def goodput(self, knobs: Knobs) -> tuple[float, Condition, dict[Condition, Limit]]:
         """(largest sustainable rate at the SLOs, the binding condition, all limits)."""
@@ -996,6 +1028,11 @@ class FluidModel:
         x = binding.x_max
         rate = float(x / self.mean_step_s(x)) if x > 0 else 0.0
         return rate, binding.condition, lims
+
+
+def _chunk_cap(knobs: Knobs) -> float:
+    """The per-request prefill chunk cap in tokens (inf: none)."""
+    return float(knobs.long_prefill_token_threshold) or math.inf
 
 
 def knobs_grid(space_knobs: dict[str, list[Any]], base: Knobs | None = None) -> list[Knobs]:

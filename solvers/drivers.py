@@ -1,5 +1,6 @@
-"""Solver drivers: run HiGHS (through Pyomo's appsi) and CP-SAT within limits and
-report one explicit status, and enumerate the best k solutions with no-good cuts.
+"""Solver drivers: run HiGHS (a Pyomo model through Pyomo's appsi, or a model built in
+matrix form through highspy) and CP-SAT within limits and report one explicit status,
+and enumerate the best k solutions with no-good cuts.
 
 Two kinds of limit. The *work* limits (HiGHS: branch-and-bound nodes and simplex
 iterations; CP-SAT: deterministic time with a fixed number of workers) stop a solve at
@@ -25,7 +26,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+import highspy
 import pyomo.environ as pyo
+from pyomo.common.tee import capture_output
 from pyomo.contrib import appsi
 from pyomo.contrib.appsi.base import TerminationCondition as TC
 
@@ -162,42 +165,94 @@ def solve_highs(
     ), solver
 
 
+def new_highs() -> highspy.Highs:
+    """An empty HiGHS instance that writes nothing (the first one of a process prints
+    HiGHS's banner to stdout, which would break ``--json`` output: it is caught here)."""
+    global _highs_banner_shown
+    if _highs_banner_shown:
+        highs = highspy.Highs()
+    else:
+        with capture_output(capture_fd=True):
+            highs = highspy.Highs()
+        _highs_banner_shown = True
+    highs.setOptionValue("output_flag", False)
+    return highs
+
+
+_highs_banner_shown = False
+
+
+def solve_highspy(
+    highs: highspy.Highs, *, time_limit_s: float, mip_gap: float = 1e-6,
+    max_nodes: int = HIGHS_MAX_NODES, max_simplex_iterations: int = HIGHS_MAX_SIMPLEX_ITERATIONS,
+) -> SolveOutcome:
+    """Solve a model loaded in ``highs`` (a model built in matrix form), with the same
+    limits and statuses as :func:`solve_highs`. A later call after a change (a bound, a
+    row) solves the changed model."""
+    for option, value in (("time_limit", max(float(time_limit_s), 0.01)),
+                          ("mip_rel_gap", float(mip_gap)), ("mip_max_nodes", int(max_nodes)),
+                          ("simplex_iteration_limit", int(max_simplex_iterations))):
+        highs.setOptionValue(option, value)
+    start = time.perf_counter()
+    try:
+        highs.run()
+    except Exception as exc:  # the solver's own failure; reported, never raised
+        return SolveOutcome(SolveStatus.ERROR, solve_s=time.perf_counter() - start,
+                            message=f"HiGHS: {exc}")
+    elapsed = time.perf_counter() - start
+    ms = highspy.HighsModelStatus
+    code = highs.getModelStatus()
+    info = highs.getInfo()
+    has_solution = info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
+    stopped_by = ""
+    if code == ms.kOptimal:
+        status = SolveStatus.OPTIMAL
+    elif code == ms.kTimeLimit:
+        stopped_by = "time_limit"
+        status = SolveStatus.FEASIBLE_AT_TIME_LIMIT if has_solution else SolveStatus.ERROR
+    elif code in (ms.kIterationLimit, ms.kSolutionLimit):  # HiGHS's node limit is the latter
+        stopped_by = "work_limit"
+        status = SolveStatus.FEASIBLE_AT_WORK_LIMIT if has_solution else SolveStatus.ERROR
+    elif code in (ms.kInfeasible, ms.kUnboundedOrInfeasible):
+        status = SolveStatus.INFEASIBLE
+    else:
+        status = SolveStatus.ERROR
+    return SolveOutcome(
+        status,
+        objective=float(info.objective_function_value) if status.has_solution else None,
+        solve_s=elapsed,
+        message="" if status != SolveStatus.ERROR else
+        f"HiGHS stopped: {highs.modelStatusToString(code)}",
+        stopped_by=stopped_by,
+    )
+
+
 def top_k_highs(
-    model: pyo.ConcreteModel,
+    highs: highspy.Highs,
     k: int,
     *,
-    binaries: Callable[[pyo.ConcreteModel], list[Any]],
-    decode: Callable[[pyo.ConcreteModel], Any],
+    decode: Callable[[], Any],
+    cut: Callable[[Any], None],
     time_limit_s: float,
-    group: Callable[[pyo.ConcreteModel, Any], list[Any]] | None = None,
 ) -> TopK:
-    """Solve, record, cut the solution off with a no-good cut, and repeat up to ``k``
-    times or until the time limit is spent or the model turns infeasible.
-
-    With ``group`` (the binaries of the solutions the caller counts as the same as a
-    decoded one), the cut removes that whole group (``sum(group) = 0``), so the k
-    solutions are k different groups."""
+    """Solve the model loaded in ``highs``, record, cut the solution off with ``cut`` (a
+    no-good cut: it changes the model so that the decoded solution, and whatever the
+    caller counts as the same, is infeasible), and repeat up to ``k`` times or until the
+    time limit is spent or the model turns infeasible."""
     out = TopK()
     deadline = time.perf_counter() + time_limit_s
-    solver = None
-    model.no_good = pyo.ConstraintList()
     for _ in range(max(k, 1)):
         left = deadline - time.perf_counter()
         if left <= 0:
             out.out_of_time = True
             break
-        outcome, solver = solve_highs(model, time_limit_s=left, solver=solver)
+        outcome = solve_highspy(highs, time_limit_s=left)
         if outcome.status.has_solution:
-            outcome.solution = decode(model)
+            outcome.solution = decode()
         out.outcomes.append(outcome)
         if not outcome.status.has_solution:
             break
-        if group is not None:
-            model.no_good.add(sum(group(model, outcome.solution)) == 0)
-            continue
-        ones = [b for b in binaries(model) if pyo.value(b) > 0.5]
-        zeros = [b for b in binaries(model) if pyo.value(b) <= 0.5]
-        model.no_good.add(sum(1 - b for b in ones) + sum(zeros) >= 1)
+        cut(outcome.solution)
     return out
 
 

@@ -9,10 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+import numpy as np
+
 from servetune.models import lanes_cpsat, policy_milp
 from servetune.models.lanes_cpsat import LaneInstance
 from servetune.models.policy_milp import MilpInstance
-from servetune.solvers.drivers import SolveOutcome, SolveStatus, TopK, solve_cpsat, top_k_highs
+from servetune.solvers.drivers import (
+    SolveOutcome,
+    SolveStatus,
+    TopK,
+    new_highs,
+    solve_cpsat,
+    top_k_highs,
+)
 
 
 def solve_policy_milp(
@@ -33,26 +42,24 @@ def solve_policy_milp(
     best point of another group instead of a near-copy of the last one."""
     if rate_min is None:
         rate_min = policy_milp.default_rate_min(inst)
-    model = policy_milp.build_model(inst, rate_min=rate_min, excluded=set(excluded))
-    group = None
-    if groups is not None:
-        if len(groups) != len(inst.points):
-            raise ValueError("solve_policy_milp: one group key per point")
-        members: dict[Hashable, list[int]] = {}
-        for p, key in enumerate(groups):
-            members.setdefault(key, []).append(p)
+    model = policy_milp.build_model(inst, new_highs(), rate_min=rate_min,
+                                    excluded=sorted(excluded))
+    keys = list(groups) if groups is not None else list(range(len(inst.points)))
+    if len(keys) != len(inst.points):
+        raise ValueError("solve_policy_milp: one group key per point")
+    members: dict[Hashable, list[int]] = {}
+    for p, key in enumerate(keys):
+        members.setdefault(key, []).append(p)
 
-        def group(m, solution):
-            return [m.z[p] for p in members[groups[solution[0]]]]
+    def cut(solution: tuple[int, policy_milp.Candidate]) -> None:
+        # one_policy makes z[p] = 0 the whole no-good cut of a solution p, and z = 0 on
+        # its group the cut of the group
+        off = model.z[members[keys[solution[0]]]]
+        model.highs.changeColsBounds(len(off), off.astype(np.int32), np.zeros(len(off)),
+                                     np.zeros(len(off)))
 
-    return top_k_highs(
-        model,
-        k,
-        binaries=policy_milp.choice_binaries,
-        decode=policy_milp.decoder(inst),
-        time_limit_s=time_limit_s,
-        group=group,
-    )
+    return top_k_highs(model.highs, k, decode=lambda: policy_milp.decode(inst, model), cut=cut,
+                       time_limit_s=time_limit_s)
 
 
 def solve_lanes(inst: LaneInstance, *, time_limit_s: float = 5.0, seed: int = 0) -> SolveOutcome:

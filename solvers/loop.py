@@ -932,7 +932,7 @@ def _verdict(est: GoodputResult[SimPoint]) -> str:
 
 def _predicted_rate(model: FluidModel, inst: MilpInstance, p: int) -> float:
     """The model's goodput of point p: x* / t(x*) at its tightest limit x*."""
-    x = min((lim.x_max for lim in inst.limits[p].values()), default=0.0)
+    x = inst.x_tightest(p)
     if not (x > 0 and math.isfinite(x)):
         return 0.0
     return float(x / model.mean_step_s(x))

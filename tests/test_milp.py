@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,7 +16,7 @@ from servetune.models.policy_milp import (
     MilpInstance,
     build_model,
 )
-from servetune.solvers.drivers import SolveStatus
+from servetune.solvers.drivers import SolveStatus, new_highs
 from servetune.solvers.formulations import solve_policy_milp
 
 
@@ -76,11 +78,16 @@ def test_infeasible_slo_gives_infeasible_status():
 def test_model_names_follow_the_docstring():
     fm = fluid()
     inst = MilpInstance.build(fm, knobs_grid(SMALL_SPACE))
-    m = build_model(inst, rate_min=1e-6)
-    for name in ("P", "C", "K", "z", "rate", "steps", "flow", "one_policy", "class_flow",
-                 "step_time", "budget_stability", "seats", "kv_memory", "queue_caps", "ttft",
-                 "tpot", "min_rate", "goodput"):
-        assert hasattr(m, name), name
+    m = build_model(inst, new_highs(), rate_min=1e-6)
+    n, k = len(inst.points), len(inst.pieces)
+    assert [len(m.z), len(m.rate), len(m.steps)] == [n, n, n]
+    assert m.highs.getNumCol() == 3 * n
+    # one row per constraint of the docstring: one_policy, step_time[p,k], tightest[p]
+    # (a candidate with no finite limit has none), min_rate
+    sizes = {name: end - first for name, (first, end) in m.rows.items()}
+    tight = sum(math.isfinite(inst.x_tightest(p)) for p in range(n))
+    assert sizes == {"one_policy": 1, "step_time": n * k, "tightest": tight, "min_rate": 1}
+    assert m.highs.getNumRow() == 2 + n * k + tight
 
 
 def test_zero_time_limit_returns_no_solutions():
@@ -135,8 +142,7 @@ def test_per_class_flows_and_targets():
     fm = FluidModel(load, Platform(STEP, 60_000, 16), targets)
     points = knobs_grid(SMALL_SPACE)
     inst = MilpInstance.build(fm, points)
-    m = build_model(inst, rate_min=1e-3)
-    assert set(m.C) == {"chat", "docs"}
+    assert set(inst.shares) == {"chat", "docs"}
     out = solve_policy_milp(inst, k=1)
     idx, cand = out.solutions[0]
     best = _brute(fm, points)[0][0]
@@ -146,3 +152,37 @@ def test_per_class_flows_and_targets():
     lims = fm.limits(points[idx])
     ttft = {c.request_class: lim.x_max for c, lim in lims.items() if c.family is Family.TTFT}
     assert ttft["chat"] <= ttft["docs"]
+
+
+def test_limits_of_many_shapes_at_once_equal_one_shape_at_a_time():
+    # limits_many evaluates every step shape in one array (and narrows every limit in
+    # one bisection); each point alone must get exactly the same limits, in order.
+    fm = fluid()
+    points = knobs_grid(SMALL_SPACE)
+    together = fm.limits_many(points)
+    for k, lims in zip(points, together):
+        alone = fm.limits_many([k])[0]
+        assert list(alone) == list(lims)
+        assert [(v.x_max, v.floor_value, v.target) for v in alone.values()] == [
+            (v.x_max, v.floor_value, v.target) for v in lims.values()]
+
+
+def test_a_class_without_traffic_never_binds():
+    import numpy as np
+    from optimizer_fixtures import STEP
+
+    from servetune.models.fluid import ClassLoad, FluidModel, LoadModel, Platform, Target
+
+    rng = np.random.default_rng(3)
+    chat = ClassLoad.from_samples("chat", 1.0, rng.integers(50, 1500, 2000),
+                                  rng.integers(20, 400, 2000))
+    idle = ClassLoad.from_samples("idle", 0.0, rng.integers(50, 1500, 2000),
+                                  rng.integers(20, 400, 2000))
+    targets = {"chat": Target(ttft_s=5.0, tpot_s=0.2, q=0.9),
+               "idle": Target(ttft_s=1e-6, tpot_s=1e-6, q=0.9)}  # unmeetable
+    fm = FluidModel(LoadModel((chat, idle), 4.0), Platform(STEP, 60_000, 16), targets)
+    inst = MilpInstance.build(fm, knobs_grid(SMALL_SPACE))
+    assert all(inst.x_tightest(p) > 0 for p in range(len(inst.points)))
+    out = solve_policy_milp(inst, k=1)
+    assert out.statuses == ["optimal"]
+    assert out.solutions[0][1].rate_per_s > 0
