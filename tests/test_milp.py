@@ -160,7 +160,7 @@ def test_limits_of_many_shapes_at_once_equal_one_shape_at_a_time():
     fm = fluid()
     points = knobs_grid(SMALL_SPACE)
     together = fm.limits_many(points)
-    for k, lims in zip(points, together):
+    for k, lims in zip(points, together, strict=True):
         alone = fm.limits_many([k])[0]
         assert list(alone) == list(lims)
         assert [(v.x_max, v.floor_value, v.target) for v in alone.values()] == [
