@@ -149,22 +149,21 @@ def build_model(inst: MilpInstance, highs: highspy.Highs, *, rate_min: float,
     (``excluded`` candidates have z[p] fixed to 0)."""
     n = len(inst.points)
     z, rate, steps = np.arange(n), n + np.arange(n), 2 * n + np.arange(n)
-    h = highs
     tie = np.array([inst.tie_break(p) for p in range(n)])
     eps = TIE_WEIGHT * max(inst.rate_scale, 1e-9)
     z_upper = np.ones(n)
     z_upper[list(excluded)] = 0.0
-    h.addCols(3 * n, np.concatenate([eps * tie, np.ones(n), np.zeros(n)]), np.zeros(3 * n),
+    highs.addCols(3 * n, np.concatenate([eps * tie, np.ones(n), np.zeros(n)]), np.zeros(3 * n),
               np.concatenate([z_upper, np.full(2 * n, highspy.kHighsInf)]), 0,
               np.array([], dtype=np.int32), np.array([], dtype=np.int32), np.array([]))
-    h.changeColsIntegrality(n, z.astype(np.int32),
+    highs.changeColsIntegrality(n, z.astype(np.int32),
                             np.full(n, highspy.HighsVarType.kInteger))
-    h.changeObjectiveSense(highspy.ObjSense.kMaximize)
+    highs.changeObjectiveSense(highspy.ObjSense.kMaximize)
     # The model is reduced already (one condition row per candidate); HiGHS's presolve
     # finds nothing to remove and spent 0.3-1.3 s probing the binaries of a 1,038-point
     # model that branch and bound then solves at its root in about 60 ms.
-    h.setOptionValue("presolve", "off")
-    m = PolicyMilp(h, z, rate, steps)
+    highs.setOptionValue("presolve", "off")
+    m = PolicyMilp(highs, z, rate, steps)
     inf = highspy.kHighsInf
     m.add_rows("one_policy", z[None, :], 1.0, 1.0, 1.0)
     pieces = np.array(inst.pieces, dtype=np.float64).reshape(-1, 2)  # rows (c0[k], c1[k])

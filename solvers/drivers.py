@@ -165,6 +165,9 @@ def solve_highs(
     ), solver
 
 
+_highs_banner_shown = False
+
+
 def new_highs() -> highspy.Highs:
     """An empty HiGHS instance that writes nothing (the first one of a process prints
     HiGHS's banner to stdout, which would break ``--json`` output: it is caught here)."""
@@ -177,9 +180,6 @@ def new_highs() -> highspy.Highs:
         _highs_banner_shown = True
     highs.setOptionValue("output_flag", False)
     return highs
-
-
-_highs_banner_shown = False
 
 
 def solve_highspy(
