@@ -75,6 +75,7 @@ Every condition is non-decreasing in ``x``, so each gives a largest ``x``
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -689,8 +690,11 @@ class FluidModel:
         return np.where(mean > 0, hi, 0.0)
 
     def with_calibration(self, calibration: Calibration) -> FluidModel:
-        new = replace(self, calibration=calibration)
-        new._excess_tables = self._excess_tables  # they do not depend on the calibration
+        # A copy, not dataclasses.replace: what __post_init__ derives (moments, TPOT noise
+        # tables, prefill-excess tables) depends on the load, platform and targets only,
+        # and recomputing it took 20 ms a calibration.
+        new = copy.copy(self)
+        new.calibration = calibration
         return new
 
     # Step time ------------------------------------------------------------------------
@@ -906,20 +910,34 @@ class FluidModel:
 
     def condition_limits(self, knobs: Knobs) -> dict[Condition, float]:
         """Each condition's limit under a policy: it holds where value <= limit."""
+        return {cond: float(limit[0])
+                for cond, limit in self.condition_limits_many([knobs]).items()
+                if not math.isnan(limit[0])}
+
+    def condition_limits_many(self, points: Sequence[Knobs]) -> dict[Condition, np.ndarray]:
+        """:meth:`condition_limits` of many policies: each condition's limit per point,
+        NaN where a policy does not have it (no queue cap). The conditions come in
+        :meth:`condition_values`' order."""
+        n = len(points)
+
+        def per_point(value: Callable[[Knobs], float | None]) -> np.ndarray:
+            return np.array([np.nan if (v := value(k)) is None else v for k in points],
+                            dtype=np.float64)
+
         out = {
-            Condition(Family.BUDGET): BUDGET_UTIL_MAX,
-            Condition(Family.SEATS): float(knobs.max_num_seqs),
-            Condition(Family.KV_MEMORY): self.platform.kv_tokens * (1.0 - knobs.kv_watermark),
+            Condition(Family.BUDGET): np.full(n, BUDGET_UTIL_MAX),
+            Condition(Family.SEATS): per_point(lambda k: k.max_num_seqs),
+            Condition(Family.KV_MEMORY): self.platform.kv_tokens * (
+                1.0 - per_point(lambda k: k.kv_watermark)),
         }
         for name, tgt in self.targets.items():
             if tgt.ttft_s is not None:
-                out[Condition(Family.TTFT, name)] = tgt.ttft_s
+                out[Condition(Family.TTFT, name)] = np.full(n, float(tgt.ttft_s))
             if tgt.tpot_s is not None:
-                out[Condition(Family.TPOT, name)] = tgt.tpot_s
-        if knobs.max_queued_requests is not None:
-            out[Condition(Family.QUEUE_REQUESTS)] = float(knobs.max_queued_requests)
-        if knobs.max_queued_prompt_tokens is not None:
-            out[Condition(Family.QUEUE_PROMPT_TOKENS)] = float(knobs.max_queued_prompt_tokens)
+                out[Condition(Family.TPOT, name)] = np.full(n, float(tgt.tpot_s))
+        out[Condition(Family.QUEUE_REQUESTS)] = per_point(lambda k: k.max_queued_requests)
+        out[Condition(Family.QUEUE_PROMPT_TOKENS)] = per_point(
+            lambda k: k.max_queued_prompt_tokens)
         return out
 
     def conditions(
@@ -961,12 +979,12 @@ class FluidModel:
         budget and the chunk cap (seats, watermark and queue caps only move the limits),
         so the states of every step shape are one evaluation on a grid of loads, and
         each bisection step one evaluation for every limit still being narrowed."""
-        out: list[dict[Condition, Limit]] = [{} for _ in points]
         shapes: dict[tuple[int, float], int] = {}
-        shape_of = [shapes.setdefault(
-            (k.max_num_batched_tokens, _chunk_cap(k)), len(shapes)) for k in points]
+        shape_of = np.array([shapes.setdefault(
+            (k.max_num_batched_tokens, _chunk_cap(k)), len(shapes)) for k in points],
+            dtype=np.int64)
         if not shapes:
-            return out
+            return [{} for _ in points]
         budget = np.array([b for b, _ in shapes], dtype=np.float64)
         chunk_cap = np.array([c for _, c in shapes], dtype=np.float64)
         # x from 0 to the budget's stability bound, per shape: one row each
@@ -975,50 +993,48 @@ class FluidModel:
         cols = len(base)
         values = self.condition_values(self.states(
             np.repeat(budget, cols), np.repeat(chunk_cap, cols), xs.ravel()))
-        # (point, condition, its limit, its shape) of the limits to narrow by bisection
-        pairs: list[tuple[int, Condition, float, int]] = []
-        lo_l: list[float] = []
-        up_l: list[float] = []
-        for i, k in enumerate(points):
-            g = shape_of[i]
-            row = xs[g]
-            res = out[i]
-            for cond, limit in self.condition_limits(k).items():
-                value = values[cond][g * cols:(g + 1) * cols]
-                floor_value = float(value[0])
-                bad = np.flatnonzero(~(value <= limit))
-                if len(bad) and bad[0] == 0:
-                    res[cond] = Limit(cond, 0.0, floor_value, limit)
-                elif len(bad) == 0:
-                    res[cond] = Limit(cond, float(row[-1]), floor_value, limit)
-                else:
-                    j = int(bad[0])
-                    res[cond] = Limit(cond, float(row[j - 1]), floor_value, limit)
-                    pairs.append((i, cond, limit, g))
-                    lo_l.append(float(row[j - 1]))
-                    up_l.append(float(row[j]))
-        if not pairs:
-            return out
-        lo, up = np.array(lo_l), np.array(up_l)
-        limits = np.array([lim for _, _, lim, _ in pairs])
-        of_shape = np.array([g for _, _, _, g in pairs])
-        by_condition: dict[Condition, list[int]] = {}
-        for j, (_, cond, _, _) in enumerate(pairs):
-            by_condition.setdefault(cond, []).append(j)
-        members = {cond: np.array(js) for cond, js in by_condition.items()}
-        for _ in range(refine):
-            mid = 0.5 * (lo + up)
-            at_mid = self.condition_values(
-                self.states(budget[of_shape], chunk_cap[of_shape], mid))
-            value = np.empty(len(pairs))
-            for cond, js in members.items():
-                value[js] = at_mid[cond][js]
-            good = value <= limits
-            lo = np.where(good, mid, lo)
-            up = np.where(good, up, mid)
-        for j, (i, cond, _, _) in enumerate(pairs):
-            prev = out[i][cond]
-            out[i][cond] = Limit(cond, float(lo[j]), prev.floor_value, prev.target)
+        # Per condition (those a point has: limit not NaN): the last grid load that meets
+        # it, and where the grid crosses its limit the bracket to narrow by bisection.
+        found: dict[Condition, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        narrow: list[tuple[Condition, np.ndarray]] = []  # (condition, its points)
+        lo_l, up_l, limit_l, shape_l = [], [], [], []
+        for cond, limit in self.condition_limits_many(points).items():
+            has = np.flatnonzero(~np.isnan(limit))
+            value = values[cond].reshape(len(shapes), cols)[shape_of[has]]
+            bad = ~(value <= limit[has, None])
+            first_bad = np.where(bad.any(axis=1), np.argmax(bad, axis=1), cols)
+            rows = xs[shape_of[has]]
+            x_max = np.where(first_bad == 0, 0.0,
+                             rows[np.arange(len(has)), np.maximum(first_bad - 1, 0)])
+            found[cond] = (has, x_max, value[:, 0], limit[has])
+            crossing = (first_bad > 0) & (first_bad < cols)
+            if crossing.any():
+                at = np.flatnonzero(crossing)
+                narrow.append((cond, at))
+                lo_l.append(x_max[at])
+                up_l.append(rows[at, first_bad[at]])
+                limit_l.append(limit[has[at]])
+                shape_l.append(shape_of[has[at]])
+        if narrow:
+            lo, up = np.concatenate(lo_l), np.concatenate(up_l)
+            limits, of_shape = np.concatenate(limit_l), np.concatenate(shape_l)
+            spans = np.cumsum([0] + [len(at) for _, at in narrow])
+            for _ in range(refine):
+                mid = 0.5 * (lo + up)
+                at_mid = self.condition_values(
+                    self.states(budget[of_shape], chunk_cap[of_shape], mid))
+                value = np.concatenate([at_mid[cond][spans[j]:spans[j + 1]]
+                                        for j, (cond, _) in enumerate(narrow)])
+                good = value <= limits
+                lo = np.where(good, mid, lo)
+                up = np.where(good, up, mid)
+            for j, (cond, at) in enumerate(narrow):
+                found[cond][1][at] = lo[spans[j]:spans[j + 1]]
+        out: list[dict[Condition, Limit]] = [{} for _ in points]
+        for cond, (has, x_max, floor_value, limit) in found.items():
+            for i, x, floor, target in zip(has.tolist(), x_max.tolist(),
+                                           floor_value.tolist(), limit.tolist(), strict=True):
+                out[i][cond] = Limit(cond, x, floor, target)
         return out
 
     def goodput(self, knobs: Knobs) -> tuple[float, Condition, dict[Condition, Limit]]:

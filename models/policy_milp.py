@@ -38,6 +38,13 @@ Constraints
 Objective
     maximize sum_p rate[p] + eps sum_p tie[p] z[p]
 
+Each candidate's own optimum has a closed form, rate = X[p] / t(X[p]) at steps = 1 /
+t(X[p]) (:meth:`MilpInstance.own_optimum`). Ties are broken on it after the solve: the
+candidates whose objectives the solver cannot tell apart (within ``TIE_TOLERANCE``,
+above its feasibility tolerances) all tie, and of them the one with the largest
+objective computed exactly (then the first in grid order) is chosen, so the answer does
+not depend on the solver's path.
+
 Why one condition row per candidate: every condition has the form rate[p] <= X[p,g]
 steps[p]. A class's own condition, flow[p,c] <= share[c] X[p,g] steps[p] with its flow
 flow[p,c] = share[c] rate[p], is the same row once the flow is substituted (a class
@@ -46,7 +53,11 @@ rate[p] <= X steps[p] only the smallest X can bind.
 
 The model is built in matrix form and solved by HiGHS through highspy: it has a few
 thousand rows, which Pyomo took about a second to build and hand over, against the
-milliseconds HiGHS needs to solve it.
+milliseconds HiGHS needs to solve it. The per-candidate copies make it the convex-hull
+formulation of the disjunction (Balas), which is ideal: its LP relaxation has integral
+vertices. So HiGHS solves the relaxation by simplex, and each top-k re-solve after a
+cut restarts from the last basis (:func:`~servetune.solvers.drivers.solve_ideal_highspy`,
+which checks the integrality and falls back to branch and bound).
 """
 
 from __future__ import annotations
@@ -64,6 +75,9 @@ from servetune.models.fluid import FluidModel, Knobs, Limit, binding_limit
 RATE_MIN_SHARE = 1e-3
 # The tie-break bonus is worth at most this share of the goodput scale.
 TIE_WEIGHT = 1e-4
+# Objectives within this share of the optimum tie: HiGHS's feasibility and optimality
+# tolerances (1e-7) cannot order them.
+TIE_TOLERANCE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,19 @@ class MilpInstance:
                     or self.shares.get(cond.request_class, 0.0) > 0),
                    default=float("inf"))
 
+    def own_optimum(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each candidate's (rate[p], steps[p]) when it is chosen: with t(x) = max_k (c0[k]
+        + c1[k] x), steps = 1 / t(X[p]) and rate = X[p] steps; a candidate without a
+        finite X runs as fast as the step time allows, rate = 1 / max_k c1[k], steps = 0."""
+        x_max = np.array([self.x_tightest(p) for p in range(len(self.points))])
+        pieces = np.array(self.pieces, dtype=np.float64).reshape(-1, 2)
+        finite = np.isfinite(x_max)
+        x = np.where(finite, x_max, 0.0)
+        step_s = np.max(pieces[:, :1] + pieces[:, 1:] * x[None, :], axis=0)
+        steps = np.where(finite, 1.0 / step_s, 0.0)
+        rate = np.where(finite, x * steps, 1.0 / np.max(pieces[:, 1]))
+        return rate, steps
+
     def tie_break(self, p: int) -> float:
         """Margin of candidate p in [0, 1): (second-tightest - binding) / second-tightest
         over its conditions, so among equal goodputs the most robust candidate wins;
@@ -124,6 +151,12 @@ class PolicyMilp:
     rate: np.ndarray
     steps: np.ndarray
     rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # each candidate's own optimum (MilpInstance.own_optimum), its objective, and whether
+    # it may still be chosen (z[p] not fixed to 0)
+    own_rate: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    own_steps: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    objective: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    open: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     def add_rows(self, name: str, cols: np.ndarray, coefs: np.ndarray,
                  lower: float, upper: float) -> None:
@@ -142,6 +175,13 @@ class PolicyMilp:
     def values(self) -> np.ndarray:
         return np.asarray(self.highs.getSolution().col_value)
 
+    def exclude(self, points: np.ndarray) -> None:
+        """Fix z[p] to 0 for ``points`` (a no-good cut: one_policy makes it the whole cut)."""
+        points = np.asarray(points, dtype=np.int64)
+        cols = self.z[points].astype(np.int32)
+        self.highs.changeColsBounds(len(cols), cols, np.zeros(len(cols)), np.zeros(len(cols)))
+        self.open[points] = False
+
 
 def build_model(inst: MilpInstance, highs: highspy.Highs, *, rate_min: float,
                 excluded: Sequence[int] = ()) -> PolicyMilp:
@@ -149,21 +189,23 @@ def build_model(inst: MilpInstance, highs: highspy.Highs, *, rate_min: float,
     (``excluded`` candidates have z[p] fixed to 0)."""
     n = len(inst.points)
     z, rate, steps = np.arange(n), n + np.arange(n), 2 * n + np.arange(n)
-    tie = np.array([inst.tie_break(p) for p in range(n)])
-    eps = TIE_WEIGHT * max(inst.rate_scale, 1e-9)
+    bonus = TIE_WEIGHT * max(inst.rate_scale, 1e-9) * np.array(
+        [inst.tie_break(p) for p in range(n)])
     z_upper = np.ones(n)
     z_upper[list(excluded)] = 0.0
-    highs.addCols(3 * n, np.concatenate([eps * tie, np.ones(n), np.zeros(n)]), np.zeros(3 * n),
-              np.concatenate([z_upper, np.full(2 * n, highspy.kHighsInf)]), 0,
-              np.array([], dtype=np.int32), np.array([], dtype=np.int32), np.array([]))
+    highs.addCols(3 * n, np.concatenate([bonus, np.ones(n), np.zeros(n)]), np.zeros(3 * n),
+                  np.concatenate([z_upper, np.full(2 * n, highspy.kHighsInf)]), 0,
+                  np.array([], dtype=np.int32), np.array([], dtype=np.int32), np.array([]))
     highs.changeColsIntegrality(n, z.astype(np.int32),
-                            np.full(n, highspy.HighsVarType.kInteger))
+                                np.full(n, highspy.HighsVarType.kInteger))
     highs.changeObjectiveSense(highspy.ObjSense.kMaximize)
     # The model is reduced already (one condition row per candidate); HiGHS's presolve
     # finds nothing to remove and spent 0.3-1.3 s probing the binaries of a 1,038-point
     # model that branch and bound then solves at its root in about 60 ms.
     highs.setOptionValue("presolve", "off")
-    m = PolicyMilp(highs, z, rate, steps)
+    own_rate, own_steps = inst.own_optimum()
+    m = PolicyMilp(highs, z, rate, steps, own_rate=own_rate, own_steps=own_steps,
+                   objective=own_rate + bonus, open=z_upper > 0.5)
     inf = highspy.kHighsInf
     m.add_rows("one_policy", z[None, :], 1.0, 1.0, 1.0)
     pieces = np.array(inst.pieces, dtype=np.float64).reshape(-1, 2)  # rows (c0[k], c1[k])
@@ -180,13 +222,17 @@ def build_model(inst: MilpInstance, highs: highspy.Highs, *, rate_min: float,
 
 
 def decode(inst: MilpInstance, m: PolicyMilp) -> tuple[int, Candidate]:
-    """Read a solved model back: the chosen point p (z[p] = 1) and its prediction."""
-    values = m.values()
-    p = int(np.argmax(values[m.z]))
+    """Read a solved model back: the chosen point p (z[p] = 1), or the candidate it ties
+    with that the tie-break prefers (module docstring), and its prediction."""
+    chosen = int(np.argmax(m.values()[m.z]))
+    best = m.objective[chosen]
+    tied = m.open & (m.objective >= best - TIE_TOLERANCE * max(abs(best), 1e-12))
+    tied[chosen] = True
+    p = int(np.argmax(np.where(tied, m.objective, -np.inf)))  # the first of equal ones
     return p, Candidate(
         knobs=inst.points[p],
-        rate_per_s=float(values[m.rate[p]]),
-        steps_per_s=float(values[m.steps[p]]),
+        rate_per_s=float(m.own_rate[p]),
+        steps_per_s=float(m.own_steps[p]),
         binding=binding_limit(inst.limits[p]).condition,
     )
 

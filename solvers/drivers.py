@@ -27,6 +27,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 import highspy
+import numpy as np
 import pyomo.environ as pyo
 from pyomo.common.tee import capture_output
 from pyomo.contrib import appsi
@@ -227,6 +228,46 @@ def solve_highspy(
     )
 
 
+# HiGHS's simplex_strategy values: its default (dual) and primal.
+_SIMPLEX_DUAL, _SIMPLEX_PRIMAL = 1, 4
+# How far from 0 or 1 a binary of a relaxation's solution may be and still count as integral.
+INTEGRALITY_TOL = 1e-6
+
+
+def solve_ideal_highspy(
+    highs: highspy.Highs, integer_cols: np.ndarray, *, time_limit_s: float,
+) -> SolveOutcome:
+    """Solve a MILP loaded in ``highs`` whose formulation is *ideal* (its LP relaxation's
+    vertices are integral, as in the convex-hull formulation of a disjunction) through
+    its LP relaxation: primal simplex, which after a bound change (a no-good cut)
+    restarts from the last basis in milliseconds, where branch and bound solves its root
+    LP again from scratch. A simplex solution is a vertex, so it is the MILP's
+    optimum when its ``integer_cols`` are integral; the model's integrality is restored
+    and branch and bound runs only when they are not (degenerate numerics). The limits
+    and statuses are :func:`solve_highspy`'s."""
+    cols = np.asarray(integer_cols, dtype=np.int32)
+    n = len(cols)
+    start = time.perf_counter()
+    highs.changeColsIntegrality(n, cols, np.full(n, highspy.HighsVarType.kContinuous))
+    # From scratch primal simplex is the faster (2-5x on the policy MILP); after a cut
+    # the last basis stays dual feasible, and dual simplex restarts from it in a few
+    # iterations.
+    hot = highs.getBasis().valid
+    highs.setOptionValue("simplex_strategy", _SIMPLEX_DUAL if hot else _SIMPLEX_PRIMAL)
+    relaxed = solve_highspy(highs, time_limit_s=time_limit_s)
+    if relaxed.status == SolveStatus.INFEASIBLE:
+        return relaxed  # a relaxation without a solution: the MILP has none either
+    if relaxed.status == SolveStatus.OPTIMAL:
+        values = np.asarray(highs.getSolution().col_value)[cols]
+        if np.all(np.abs(values - np.round(values)) <= INTEGRALITY_TOL):
+            return relaxed
+    highs.changeColsIntegrality(n, cols, np.full(n, highspy.HighsVarType.kInteger))
+    highs.setOptionValue("simplex_strategy", _SIMPLEX_DUAL)
+    exact = solve_highspy(highs, time_limit_s=max(time_limit_s - relaxed.solve_s, 0.0))
+    exact.solve_s = time.perf_counter() - start
+    return exact
+
+
 def top_k_highs(
     highs: highspy.Highs,
     k: int,
@@ -234,11 +275,14 @@ def top_k_highs(
     decode: Callable[[], Any],
     cut: Callable[[Any], None],
     time_limit_s: float,
+    ideal_integer_cols: np.ndarray | None = None,
 ) -> TopK:
     """Solve the model loaded in ``highs``, record, cut the solution off with ``cut`` (a
     no-good cut: it changes the model so that the decoded solution, and whatever the
     caller counts as the same, is infeasible), and repeat up to ``k`` times or until the
-    time limit is spent or the model turns infeasible."""
+    time limit is spent or the model turns infeasible. ``ideal_integer_cols``: the
+    formulation is ideal in these integer columns, and every solve goes through
+    :func:`solve_ideal_highspy`."""
     out = TopK()
     deadline = time.perf_counter() + time_limit_s
     for _ in range(max(k, 1)):
@@ -246,7 +290,10 @@ def top_k_highs(
         if left <= 0:
             out.out_of_time = True
             break
-        outcome = solve_highspy(highs, time_limit_s=left)
+        if ideal_integer_cols is None:
+            outcome = solve_highspy(highs, time_limit_s=left)
+        else:
+            outcome = solve_ideal_highspy(highs, ideal_integer_cols, time_limit_s=left)
         if outcome.status.has_solution:
             outcome.solution = decode()
         out.outcomes.append(outcome)

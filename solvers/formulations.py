@@ -54,12 +54,10 @@ def solve_policy_milp(
     def cut(solution: tuple[int, policy_milp.Candidate]) -> None:
         # one_policy makes z[p] = 0 the whole no-good cut of a solution p, and z = 0 on
         # its group the cut of the group
-        off = model.z[members[keys[solution[0]]]]
-        model.highs.changeColsBounds(len(off), off.astype(np.int32), np.zeros(len(off)),
-                                     np.zeros(len(off)))
+        model.exclude(np.array(members[keys[solution[0]]]))
 
     return top_k_highs(model.highs, k, decode=lambda: policy_milp.decode(inst, model), cut=cut,
-                       time_limit_s=time_limit_s)
+                       time_limit_s=time_limit_s, ideal_integer_cols=model.z)
 
 
 def solve_lanes(inst: LaneInstance, *, time_limit_s: float = 5.0, seed: int = 0) -> SolveOutcome:

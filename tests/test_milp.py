@@ -186,3 +186,53 @@ def test_a_class_without_traffic_never_binds():
     out = solve_policy_milp(inst, k=1)
     assert out.statuses == ["optimal"]
     assert out.solutions[0][1].rate_per_s > 0
+
+
+def test_ties_go_to_the_larger_exact_objective_then_grid_order():
+    # Points that differ only in knobs the fluid model ignores here (a queue cap far
+    # above any queue) have the same goodput; the solver cannot order them, the
+    # tie-break after the solve does: the larger exact objective, then the first point.
+    import numpy as np
+
+    from servetune.models.policy_milp import TIE_WEIGHT
+
+    fm = fluid()
+    points = knobs_grid({**SMALL_SPACE, "admission.max_queued_requests": [None, 10**9]})
+    inst = MilpInstance.build(fm, points)
+    rate, _ = inst.own_optimum()
+    objective = rate + TIE_WEIGHT * inst.rate_scale * np.array(
+        [inst.tie_break(p) for p in range(len(points))])
+    out = solve_policy_milp(inst, k=6)
+    order = np.lexsort((np.arange(len(points)), -objective))  # by objective, then index
+    assert [p for p, _ in out.solutions] == [int(p) for p in order[:6]]
+    # the pairs tie in goodput: each point's twin (the other queue cap) is the next one
+    first = out.solutions[0][0]
+    twin = [p for p in range(len(points)) if points[p].max_queued_requests is not None
+            and points[p].max_num_seqs == points[first].max_num_seqs
+            and points[p].max_num_batched_tokens == points[first].max_num_batched_tokens
+            and points[p].long_prefill_token_threshold
+            == points[first].long_prefill_token_threshold
+            and points[p].kv_watermark == points[first].kv_watermark]
+    assert rate[twin[0]] == pytest.approx(rate[first], rel=1e-12)
+
+
+def test_a_relaxation_that_is_not_integral_falls_back_to_branch_and_bound():
+    # A knapsack's LP relaxation takes a fraction of an item; solve_ideal_highspy must
+    # notice and return the integral optimum (items 0 and 2: value 9 of weight 5).
+    import highspy
+    import numpy as np
+
+    from servetune.solvers.drivers import solve_ideal_highspy
+
+    highs = new_highs()
+    values, weights = np.array([5.0, 6.0, 4.0]), np.array([3.0, 4.0, 2.0])
+    highs.addCols(3, values, np.zeros(3), np.ones(3), 0, np.array([], dtype=np.int32),
+                  np.array([], dtype=np.int32), np.array([]))
+    highs.addRow(-highspy.kHighsInf, 5.0, 3, np.arange(3, dtype=np.int32), weights)
+    highs.changeColsIntegrality(3, np.arange(3, dtype=np.int32),
+                                np.full(3, highspy.HighsVarType.kInteger))
+    highs.changeObjectiveSense(highspy.ObjSense.kMaximize)
+    outcome = solve_ideal_highspy(highs, np.arange(3), time_limit_s=10.0)
+    assert outcome.status == SolveStatus.OPTIMAL
+    assert outcome.objective == pytest.approx(9.0)
+    assert np.round(highs.getSolution().col_value).tolist() == [1.0, 0.0, 1.0]
