@@ -182,6 +182,27 @@ def test_auto_keeps_the_better_of_optimizer_and_candidates(tmp_path: Path, monke
     assert only.rate_per_s == pytest.approx(high.rate_per_s, rel=0.05)
 
 
+def test_candidates_that_cannot_beat_the_leader_cost_one_simulation_each() -> None:
+    from servetune.schemas.policy import Policy
+
+    profile, slo, slices = _tiny_replica_inputs()
+    trace = slices.mixed_trace({slices.names[0]: 1.0}, 200, 0)
+    policies = [Policy(name=f"p{s}", batching={"max_num_seqs": s, "max_num_batched_tokens": 2048})
+                for s in (64, 32, 16)]
+    rate, policy, sims = C._best_candidate(trace, profile, slo, "vllm", policies)
+    assert rate > 0 and sims > len(policies)
+    # a leader far above what any of them sustains: each is simulated once, at the bar,
+    # fails there, and none is chosen
+    rate_vs_high, _, sims_vs_high = C._best_candidate(trace, profile, slo, "vllm", policies,
+                                                      leader=1e3 * rate)
+    assert (rate_vs_high, sims_vs_high) == (0.0, len(policies))
+    # a leader below them: the first is searched up from the bar and wins
+    rate_vs_low, policy_vs_low, _ = C._best_candidate(trace, profile, slo, "vllm", policies,
+                                                      leader=rate / 4)
+    assert rate_vs_low == pytest.approx(rate, rel=2 * C.CAPACITY_REL_TOL)
+    assert policy_vs_low.name == policies[0].name == policy.name
+
+
 def test_capacity_is_measured_at_steady_state(tmp_path: Path, monkeypatch) -> None:
     """500 Azure-conversation requests with long outputs arrive in about 4 s at 112 req/s,
     too fast for one H100's KV cache to fill, so that short burst "met" the SLOs at 4x the

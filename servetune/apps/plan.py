@@ -88,7 +88,12 @@ if TYPE_CHECKING:
     from servetune.schemas.profile import Profile
     from servetune.schemas.workload import Workload
 
-CACHE_VERSION = 2  # 2: capacities measured over a steady-state window (MIN_WINDOW_S)
+# 2: capacities measured over a steady-state window (MIN_WINDOW_S); 3: contenders after
+# the first measured against the leader's bar (_best_candidate), and the policy MILP's
+# ties broken after the solve
+CACHE_VERSION = 3
+# The goodput searches of a capacity measurement stop at this relative bracket.
+CAPACITY_REL_TOL = 0.03
 CACHE_ENV = "SERVETUNE_CACHE_DIR"
 DEFAULT_PROMPT_EDGES = (1024, 4096)
 DEFAULT_OUTPUT_EDGES = (256,)
@@ -319,16 +324,33 @@ def window_s(min_window_s: float | None = None) -> float:
 
 
 def _best_candidate(trace: Trace, profile: Profile, slo: SLOSet, engine: str,
-                    policies: Sequence[Policy] | None = None, start: float = 1.0):
-    best: tuple[float, Policy] | None = None
+                    policies: Sequence[Policy] | None = None, start: float = 1.0,
+                    leader: float = 0.0):
+    """The best of ``policies`` (default: the fixed candidates) by simulated goodput on
+    ``trace`` (at 1 req/s, so a rate is a rate scale): (rate, policy, simulations); rate
+    0 and the first policy when none passes or none beats ``leader``.
+
+    The first policy's search starts at ``start`` (without a ``leader``). Once there is a
+    leader, each next policy is simulated first at the leader's rate plus the search's
+    tolerance and searched on only when it passes there (branch and bound with simulated
+    bounds, as in the optimizer's loop): one simulation for a policy that cannot beat
+    the leader by more than the tolerance."""
+    candidates = list(_candidate_policies() if policies is None else policies)
+    best_rate, best_policy = leader, candidates[0]
+    base = base_rate_per_s(trace)
     sims = 0
-    for policy in (_candidate_policies() if policies is None else policies):
-        res = goodput(trace, policy, profile, slo, engine=engine, rel_tol=0.03, start=start)
+    for policy in candidates:
+        if best_rate > 0:
+            bar = _scale_start(best_rate * (1 + CAPACITY_REL_TOL) / base)
+            res = goodput(trace, policy, profile, slo, engine=engine,
+                          rel_tol=CAPACITY_REL_TOL, start=bar, prune_at=bar)
+        else:
+            res = goodput(trace, policy, profile, slo, engine=engine,
+                          rel_tol=CAPACITY_REL_TOL, start=start)
         sims += len(res.points)
-        if best is None or res.rate_per_s > best[0] * (1 + 1e-9):
-            best = (res.rate_per_s, policy)
-    assert best is not None
-    return best[0], best[1], sims
+        if res.rate_per_s > best_rate * (1 + 1e-9):
+            best_rate, best_policy = res.rate_per_s, policy
+    return (best_rate, best_policy, sims) if best_rate > leader else (0.0, candidates[0], sims)
 
 
 def _optimized(trace: Trace, profile: Profile, slo: SLOSet, engine: str, optimize: Callable,
@@ -396,7 +418,7 @@ def replica_capacity(
     if "candidates" in used:
         # The optimizer's answer competes with the fixed candidates: both are measured
         # by simulated goodput, and the plan should rest on the better one.
-        c_rate, c_policy, c_sims = _best_candidate(trace, profile, slo, engine)
+        c_rate, c_policy, c_sims = _best_candidate(trace, profile, slo, engine, leader=rate)
         sims += c_sims
         if c_rate > rate * (1 + 1e-9):
             rate, policy = c_rate, c_policy
@@ -615,7 +637,7 @@ def unit_capacity(
             return res.meets_slo(slo), {}
 
         return goodput_search(evaluate, base_rate_per_s(trace), start=start,
-                              rel_tol=0.03).rate_per_s
+                              rel_tol=CAPACITY_REL_TOL).rate_per_s
 
     # The unit has unit.size replicas: start the search near size x one replica's goodput.
     trace = slices.mixed_trace({bucket: 1.0}, n_requests, seed)

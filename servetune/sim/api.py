@@ -416,10 +416,13 @@ def goodput(
     start: float = 1.0,
     min_scale: float = 1.0 / 1024,
     max_scale: float = 1024.0,
+    prune_at: float | None = None,
     on_point: Callable[[dict[str, Any]], Any] | None = None,
     executor: Executor | None = None,
 ) -> GoodputResult:
     """Highest rate scale at which ``policy`` meets ``slo`` (every seed, for a workload).
+    ``prune_at``: a scale that only matters to beat (:func:`servetune.search.search_scale`:
+    the search stops once a scale at or below it fails; the answer is then a lower bound).
 
     A trace is replayed once per scale (seeds do not change a replay); a workload is sampled
     with each seed, the seeds of a scale side by side on ``executor`` (default: in this
@@ -454,7 +457,7 @@ def goodput(
     )
     result = goodput_search(
         evaluate, base, start=start, rel_tol=rel_tol,
-        min_scale=min_scale, max_scale=max_scale,
+        min_scale=min_scale, max_scale=max_scale, prune_at=prune_at,
     )
     result.warnings.extend(_short_window_warnings(result, slo))
     return result

@@ -65,10 +65,12 @@ def goodput_search(
     rel_tol: float = 0.02,
     min_scale: float = 1.0 / 1024,
     max_scale: float = 1024.0,
+    prune_at: float | None = None,
 ) -> GoodputResult[dict[str, Any]]:
     """The search of :func:`search_rate_scale` on ``evaluate(scale) -> (passes, metrics)``,
     recording every point tried (each scale is evaluated once, even if the search returns
-    to it) as ``{rate_scale, rate_per_s, meets_slo, **metrics}``."""
+    to it) as ``{rate_scale, rate_per_s, meets_slo, **metrics}``; ``prune_at`` as in
+    :func:`servetune.search.search_scale`."""
     _check(start, rel_tol, min_scale, max_scale)
 
     def point(scale: float) -> dict[str, Any]:
@@ -77,7 +79,7 @@ def goodput_search(
                 **metrics}
 
     return _search(point, base_rate_per_s=base_rate_per_s, start=start, rel_tol=rel_tol,
-                   min_scale=min_scale, max_scale=max_scale)
+                   min_scale=min_scale, max_scale=max_scale, prune_at=prune_at)
 
 
 # Each seed is a whole simulation at every rate the search tries; more than this many is
