@@ -10,6 +10,7 @@ output columns (24 bytes a row: float64 arrival, int64 prompt, int64 output) plu
 4 MiB chunk's temporaries.
 
 Usage: python benchmarks/trace_load.py [--rows 10000000] [--gzip] [--keep PATH]
+[--reader auto|own|both]
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ import numpy as np
 # parent's high-water mark on Linux).
 CHILD = r"""
 import json, os, sys, time
+import servetune.workloads.formats as formats
 from servetune.workloads.formats import load_trace
+if sys.argv[2] == "own":  # this project's reader whatever the size
+    formats.ARROW_MIN_BYTES = 1 << 62
 from servetune.workloads.stats import trace_stats
 def hwm_kib():
     for line in open("/proc/self/status"):
@@ -80,6 +84,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--gzip", action="store_true", help="write and load a .csv.gz")
     parser.add_argument("--keep", type=Path, help="write the CSV here and keep it")
+    parser.add_argument("--reader", choices=("auto", "own", "both"), default="auto",
+                        help="auto: pyarrow's for large CSVs when installed; own: this "
+                             "project's; both: one child each, own first")
     args = parser.parse_args()
     tmp = None
     if args.keep is not None:
@@ -92,12 +99,14 @@ def main() -> None:
         write_csv(path, args.rows, compress=args.gzip)
         print(f"wrote {args.rows:,} rows, {path.stat().st_size / 2**20:,.0f} MiB in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    out = subprocess.run([sys.executable, "-c", CHILD, str(path)], check=True,
-                         capture_output=True, text=True, env=dict(os.environ))
-    result = json.loads(out.stdout)
-    result["file_mib"] = path.stat().st_size / 2**20
-    result["rows_per_s"] = result["requests"] / result["load_s"]
-    print(json.dumps(result, indent=2))
+    for reader in (("own", "auto") if args.reader == "both" else (args.reader,)):
+        out = subprocess.run([sys.executable, "-c", CHILD, str(path), reader], check=True,
+                             capture_output=True, text=True, env=dict(os.environ))
+        result = json.loads(out.stdout)
+        result["reader"] = reader
+        result["file_mib"] = path.stat().st_size / 2**20
+        result["rows_per_s"] = result["requests"] / result["load_s"]
+        print(json.dumps(result, indent=2))
     if tmp is not None:
         tmp.cleanup()
 

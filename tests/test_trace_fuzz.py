@@ -111,6 +111,126 @@ def test_mutated_generic_jsonl(data, on_bad_row):
     _check_load(data, on_bad_row=on_bad_row, columns="arrival=t,prompt=in,output=out,class=c")
 
 
+# ---------------------------------------------------------- the pyarrow reader of large CSVs
+
+ARROW_BASES = [
+    (AZURE, {}),
+    (BURSTGPT.replace("Model,", "Note,"), {"columns": "arrival=Timestamp,prompt=Request tokens,"
+                                           "output=Response tokens"}),
+    ("ts,in,out,cap,prio\n0.5,10,3,64,1\n0.25,20,4,32,-2\n1e1,+7,\"8\",16,0\n",
+     {"columns": "arrival=ts,prompt=in,output=out,max_tokens=cap,priority=prio"}),
+]
+
+
+def _load_or_error(path: Path, **kwargs) -> tuple:
+    try:
+        trace = load_trace(path, **kwargs)
+    except ServetuneError as err:
+        return ("error", err.message)
+    columns = (trace.arrival_s, trace.prompt_tokens, trace.output_tokens, trace.priority,
+               trace.max_tokens)
+    return ("trace", trace.class_names, *(None if c is None else (c.dtype.str, c.tobytes())
+                                          for c in columns))
+
+
+@FUZZ
+@given(st.sampled_from(range(len(ARROW_BASES))).flatmap(
+           lambda i: st.tuples(st.just(i), mutated(ARROW_BASES[i][0]))),
+       st.sampled_from(["error", "skip"]), st.sampled_from([None, "s", "ms", "datetime"]))
+def test_the_pyarrow_reader_reads_as_the_own_reader_does(base_and_data, on_bad_row, unit):
+    # Whatever a CSV holds, reading it with pyarrow (a large file's reader) gives the same
+    # trace, or the same one-line error, as this project's own reader.
+    pytest.importorskip("pyarrow")
+    import servetune.workloads.formats as formats
+
+    i, data = base_and_data
+    kwargs = dict(ARROW_BASES[i][1], on_bad_row=on_bad_row)
+    if "columns" in kwargs:
+        kwargs["arrival_unit"] = unit
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.csv"
+        path.write_bytes(data)
+        results = []
+        for threshold in (0, 1 << 62):  # every file through pyarrow, then none
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(formats, "ARROW_MIN_BYTES", threshold)
+                results.append(_load_or_error(path, **kwargs))
+    assert results[0] == results[1]
+
+
+@st.composite
+def clean_csv(draw) -> tuple[bytes, dict]:
+    """A well-formed trace whose values take the spellings real files use: date-times
+    with 0-9 fractional digits or numbers in any float notation, token counts with a
+    sign, leading zeros or a decimal point, quoted or not, LF or CRLF, gzipped or not."""
+    n = draw(st.integers(1, 12))
+    dated = draw(st.booleans())
+    arrivals = []
+    for _ in range(n):
+        if dated:
+            digits = draw(st.integers(0, 9))
+            stamp = f"2023-{draw(st.integers(1, 12)):02d}-{draw(st.integers(1, 28)):02d}" + \
+                f"{draw(st.sampled_from([' ', 'T']))}{draw(st.integers(0, 23)):02d}:" + \
+                f"{draw(st.integers(0, 59)):02d}:{draw(st.integers(0, 59)):02d}"
+            if digits:
+                stamp += "." + "".join(str(draw(st.integers(0, 9))) for _ in range(digits))
+            arrivals.append(stamp)
+        else:
+            value = draw(st.floats(0, 1e7, allow_nan=False))
+            arrivals.append(draw(st.sampled_from([repr(value), f"{value:e}", f"{value:.3f}",
+                                                  str(int(value))])))
+
+    def count(low: int) -> str:
+        v = draw(st.integers(low, 10**6))
+        return draw(st.sampled_from([str(v), f"+{v}", f"00{v}", f"{v}.0", f'"{v}"']))
+
+    eol = draw(st.sampled_from(["\n", "\r\n"]))
+    lines = ["ts,in,out"] + [f"{a},{count(1)},{count(1)}" for a in arrivals]
+    unit = "datetime" if dated else draw(st.sampled_from([None, "s", "ms"]))
+    data = (eol.join(lines) + eol).encode()
+    if draw(st.booleans()):
+        data = gzip.compress(data, mtime=0)
+    return data, {"columns": "arrival=ts,prompt=in,output=out", "arrival_unit": unit}
+
+
+@FUZZ
+@given(clean_csv())
+def test_the_pyarrow_reader_reads_clean_files_as_the_own_reader_does(file):
+    pytest.importorskip("pyarrow")
+    import servetune.workloads.formats as formats
+
+    data, kwargs = file
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.csv"
+        path.write_bytes(data)
+        results = []
+        for threshold in (0, 1 << 62):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(formats, "ARROW_MIN_BYTES", threshold)
+                results.append(_load_or_error(path, **kwargs))
+    assert results[0] == results[1]
+
+
+def test_a_clean_file_is_read_by_pyarrow_and_a_bad_one_by_the_own_reader(monkeypatch, tmp_path):
+    pytest.importorskip("pyarrow")
+    import servetune.workloads.formats as formats
+
+    monkeypatch.setattr(formats, "ARROW_MIN_BYTES", 0)
+    took = []
+    read = formats._load_csv_arrow
+    monkeypatch.setattr(formats, "_load_csv_arrow", lambda *a: took.append(read(*a)) or took[-1])
+    clean = tmp_path / "clean.csv"
+    clean.write_text(AZURE)
+    trace = load_trace(clean)
+    assert took == [True] and trace.prompt_tokens.tolist() == [374, 396, 879]
+    assert trace.arrival_s.tolist() == pytest.approx([0.0, 4.314579, 4.541877], abs=1e-9)
+    bad = tmp_path / "bad.csv"
+    bad.write_text(AZURE.replace(",396,", ",3x6,"))
+    with pytest.raises(ServetuneError, match=r"row 2 \(line 3\): ContextTokens: expected a whole"):
+        load_trace(bad)
+    assert took == [True, False]
+
+
 # ----------------------------------------------------------------------------- workloads
 
 WORKLOAD = yaml.safe_dump(

@@ -558,6 +558,110 @@ class _Checker:
         self.keep[bad_pos] = False
 
 
+# From this many bytes of text on, a CSV trace is read with pyarrow when it is installed
+# (the optional extra `arrow`): 4-7x faster parsing, but importing pyarrow takes 30 ms
+# warm and 0.1-0.2 s cold, more than this project's own reader spends on a smaller file
+# (benchmarks/RESULTS.md, "Trace loading against pyarrow").
+ARROW_MIN_BYTES = 8 << 20
+# pyarrow's reader handles these roles; class labels and sessions get their ids in the
+# order this module's reader meets them chunk by chunk, so files with them use that reader.
+_ARROW_ROLES = frozenset({"arrival", "prompt", "output", "max_tokens", "priority"})
+
+
+def _length_lows(spec: _CsvSpec) -> tuple[tuple[str, int], ...]:
+    """The token-count roles and the least whole number each takes (BurstGPT's failed
+    requests have 0 output tokens: read, then dropped)."""
+    return (("prompt", 1), ("output", 0 if spec.drop_zero_output else 1), ("max_tokens", 1))
+
+
+def _priority_ok(prio: np.ndarray, ok: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore"):
+        return ok & (prio == np.floor(prio)) & (np.abs(prio) <= 2**31 - 1)
+
+
+def _append_rows(rows: _Rows, spec: _CsvSpec, keep: np.ndarray, arrival: np.ndarray,
+                 lengths: dict[str, np.ndarray], prio: np.ndarray | None) -> np.ndarray:
+    """Append the kept rows' numeric columns to ``rows`` (without BurstGPT's failed
+    requests, counted); returns the rows appended (the label columns follow them)."""
+    if spec.drop_zero_output:
+        failed = keep & (lengths["output"] == 0)
+        rows.dropped_failed += int(failed.sum())
+        keep = keep & ~failed
+    if keep.any():
+        rows.add_arrivals(arrival[keep])
+        rows.prompt.append(lengths["prompt"][keep].astype(np.int64))
+        rows.output.append(lengths["output"][keep].astype(np.int64))
+        if "max_tokens" in lengths:
+            rows.max_tokens.append(lengths["max_tokens"][keep].astype(np.int64))
+        if prio is not None:
+            rows.priority.append(prio[keep].astype(np.int32))
+    return keep
+
+
+def _load_csv_arrow(source: _Source, ncols: int, index: dict[str, int], spec: _CsvSpec,
+                    rows: _Rows) -> bool:
+    """Read a clean CSV trace with pyarrow into ``rows``; False, with ``rows`` untouched,
+    whenever the file is not one pyarrow reads exactly as :func:`_load_csv` would (a
+    value it cannot convert, an empty field or line, a wrong field count, a field longer
+    than MAX_FIELD_BYTES, a value the checks reject): that reader then reads it, and
+    reports or skips the bad rows as it always does. Fields are read as text and
+    converted by pyarrow's casts, so the lengths are checked first."""
+    try:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+        import pyarrow.csv as pacsv
+    except ImportError:
+        return False
+    names = [f"c{i}" for i in range(ncols)]
+    wanted = sorted(set(index.values()))
+    try:
+        table = pacsv.read_csv(
+            pa.input_stream(source.path, compression="gzip" if source.gzipped else None),
+            read_options=pacsv.ReadOptions(column_names=names, skip_rows=1),
+            parse_options=pacsv.ParseOptions(newlines_in_values=False,
+                                              ignore_empty_lines=False),
+            convert_options=pacsv.ConvertOptions(
+                include_columns=[names[i] for i in wanted],
+                column_types={names[i]: pa.string() for i in wanted}))
+        text = {i: table.column(names[i]) for i in wanted}
+        if any(col.null_count or pc.max(pc.binary_length(col)).as_py() > MAX_FIELD_BYTES
+               for col in text.values()):
+            return False
+        unit = spec.arrival_unit
+        raw_arrival = text[index["arrival"]]
+        if unit is None and len(table):
+            # as _load_csv decides: by its first rows, numbers mean seconds
+            first = np.array(raw_arrival.slice(0, 100).to_pylist(), dtype=object)
+            _, first_ok = _floats(first.astype(f"S{MAX_FIELD_BYTES}"))
+            unit = "s" if first_ok.mean() >= 0.5 else "datetime"
+        if unit == "datetime":
+            ns = pc.cast(raw_arrival, pa.timestamp("ns")).to_numpy(
+                zero_copy_only=False).view(np.int64)
+            arrival = (ns - (int(ns[0]) if len(ns) else 0)).astype(np.float64) / 1e9
+        else:
+            arrival = pc.cast(raw_arrival, pa.float64()).to_numpy(
+                zero_copy_only=False) * ARRIVAL_UNITS[unit or "s"]
+            if not np.isfinite(arrival).all():
+                return False
+        numbers = {role: pc.cast(text[index[role]], pa.float64()).to_numpy(
+                   zero_copy_only=False)
+                   for role in ("prompt", "output", "max_tokens", "priority") if role in index}
+    except (pa.ArrowException, ValueError, OverflowError):
+        return False
+    ok = np.ones(len(arrival), dtype=bool)
+    for role, low in _length_lows(spec):
+        if role in numbers:
+            ok &= _whole(numbers[role], np.isfinite(numbers[role]), low)
+    prio = numbers.pop("priority", None)
+    if prio is not None:
+        ok = _priority_ok(prio, ok)
+    if not ok.all():
+        return False
+    rows.expect_rows(len(arrival))
+    _append_rows(rows, spec, ok, arrival, numbers, prio)
+    return True
+
+
 def _load_csv(
     source: _Source, head: bytes, spec: _CsvSpec, rows: _Rows, progress: ProgressFn | None
 ) -> None:
@@ -576,6 +680,9 @@ def _load_csv(
     index = {
         role: _find_column(header, name, role, source.path) for role, name in spec.columns.items()
     }
+    if (source.text_bytes >= ARROW_MIN_BYTES and set(index) <= _ARROW_ROLES
+            and _load_csv_arrow(source, ncols, index, spec, rows)):
+        return
     wanted = sorted(set(index.values()))
     unit = spec.arrival_unit
     origin_ns: int | None = None
@@ -614,8 +721,7 @@ def _load_csv(
             check(ok, "arrival", raw_arrival, f"a finite number of {unit or 's'}")
         # lengths
         lengths = {}
-        for role, low in (("prompt", 1), ("output", 0 if spec.drop_zero_output else 1),
-                          ("max_tokens", 1)):
+        for role, low in _length_lows(spec):
             if role in index:
                 raw = parsed.fields[index[role]]
                 values, ok = _floats(raw)
@@ -625,9 +731,7 @@ def _load_csv(
         if "priority" in index:
             raw = parsed.fields[index["priority"]]
             prio, ok = _floats(raw)
-            with np.errstate(invalid="ignore"):
-                ok &= (prio == np.floor(prio)) & (np.abs(prio) <= 2**31 - 1)
-            check(ok, "priority", raw, "an integer priority")
+            check(_priority_ok(prio, ok), "priority", raw, "an integer priority")
         labels = parsed.fields[index["class"]] if "class" in index else None
         sessions = None
         if "session" in index:
@@ -646,19 +750,9 @@ def _load_csv(
             rows.expect_rows(int(source.text_bytes / (len(chunk) / n_lines) * 1.05) + 1024)
         rows_before += n_lines
 
-        if spec.drop_zero_output:
-            failed = keep & (lengths["output"] == 0)
-            rows.dropped_failed += int(failed.sum())
-            keep &= ~failed
+        keep = _append_rows(rows, spec, keep, arrival, lengths, prio)
         if not keep.any():
             continue
-        rows.add_arrivals(arrival[keep])
-        rows.prompt.append(lengths["prompt"][keep].astype(np.int64))
-        rows.output.append(lengths["output"][keep].astype(np.int64))
-        if "max_tokens" in lengths:
-            rows.max_tokens.append(lengths["max_tokens"][keep].astype(np.int64))
-        if prio is not None:
-            rows.priority.append(prio[keep].astype(np.int32))
         if labels is not None:
             uniq, inverse = np.unique(labels[keep], return_inverse=True)
             ids = rows.class_ids_for(
