@@ -559,10 +559,12 @@ class _Checker:
 
 
 # From this many bytes of text on, a CSV trace is read with pyarrow when it is installed
-# (the optional extra `arrow`): 4-7x faster parsing, but importing pyarrow takes 30 ms
-# warm and 0.1-0.2 s cold, more than this project's own reader spends on a smaller file
+# (the optional extra `arrow`). In a fresh process pyarrow costs 0.3-0.4 s before its
+# first row (its import, and its compute functions' first use), so on an Azure-format
+# file it was slower up to about 1.5M rows (34 MiB: 0.90 s against 0.77 s) and 1.8x
+# faster at 4M rows (138 MiB: 1.49 s against 2.73 s), holding about 3x the memory
 # (benchmarks/RESULTS.md, "Trace loading against pyarrow").
-ARROW_MIN_BYTES = 8 << 20
+ARROW_MIN_BYTES = 64 << 20
 # pyarrow's reader handles these roles; class labels and sessions get their ids in the
 # order this module's reader meets them chunk by chunk, so files with them use that reader.
 _ARROW_ROLES = frozenset({"arrival", "prompt", "output", "max_tokens", "priority"})
@@ -614,51 +616,60 @@ def _load_csv_arrow(source: _Source, ncols: int, index: dict[str, int], spec: _C
         return False
     names = [f"c{i}" for i in range(ncols)]
     wanted = sorted(set(index.values()))
+    numeric = [role for role in ("prompt", "output", "max_tokens", "priority") if role in index]
+    unit = spec.arrival_unit
+    origin_ns = 0
+    parts: list[tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None]] = []
     try:
-        table = pacsv.read_csv(
+        # batch by batch, as this module's reader goes chunk by chunk: the text of one
+        # batch and the numbers of all are held, not the whole file's text
+        batches = pacsv.open_csv(
             pa.input_stream(source.path, compression="gzip" if source.gzipped else None),
-            read_options=pacsv.ReadOptions(column_names=names, skip_rows=1),
+            read_options=pacsv.ReadOptions(column_names=names, skip_rows=1,
+                                           block_size=CHUNK_BYTES),
             parse_options=pacsv.ParseOptions(newlines_in_values=False,
                                               ignore_empty_lines=False),
             convert_options=pacsv.ConvertOptions(
                 include_columns=[names[i] for i in wanted],
                 column_types={names[i]: pa.string() for i in wanted}))
-        text = {i: table.column(names[i]) for i in wanted}
-        if any(col.null_count or pc.max(pc.binary_length(col)).as_py() > MAX_FIELD_BYTES
-               for col in text.values()):
-            return False
-        unit = spec.arrival_unit
-        raw_arrival = text[index["arrival"]]
-        if unit is None and len(table):
-            # as _load_csv decides: by its first rows, numbers mean seconds
-            first = np.array(raw_arrival.slice(0, 100).to_pylist(), dtype=object)
-            _, first_ok = _floats(first.astype(f"S{MAX_FIELD_BYTES}"))
-            unit = "s" if first_ok.mean() >= 0.5 else "datetime"
-        if unit == "datetime":
-            ns = pc.cast(raw_arrival, pa.timestamp("ns")).to_numpy(
-                zero_copy_only=False).view(np.int64)
-            arrival = (ns - (int(ns[0]) if len(ns) else 0)).astype(np.float64) / 1e9
-        else:
-            arrival = pc.cast(raw_arrival, pa.float64()).to_numpy(
-                zero_copy_only=False) * ARRIVAL_UNITS[unit or "s"]
-            if not np.isfinite(arrival).all():
+        for batch in batches:
+            text = {i: batch.column(batch.schema.get_field_index(names[i])) for i in wanted}
+            if any(col.null_count or pc.max(pc.binary_length(col)).as_py() > MAX_FIELD_BYTES
+                   for col in text.values() if len(col)):
                 return False
-        numbers = {role: pc.cast(text[index[role]], pa.float64()).to_numpy(
-                   zero_copy_only=False)
-                   for role in ("prompt", "output", "max_tokens", "priority") if role in index}
+            raw_arrival = text[index["arrival"]]
+            if unit is None and len(raw_arrival):
+                # as _load_csv decides: by the first rows, numbers mean seconds
+                first = np.array(raw_arrival.slice(0, 100).to_pylist(), dtype=object)
+                _, first_ok = _floats(first.astype(f"S{MAX_FIELD_BYTES}"))
+                unit = "s" if first_ok.mean() >= 0.5 else "datetime"
+            if unit == "datetime":
+                # as int64 before numpy: a timestamp column's to_numpy took 0.25 s a million
+                ns = pc.cast(pc.cast(raw_arrival, pa.timestamp("ns")), pa.int64()).to_numpy(
+                    zero_copy_only=False)
+                if not parts and len(ns):
+                    origin_ns = int(ns[0])
+                arrival = (ns - origin_ns).astype(np.float64) / 1e9
+            else:
+                arrival = pc.cast(raw_arrival, pa.float64()).to_numpy(
+                    zero_copy_only=False) * ARRIVAL_UNITS[unit or "s"]
+            numbers = {role: pc.cast(text[index[role]], pa.float64()).to_numpy(
+                zero_copy_only=False) for role in numeric}
+            ok = np.isfinite(arrival)
+            for role, low in _length_lows(spec):
+                if role in numbers:
+                    ok &= _whole(numbers[role], np.isfinite(numbers[role]), low)
+            prio = numbers.pop("priority", None)
+            if prio is not None:
+                ok = _priority_ok(prio, ok)
+            if not ok.all():
+                return False
+            parts.append((arrival, numbers, prio))
     except (pa.ArrowException, ValueError, OverflowError):
         return False
-    ok = np.ones(len(arrival), dtype=bool)
-    for role, low in _length_lows(spec):
-        if role in numbers:
-            ok &= _whole(numbers[role], np.isfinite(numbers[role]), low)
-    prio = numbers.pop("priority", None)
-    if prio is not None:
-        ok = _priority_ok(prio, ok)
-    if not ok.all():
-        return False
-    rows.expect_rows(len(arrival))
-    _append_rows(rows, spec, ok, arrival, numbers, prio)
+    rows.expect_rows(sum(len(arrival) for arrival, _, _ in parts))
+    for arrival, numbers, prio in parts:
+        _append_rows(rows, spec, np.ones(len(arrival), dtype=bool), arrival, numbers, prio)
     return True
 
 
