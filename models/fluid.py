@@ -996,7 +996,7 @@ class FluidModel:
         # Per condition (those a point has: limit not NaN): the last grid load that meets
         # it, and where the grid crosses its limit the bracket to narrow by bisection.
         found: dict[Condition, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
-        narrow: list[tuple[Condition, np.ndarray]] = []  # (condition, its points)
+        narrow: list[tuple[Condition, np.ndarray]] = []  # (condition, which of its points)
         lo_l, up_l, limit_l, shape_l = [], [], [], []
         for cond, limit in self.condition_limits_many(points).items():
             has = np.flatnonzero(~np.isnan(limit))

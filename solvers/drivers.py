@@ -239,12 +239,12 @@ def solve_ideal_highspy(
 ) -> SolveOutcome:
     """Solve a MILP loaded in ``highs`` whose formulation is *ideal* (its LP relaxation's
     vertices are integral, as in the convex-hull formulation of a disjunction) through
-    its LP relaxation: primal simplex, which after a bound change (a no-good cut)
-    restarts from the last basis in milliseconds, where branch and bound solves its root
-    LP again from scratch. A simplex solution is a vertex, so it is the MILP's
-    optimum when its ``integer_cols`` are integral; the model's integrality is restored
-    and branch and bound runs only when they are not (degenerate numerics). The limits
-    and statuses are :func:`solve_highspy`'s."""
+    its LP relaxation by simplex, which after a bound change (a no-good cut) restarts
+    from the last basis in milliseconds, where branch and bound solves its root LP again
+    from scratch. A simplex solution is a vertex, so it is the MILP's optimum when its
+    ``integer_cols`` are integral; the model's integrality is restored and branch and
+    bound runs only when they are not (degenerate numerics). The limits and statuses are
+    :func:`solve_highspy`'s."""
     cols = np.asarray(integer_cols, dtype=np.int32)
     n = len(cols)
     start = time.perf_counter()

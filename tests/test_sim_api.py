@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -92,18 +93,18 @@ def test_write_records_csv_and_parquet(tmp_path):
     r = hand_made()
     r.write_records(tmp_path / "r.csv")
     assert (tmp_path / "r.csv").read_text().startswith("request_id,class,arrival_s")
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
-        with pytest.raises(ServetuneError, match="pyarrow"):
-            r.write_records(tmp_path / "r.parquet")
-        assert not (tmp_path / "r.parquet").exists()
-    else:
-        import pyarrow.parquet as pq
+    pq = pytest.importorskip("pyarrow.parquet")
+    r.write_records(tmp_path / "r.parquet")
+    table = pq.read_table(tmp_path / "r.parquet")
+    assert table.num_rows == 5 and table.column_names == list(COLUMNS)
 
-        r.write_records(tmp_path / "r.parquet")
-        table = pq.read_table(tmp_path / "r.parquet")
-        assert table.num_rows == 5 and table.column_names == list(COLUMNS)
+
+def test_parquet_records_without_pyarrow_fail_and_write_nothing(tmp_path, monkeypatch):
+    for module in ("pyarrow", "pyarrow.parquet"):  # as if not installed
+        monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(ServetuneError, match="pyarrow"):
+        hand_made().write_records(tmp_path / "r.parquet")
+    assert not (tmp_path / "r.parquet").exists()
 
 
 def test_step_log_needed_for_steps_and_timeline(tmp_path):

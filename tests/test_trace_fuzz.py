@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -224,11 +225,17 @@ def test_a_clean_file_is_read_by_pyarrow_and_a_bad_one_by_the_own_reader(monkeyp
     trace = load_trace(clean)
     assert took == [True] and trace.prompt_tokens.tolist() == [374, 396, 879]
     assert trace.arrival_s.tolist() == pytest.approx([0.0, 4.314579, 4.541877], abs=1e-9)
+    # without pyarrow the own reader reads it, to the same trace
+    with monkeypatch.context() as mp:
+        for module in ("pyarrow", "pyarrow.compute", "pyarrow.csv"):
+            mp.setitem(sys.modules, module, None)
+        alone = load_trace(clean)
+    assert took == [True, False] and alone.arrival_s.tolist() == trace.arrival_s.tolist()
     bad = tmp_path / "bad.csv"
     bad.write_text(AZURE.replace(",396,", ",3x6,"))
     with pytest.raises(ServetuneError, match=r"row 2 \(line 3\): ContextTokens: expected a whole"):
         load_trace(bad)
-    assert took == [True, False]
+    assert took == [True, False, False]
 
 
 # ----------------------------------------------------------------------------- workloads
