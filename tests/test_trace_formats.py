@@ -461,3 +461,22 @@ def test_semicolon_separated_file_gets_a_separator_hint(tmp_path):
     path = write(tmp_path, "semi.csv", "ts;p;o\n0;1;1\n")
     with pytest.raises(ServetuneError, match="no column 'ts'.*comma-separated"):
         load_trace(path, columns="arrival=ts,prompt=p,output=o")
+
+
+@pytest.mark.parametrize("word", ["now", "Today"])
+def test_clock_words_are_not_date_times(tmp_path, word):
+    # numpy would read them as the clock's date: the trace would change from day to day
+    path = tmp_path / "t.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    f"2023-11-16 18:15:46.6805900,374,44\n{word},396,109\n")
+    with pytest.raises(ServetuneError, match=rf"row 2 \(line 3\): TIMESTAMP: expected a "
+                                             rf"date-time .*got '{word}'"):
+        load_trace(path)
+
+
+def test_clock_words_are_not_date_times_in_json_lines(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"t": "2023-11-16 18:15:46", "in": 5, "out": 2}\n'
+                    '{"t": "now", "in": 6, "out": 1}\n')
+    with pytest.raises(ServetuneError, match="row 2"):
+        load_trace(path, columns="arrival=t,prompt=in,output=out", arrival_unit="datetime")

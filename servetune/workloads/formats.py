@@ -385,6 +385,11 @@ def _datetimes_ns(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
                 except (ValueError, OverflowError, TypeError, UnicodeDecodeError):
                     values[i] = np.datetime64("NaT")
     ok = ~np.isnat(values)
+    # numpy reads "today" and "now" (any case) as the clock's date and time: a trace would
+    # load differently each day. A date-time never starts with a letter otherwise.
+    if len(raw):
+        first = raw.view(np.uint8).reshape(len(raw), -1)[:, 0] | 0x20
+        ok &= ~((first >= ord("a")) & (first <= ord("z")))
     return values.view(np.int64), ok
 
 
@@ -807,10 +812,13 @@ def _json_arrival(value: Any, unit: str | None) -> tuple[float | None, str | Non
     if isinstance(value, int | float) and math.isfinite(value) and unit != "datetime":
         return float(value) * ARRIVAL_UNITS[unit or "s"], unit or "s"
     if isinstance(value, str) and unit in (None, "datetime"):
+        text = value.strip()
+        if text[:1].isalpha():  # "today", "now": the clock's date (_datetimes_ns)
+            return None, unit
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                ns = np.datetime64(value.strip(), "ns")
+                ns = np.datetime64(text, "ns")
             except (ValueError, OverflowError, TypeError):
                 return None, unit
         if np.isnat(ns):
