@@ -64,6 +64,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import highspy
 import numpy as np
@@ -108,19 +109,25 @@ class MilpInstance:
             rate_scale=fluid.load.rate_per_s,
         )
 
+    @cached_property
+    def x_max(self) -> np.ndarray:
+        """X[p] of every candidate: the smallest limit over its conditions (inf when it
+        has none); the conditions of a class without a share of the traffic never bind."""
+        return np.array([min((lim.x_max for cond, lim in limits.items()
+                              if cond.request_class is None
+                              or self.shares.get(cond.request_class, 0.0) > 0),
+                             default=float("inf")) for limits in self.limits],
+                        dtype=np.float64)
+
     def x_tightest(self, p: int) -> float:
-        """X[p]: the smallest limit over candidate p's conditions (inf when it has none);
-        the conditions of a class without a share of the traffic never bind."""
-        return min((lim.x_max for cond, lim in self.limits[p].items()
-                    if cond.request_class is None
-                    or self.shares.get(cond.request_class, 0.0) > 0),
-                   default=float("inf"))
+        """X[p] of candidate p (:attr:`x_max`)."""
+        return float(self.x_max[p])
 
     def own_optimum(self) -> tuple[np.ndarray, np.ndarray]:
         """Each candidate's (rate[p], steps[p]) when it is chosen: with t(x) = max_k (c0[k]
         + c1[k] x), steps = 1 / t(X[p]) and rate = X[p] steps; a candidate without a
         finite X runs as fast as the step time allows, rate = 1 / max_k c1[k], steps = 0."""
-        x_max = np.array([self.x_tightest(p) for p in range(len(self.points))])
+        x_max = self.x_max
         pieces = np.array(self.pieces, dtype=np.float64).reshape(-1, 2)
         finite = np.isfinite(x_max)
         x = np.where(finite, x_max, 0.0)
@@ -213,7 +220,7 @@ def build_model(inst: MilpInstance, highs: highspy.Highs, *, rate_min: float,
                np.tile(np.stack([steps, rate, z], axis=1), (len(pieces), 1)),
                np.column_stack([np.repeat(pieces, n, axis=0), -np.ones(len(pieces) * n)]),
                -inf, 0.0)
-    x_max = np.array([inst.x_tightest(p) for p in range(n)])
+    x_max = inst.x_max
     bound = np.flatnonzero(np.isfinite(x_max))
     m.add_rows("tightest", np.stack([rate[bound], steps[bound]], axis=1),
                np.stack([np.ones(len(bound)), -x_max[bound]], axis=1), -inf, 0.0)

@@ -249,7 +249,7 @@ def solve_ideal_highspy(
     n = len(cols)
     start = time.perf_counter()
     highs.changeColsIntegrality(n, cols, np.full(n, highspy.HighsVarType.kContinuous))
-    # From scratch primal simplex is the faster (2-5x on the policy MILP); after a cut
+    # From scratch primal simplex is the faster (4-6x on the policy MILP); after a cut
     # the last basis stays dual feasible, and dual simplex restarts from it in a few
     # iterations.
     hot = highs.getBasis().valid
@@ -269,20 +269,18 @@ def solve_ideal_highspy(
 
 
 def top_k_highs(
-    highs: highspy.Highs,
     k: int,
     *,
+    solve: Callable[[float], SolveOutcome],
     decode: Callable[[], Any],
     cut: Callable[[Any], None],
     time_limit_s: float,
-    ideal_integer_cols: np.ndarray | None = None,
 ) -> TopK:
-    """Solve the model loaded in ``highs``, record, cut the solution off with ``cut`` (a
-    no-good cut: it changes the model so that the decoded solution, and whatever the
-    caller counts as the same, is infeasible), and repeat up to ``k`` times or until the
-    time limit is spent or the model turns infeasible. ``ideal_integer_cols``: the
-    formulation is ideal in these integer columns, and every solve goes through
-    :func:`solve_ideal_highspy`."""
+    """Solve a model loaded in HiGHS with ``solve(seconds left)`` (:func:`solve_highspy`,
+    or :func:`solve_ideal_highspy` for an ideal formulation), record, cut the solution off
+    with ``cut`` (a no-good cut: it changes the model so that the decoded solution, and
+    whatever the caller counts as the same, is infeasible), and repeat up to ``k`` times
+    or until the time limit is spent or the model turns infeasible."""
     out = TopK()
     deadline = time.perf_counter() + time_limit_s
     for _ in range(max(k, 1)):
@@ -290,10 +288,7 @@ def top_k_highs(
         if left <= 0:
             out.out_of_time = True
             break
-        if ideal_integer_cols is None:
-            outcome = solve_highspy(highs, time_limit_s=left)
-        else:
-            outcome = solve_ideal_highspy(highs, ideal_integer_cols, time_limit_s=left)
+        outcome = solve(left)
         if outcome.status.has_solution:
             outcome.solution = decode()
         out.outcomes.append(outcome)

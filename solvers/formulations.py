@@ -20,6 +20,7 @@ from servetune.solvers.drivers import (
     TopK,
     new_highs,
     solve_cpsat,
+    solve_ideal_highspy,
     top_k_highs,
 )
 
@@ -56,8 +57,9 @@ def solve_policy_milp(
         # its group the cut of the group
         model.exclude(np.array(members[keys[solution[0]]]))
 
-    return top_k_highs(model.highs, k, decode=lambda: policy_milp.decode(inst, model), cut=cut,
-                       time_limit_s=time_limit_s, ideal_integer_cols=model.z)
+    return top_k_highs(
+        k, solve=lambda left: solve_ideal_highspy(model.highs, model.z, time_limit_s=left),
+        decode=lambda: policy_milp.decode(inst, model), cut=cut, time_limit_s=time_limit_s)
 
 
 def solve_lanes(inst: LaneInstance, *, time_limit_s: float = 5.0, seed: int = 0) -> SolveOutcome:

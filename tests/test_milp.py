@@ -125,21 +125,28 @@ def test_milp_matches_enumeration_on_random_instances(ttft, tpot, kv_blocks, see
         assert out.solutions[0][1].rate_per_s == pytest.approx(best, rel=1e-6)
 
 
-def test_per_class_flows_and_targets():
+def _two_class_fluid(seed: int, n: int, classes, targets):
+    """A fluid model of two classes, each (name, share, prompt range, output range) with
+    ``n`` uniform samples, at 4 req/s on the fixtures' step time."""
     import numpy as np
     from optimizer_fixtures import STEP
 
-    from servetune.models.fluid import ClassLoad, FluidModel, LoadModel, Platform, Target
+    from servetune.models.fluid import ClassLoad, FluidModel, LoadModel, Platform
 
-    rng = np.random.default_rng(2)
-    chat = ClassLoad.from_samples("chat", 0.8, rng.integers(50, 1500, 3000),
-                                  rng.integers(20, 400, 3000))
-    docs = ClassLoad.from_samples("docs", 0.2, rng.integers(4000, 30000, 3000),
-                                  rng.integers(50, 300, 3000))
-    load = LoadModel((chat, docs), 4.0)
-    targets = {"chat": Target(ttft_s=0.5, tpot_s=0.05, q=0.99),
-               "docs": Target(ttft_s=10.0, tpot_s=0.2, q=0.9)}
-    fm = FluidModel(load, Platform(STEP, 60_000, 16), targets)
+    rng = np.random.default_rng(seed)
+    loads = tuple(ClassLoad.from_samples(name, share, rng.integers(*prompt, n),
+                                         rng.integers(*output, n))
+                  for name, share, prompt, output in classes)
+    return FluidModel(LoadModel(loads, 4.0), Platform(STEP, 60_000, 16), targets)
+
+
+def test_per_class_flows_and_targets():
+    from servetune.models.fluid import Target
+
+    fm = _two_class_fluid(2, 3000, [("chat", 0.8, (50, 1500), (20, 400)),
+                                    ("docs", 0.2, (4000, 30000), (50, 300))],
+                          {"chat": Target(ttft_s=0.5, tpot_s=0.05, q=0.99),
+                           "docs": Target(ttft_s=10.0, tpot_s=0.2, q=0.9)})
     points = knobs_grid(SMALL_SPACE)
     inst = MilpInstance.build(fm, points)
     assert set(inst.shares) == {"chat", "docs"}
@@ -168,19 +175,12 @@ def test_limits_of_many_shapes_at_once_equal_one_shape_at_a_time():
 
 
 def test_a_class_without_traffic_never_binds():
-    import numpy as np
-    from optimizer_fixtures import STEP
+    from servetune.models.fluid import Target
 
-    from servetune.models.fluid import ClassLoad, FluidModel, LoadModel, Platform, Target
-
-    rng = np.random.default_rng(3)
-    chat = ClassLoad.from_samples("chat", 1.0, rng.integers(50, 1500, 2000),
-                                  rng.integers(20, 400, 2000))
-    idle = ClassLoad.from_samples("idle", 0.0, rng.integers(50, 1500, 2000),
-                                  rng.integers(20, 400, 2000))
-    targets = {"chat": Target(ttft_s=5.0, tpot_s=0.2, q=0.9),
-               "idle": Target(ttft_s=1e-6, tpot_s=1e-6, q=0.9)}  # unmeetable
-    fm = FluidModel(LoadModel((chat, idle), 4.0), Platform(STEP, 60_000, 16), targets)
+    fm = _two_class_fluid(3, 2000, [("chat", 1.0, (50, 1500), (20, 400)),
+                                    ("idle", 0.0, (50, 1500), (20, 400))],
+                          {"chat": Target(ttft_s=5.0, tpot_s=0.2, q=0.9),
+                           "idle": Target(ttft_s=1e-6, tpot_s=1e-6, q=0.9)})  # unmeetable
     inst = MilpInstance.build(fm, knobs_grid(SMALL_SPACE))
     assert all(inst.x_tightest(p) > 0 for p in range(len(inst.points)))
     out = solve_policy_milp(inst, k=1)
@@ -205,15 +205,13 @@ def test_ties_go_to_the_larger_exact_objective_then_grid_order():
     out = solve_policy_milp(inst, k=6)
     order = np.lexsort((np.arange(len(points)), -objective))  # by objective, then index
     assert [p for p, _ in out.solutions] == [int(p) for p in order[:6]]
-    # the pairs tie in goodput: each point's twin (the other queue cap) is the next one
+    # the chosen point ties in goodput with its twin (the other queue cap)
+    from dataclasses import replace
+
     first = out.solutions[0][0]
-    twin = [p for p in range(len(points)) if points[p].max_queued_requests is not None
-            and points[p].max_num_seqs == points[first].max_num_seqs
-            and points[p].max_num_batched_tokens == points[first].max_num_batched_tokens
-            and points[p].long_prefill_token_threshold
-            == points[first].long_prefill_token_threshold
-            and points[p].kv_watermark == points[first].kv_watermark]
-    assert rate[twin[0]] == pytest.approx(rate[first], rel=1e-12)
+    other_cap = None if points[first].max_queued_requests is not None else 10**9
+    twin = points.index(replace(points[first], max_queued_requests=other_cap))
+    assert twin != first and rate[twin] == pytest.approx(rate[first], rel=1e-12)
 
 
 def test_a_relaxation_that_is_not_integral_falls_back_to_branch_and_bound():

@@ -566,9 +566,9 @@ class _Checker:
 # From this many bytes of text on, a CSV trace is read with pyarrow when it is installed
 # (the optional extra `arrow`). In a fresh process pyarrow costs 0.3-0.4 s before its
 # first row (its import, and its compute functions' first use), so on an Azure-format
-# file it was slower up to about 1.5M rows (34 MiB: 0.90 s against 0.77 s) and 1.8x
-# faster at 4M rows (138 MiB: 1.49 s against 2.73 s), holding about 3x the memory
-# (benchmarks/RESULTS.md, "Trace loading against pyarrow").
+# file it was about even at 1M rows (34 MiB) and 2x faster at 4M and 10M rows (138 and
+# 344 MiB), holding 2.5-3x the memory (benchmarks/RESULTS.md, "pyarrow for large CSV
+# traces").
 ARROW_MIN_BYTES = 64 << 20
 # pyarrow's reader handles these roles; class labels and sessions get their ids in the
 # order this module's reader meets them chunk by chunk, so files with them use that reader.
