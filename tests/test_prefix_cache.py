@@ -160,9 +160,10 @@ def test_mooncake_hit_rate_matches_an_independent_lru_at_low_load():
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_the_cache_is_whole_after_a_run_under_pressure(engine):
-    """After a run with evictions and preemptions: no slot is still referenced, every
-    keyed cached block is in the table and in the LRU list once, the LRU's blocks are the
-    cached blocks, and slots in use plus free slots make the pool."""
+    """After a run with evictions and preemptions: no block is still referenced; the table
+    holds exactly the units in use, each under its own key and with a cached block; the
+    LRU nodes hold every cached block once (and the finished requests' anonymous blocks),
+    as many as ``cached_free``; units and nodes in use plus free ones make the pool."""
     from servetune.sim import cluster as C
 
     rng = np.random.default_rng(11)
@@ -181,18 +182,77 @@ def test_the_cache_is_whole_after_a_run_under_pressure(engine):
     rep.advance(np.inf)
     st, sc = rep.state, rep.scalars
     assert (st.status >= 0).all() and st.preemptions.sum() > 0 and sc.evictions > 0
-    assert sc.used == 0 and (st.slot_ref == 0).all()
-    table = st.table_key[st.table_key != K.EMPTY_KEY]
-    assert len(table) == len(set(table.tolist()))
-    order, s = [], sc.lru_head
-    while s >= 0:
-        order.append(s)
-        s = st.lru_next[s]
-    assert len(order) == len(set(order))
-    keys = st.slot_key[order]
-    # keyed slots hold one block each; finished requests' own blocks are anonymous runs
-    assert (st.slot_count[order][keys != K.EMPTY_KEY] == 1).all()
-    assert (keys == K.EMPTY_KEY).any() and (st.slot_count[order] > 1).any()
-    assert st.slot_count[order].sum() == sc.cached_free
-    assert sorted(keys[keys != K.EMPTY_KEY].tolist()) == sorted(table.tolist())
-    assert sc.free_slots + len(order) == 80
+    assert sc.used == 0 and (st.unit_ref == 0).all()
+    assert rep.params.unit_blocks == 4  # 64-token ids over 16-token blocks
+    live = np.flatnonzero(st.table_key != K.EMPTY_KEY)
+    units = st.table_slot[live]
+    assert len(set(units.tolist())) == len(units)
+    assert (st.units[units, K.U_KEY] == st.table_key[live]).all()
+    assert (st.units[units, K.U_MASK] != 0).all()
+    assert sc.free_units + len(units) == 80
+    assert not set(st.unit_free[:sc.free_units].tolist()) & set(units.tolist())
+    order, node = [], sc.lru_head
+    while node >= 0:
+        order.append(node)
+        node = st.nodes[node, K.N_NEXT]
+    assert len(order) == len(set(order)) and sc.free_nodes + len(order) == 80
+    cached = set()
+    sizes = []
+    for node in order:
+        u, lo, hi = st.nodes[node, [K.N_UNIT, K.N_LO, K.N_HI]].tolist()
+        assert lo < hi
+        sizes.append((u, hi - lo))
+        for o in range(lo, hi):
+            if u >= 0:
+                assert (st.units[u, K.U_MASK] >> o) & 1 and st.unit_node[u, o] == node
+                assert (u, o) not in cached
+                cached.add((u, o))
+    every = {(u, o) for u in units.tolist() for o in range(4) if (st.units[u, K.U_MASK] >> o) & 1}
+    assert cached == every
+    assert sum(size for _, size in sizes) == sc.cached_free
+    # finished requests' own blocks are anonymous runs; a release's blocks of a unit, one node
+    assert any(u < 0 and size > 1 for u, size in sizes)
+    assert any(u >= 0 and size > 1 for u, size in sizes)
+
+
+def _chained_trace(seed: int, n: int, width: int) -> Trace:
+    """Requests over a few shared system prompts, each a conversation's next turn or a new
+    one, some with an id repeated, ids covering part of their output: every way two
+    requests can share blocks, and a request share with itself."""
+    rng = np.random.default_rng(seed)
+    ids, prompts = [], []
+    for r in range(n):
+        if r and rng.random() < 0.4:  # a later turn: the earlier prompt, extended
+            chain = list(ids[int(rng.integers(0, r))]) + [10_000 + r]
+        else:
+            chain = [int(rng.integers(0, 3))] + [20_000 + 40 * r + j
+                                                 for j in range(int(rng.integers(0, 6)))]
+        if rng.random() < 0.1:
+            chain.append(chain[-1])  # the same id twice in a row
+        ids.append(chain)
+        # the prompt ends anywhere in its last id, so its output is partly keyed
+        prompts.append(max(1, (len(chain) - 1) * width + int(rng.integers(1, width + 1))))
+    return _trace(np.sort(rng.uniform(0, 4, n)), prompts, rng.integers(1, 120, n), ids,
+                  width=width)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("width,blocks", [(64, 60), (128, 90), (512, 400)])
+def test_units_of_blocks_change_nothing(engine, width, blocks, monkeypatch):
+    """The cache keeps blocks in units of up to 32 (one hash entry, one LRU node for a
+    release's run of a unit): the same run, to the bit, as one block per unit, under
+    pressure (evictions and preemptions), fast and reference."""
+    trace = _chained_trace(width, 160, width)
+
+    def run(reference: bool) -> E.EngineOutput:
+        return E.run_engine(trace, Policy(), blocks, 16, PROFILE.step_time, engine=engine,
+                            reference=reference, prefix_caching=True)
+
+    grouped = run(False)
+    assert E.unit_blocks_for(width, 16) == min(width // 16, 32) > 1
+    assert grouped.cache_evictions > 0 and grouped.preemptions.sum() > 0
+    monkeypatch.setattr(E, "unit_blocks_for", lambda width, block_size: 1)
+    for single in (run(False), run(True)):
+        assert single.cache_evictions == grouped.cache_evictions
+        for name in ("first_token_s", "finish_s", "status", "preemptions", "hit_tokens"):
+            np.testing.assert_array_equal(getattr(single, name), getattr(grouped, name))

@@ -150,6 +150,16 @@ WINDOW_MAX = 4096  # longest jumped stretch (size of the allocation histogram)
 # --- prefix cache keys ------------------------------------------------------------------------
 EMPTY_KEY = -(1 << 62)  # a free hash-table entry (no block has this key)
 UNIQUE_STRIDE = 1 << 24  # blocks per request in the keys of blocks no other request can share
+UNIT_BLOCKS_MAX = 32  # blocks per cache unit at most (a unit's cached blocks are a bit mask)
+U_KEY = 0  # State.units columns
+U_MASK = 1
+UNIT_COLUMNS = 2
+N_UNIT = 0  # State.nodes columns: the unit (-1: a finished request's anonymous blocks),
+N_LO = 1  # its blocks [lo, hi) in the LRU (hi - 1 nearest the head),
+N_HI = 2
+N_PREV = 3  # and the neighbours in the list
+N_NEXT = 4
+NODE_COLUMNS = 5
 
 # --- run_kernel's return codes -----------------------------------------------------------
 RC_DONE = 0
@@ -186,6 +196,7 @@ class Params(NamedTuple):
     total_blocks: int
     block_size: int
     prefix_block_tokens: int  # tokens per trace prefix id (Requests.prefix_ids)
+    unit_blocks: int  # prefix cache: blocks per unit (unit_blocks_for)
     step_coef: np.ndarray  # float64[N_COEF], StepTimeModel.as_arrays(engine), host terms in
     step_pieces: np.ndarray  # float64 (k, 2)
     # SGLang environment constants (engines.md 2.2)
@@ -239,9 +250,10 @@ SCALARS = np.dtype([
     ("chunked_req", np.int64),  # SGLang's request in chunked prefill (-1: none)
     ("jumps", np.int64),  # jumped stretches
     ("cached_free", np.int64),  # prefix cache: blocks no request holds, kept for reuse
-    ("lru_head", np.int64),  # their eviction order: a doubly linked list of cache slots
+    ("lru_head", np.int64),  # their eviction order: a doubly linked list of LRU nodes
     ("lru_tail", np.int64),
-    ("free_slots", np.int64),  # unused cache slots (a stack in State.slot_free)
+    ("free_units", np.int64),  # unused cache units (a stack in State.unit_free)
+    ("free_nodes", np.int64),  # unused LRU nodes (a stack in State.node_free)
     ("evictions", np.int64),
     ("n_done", np.int64),  # completed requests, in State.done_order
     ("now", np.float64),  # clock (s)
@@ -286,20 +298,19 @@ class State(NamedTuple):
     victims: np.ndarray  # int64 scratch: SGLang's priority victims, queued after the pass
     ready_s: np.ndarray  # float64, when an admitted request's KV is in place (P/D)
     done_order: np.ndarray  # int64, completed requests in completion order (n_done of them)
-    # prefix cache (one row each when off): cache slots are physical blocks with a key;
-    # prefix_blocks[r] leading blocks of request r are held through slots (shared, counted
-    # once), its other blocks privately; a hash table (open addressing) maps key -> slot
+    # prefix cache (one row each when off; "the prefix cache" below): prefix_blocks[r]
+    # leading blocks of request r are held through cache units (shared, counted once), its
+    # other blocks privately; a hash table (open addressing) maps a unit's key -> unit
     prefix_blocks: np.ndarray  # int64 per request
-    hit_slots: np.ndarray  # int64 scratch: the slots of the cached blocks an admission found
     hit_tokens: np.ndarray  # int64 per request: tokens served from the cache at first admission
     table_key: np.ndarray  # int64[2^k], EMPTY_KEY where free
-    table_slot: np.ndarray  # int64[2^k]
-    slot_key: np.ndarray  # int64[total_blocks] (EMPTY_KEY: a run of blocks none can hit)
-    slot_ref: np.ndarray  # int64: running requests holding the slot (0: evictable)
-    slot_count: np.ndarray  # int64: blocks in the slot (1, or a finished request's run)
-    lru_prev: np.ndarray  # int64
-    lru_next: np.ndarray  # int64
-    slot_free: np.ndarray  # int64 stack of unused slots
+    table_slot: np.ndarray  # int64[2^k]: the key's unit
+    units: np.ndarray  # int64 (total_blocks, UNIT_COLUMNS): key, bit mask of cached blocks
+    unit_ref: np.ndarray  # int32 (total_blocks, unit_blocks): requests holding each block
+    unit_node: np.ndarray  # int32 (total_blocks, unit_blocks): an evictable block's LRU node
+    unit_free: np.ndarray  # int64 stack of unused units
+    nodes: np.ndarray  # int64 (total_blocks, NODE_COLUMNS): LRU nodes (N_*)
+    node_free: np.ndarray  # int64 stack of unused nodes
     scalars: Any  # SCALARS record array of 1 (reference mode: [namespace])
 
 
@@ -536,12 +547,23 @@ def _series_add(st, t0, t1, kv, waiting, running, cached):
 # tail of an LRU list (a request's blocks last to first, so its tail goes first), and is
 # taken from the head when a block is needed. An admission's longest run of cached
 # leading blocks is computed for free (at least the last token is recomputed); blocks
-# shared by running requests are counted once in ``used``. Keys: block ``j`` of request
-# ``r`` whose tokens lie within its known prefix ids has ``id * B + end offset`` (>= 1);
-# any other block a key of its own (< 0), which only the request itself can hit again
-# (after a preemption). So a finished request's own-key blocks, which no one can hit, are
-# kept as one anonymous slot of ``slot_count`` blocks at their place in the LRU: evicted
-# one block at a time from the top, as the blocks would be, with no key to look up.
+# shared by running requests are counted once in ``used``.
+#
+# Keys: block ``j`` of request ``r`` whose tokens lie within its known prefix ids is named
+# by the id of the block's last token and where the block ends in it; any other block has
+# a name of its own, which only the request itself can hit again (after a preemption).
+# A finished request's own-name blocks, which no one can hit, become one anonymous LRU node.
+#
+# Layout: blocks are kept in *units* of ``unit_blocks`` (G) consecutive blocks of one
+# prefix id (or of one request's own blocks), so that a 512-token id costs one hash-table
+# entry, not 32: ``units[u]`` holds the unit's key (that of its first block) and a bit
+# mask of its cached blocks, ``unit_ref[u, o]`` how many running requests hold block
+# ``o``. The LRU list is a list of *nodes*, each a run of one unit's blocks ``[lo, hi)``
+# in the order they were freed (top first): a request frees a unit's blocks last to first,
+# so one release makes one node per unit. A block leaves the LRU from its node's top
+# (eviction) or, taken back into use, from its bottom (a request holding a unit's block
+# holds every block below it, none of which is in the LRU), so nodes never split. The
+# order of blocks in the list, and so every eviction, is the per-block LRU's.
 
 
 @inline
@@ -562,12 +584,24 @@ def _id_key(ids, first, width, end):
 
 
 @inline
-def _block_key(p, rq, r, j, keyed):
-    """Block ``j`` of request ``r`` (``keyed``: :func:`_keyed_tokens`): its cache key."""
-    end = (j + 1) * p.block_size
-    if end <= keyed:
-        return _id_key(rq.prefix_ids, rq.prefix_start[r], p.prefix_block_tokens, end)
-    return -(r * UNIQUE_STRIDE + j) - 1
+def _unit_key(p, rq, r, j, keyed_blocks):
+    """The key of the unit holding block ``j`` of request ``r`` (its first ``keyed_blocks``
+    blocks lie within its prefix ids): the key of the unit's first block, or one of
+    ``r``'s own."""
+    first = j - j % p.unit_blocks
+    if j < keyed_blocks:
+        return _id_key(rq.prefix_ids, rq.prefix_start[r], p.prefix_block_tokens,
+                       (first + 1) * p.block_size)
+    return -(r * UNIQUE_STRIDE + first) - 1
+
+
+@inline
+def _unit_end(p, j, stop):
+    """Where the unit of block ``j`` ends for a walk that stops at block ``stop``. (A unit
+    is all keyed or all ``r``'s own: the keyed blocks end at an id's end, a multiple of
+    ``unit_blocks``, or at the request's last full block, past any block a walk visits.)"""
+    end = j - j % p.unit_blocks + p.unit_blocks
+    return end if end < stop else stop
 
 
 @inline
@@ -578,7 +612,7 @@ def _hash(key):
 
 @jit
 def _probe(table_key, table_slot, key):
-    """The cache slot holding ``key`` (-1: none)."""
+    """The unit holding ``key`` (-1: none)."""
     mask = table_key.shape[0] - 1
     i = _hash(key) & mask
     while True:
@@ -591,7 +625,7 @@ def _probe(table_key, table_slot, key):
 
 
 @inline
-def _slot_of(st, key):
+def _unit_of(st, key):
     return _probe(st.table_key, st.table_slot, key)
 
 
@@ -630,43 +664,79 @@ def _table_delete(st, key):
 
 
 @jit
-def _lru_append(st, s):
+def _unit_new(st, key):
+    """A new unit for ``key``, no block of it cached yet."""
     sc = st.scalars[0]
-    st.lru_prev[s] = sc.lru_tail
-    st.lru_next[s] = -1
-    if sc.lru_tail >= 0:
-        st.lru_next[sc.lru_tail] = s
-    else:
-        sc.lru_head = s
-    sc.lru_tail = s
+    sc.free_units -= 1
+    u = st.unit_free[sc.free_units]
+    st.units[u, U_KEY] = key
+    st.units[u, U_MASK] = 0
+    _table_put(st, key, u)
+    return u
 
 
 @jit
-def _lru_remove(st, s):
+def _node_append(st, u, lo, hi):
+    """A new LRU node at the tail: blocks ``[lo, hi)`` of unit ``u`` (-1: anonymous)."""
     sc = st.scalars[0]
-    prev = st.lru_prev[s]
-    nxt = st.lru_next[s]
+    sc.free_nodes -= 1
+    node = st.node_free[sc.free_nodes]
+    st.nodes[node, N_UNIT] = u
+    st.nodes[node, N_LO] = lo
+    st.nodes[node, N_HI] = hi
+    st.nodes[node, N_PREV] = sc.lru_tail
+    st.nodes[node, N_NEXT] = -1
+    if sc.lru_tail >= 0:
+        st.nodes[sc.lru_tail, N_NEXT] = node
+    else:
+        sc.lru_head = node
+    sc.lru_tail = node
+    return node
+
+
+@jit
+def _node_drop(st, node):
+    """Unlink an emptied LRU node and free it."""
+    sc = st.scalars[0]
+    prev = st.nodes[node, N_PREV]
+    nxt = st.nodes[node, N_NEXT]
     if prev >= 0:
-        st.lru_next[prev] = nxt
+        st.nodes[prev, N_NEXT] = nxt
     else:
         sc.lru_head = nxt
     if nxt >= 0:
-        st.lru_prev[nxt] = prev
+        st.nodes[nxt, N_PREV] = prev
     else:
         sc.lru_tail = prev
+    st.node_free[sc.free_nodes] = node
+    sc.free_nodes += 1
 
 
 @jit
-def _new_slot(st, key, ref):
+def _lru_push(st, u, o):
+    """Block ``o`` of unit ``u`` becomes evictable: to the LRU tail (the tail node grows
+    when the block continues its run downwards)."""
     sc = st.scalars[0]
-    sc.free_slots -= 1
-    s = st.slot_free[sc.free_slots]
-    st.slot_key[s] = key
-    st.slot_ref[s] = ref
-    st.slot_count[s] = 1
-    if key != EMPTY_KEY:
-        _table_put(st, key, s)
-    return s
+    tail = sc.lru_tail
+    if tail >= 0 and st.nodes[tail, N_UNIT] == u and st.nodes[tail, N_LO] == o + 1:
+        st.nodes[tail, N_LO] = o
+    else:
+        tail = _node_append(st, u, o, o + 1)
+    st.unit_node[u, o] = tail
+    sc.cached_free += 1
+
+
+@jit
+def _lru_take(st, u, o):
+    """Block ``o`` of unit ``u`` (evictable) goes back into use: it leaves its node's
+    bottom (the blocks below it are in use)."""
+    sc = st.scalars[0]
+    node = st.unit_node[u, o]
+    assert st.nodes[node, N_LO] == o
+    st.nodes[node, N_LO] = o + 1
+    if o + 1 == st.nodes[node, N_HI]:
+        _node_drop(st, node)
+    sc.cached_free -= 1
 
 
 @jit
@@ -675,17 +745,26 @@ def _evict_to_fit(p, st):
     fit the pool."""
     sc = st.scalars[0]
     while sc.used + sc.cached_free > p.total_blocks and sc.cached_free > 0:
-        s = sc.lru_head
-        if st.slot_count[s] > 1:
-            st.slot_count[s] -= 1  # an anonymous run gives up its top block
+        node = sc.lru_head
+        lo = st.nodes[node, N_LO]
+        hi = st.nodes[node, N_HI]
+        k = sc.used + sc.cached_free - p.total_blocks  # the node's top k blocks go
+        if k > hi - lo:
+            k = hi - lo
+        u = st.nodes[node, N_UNIT]
+        if u >= 0:
+            mask = st.units[u, U_MASK] & ~(((1 << k) - 1) << (hi - k))
+            st.units[u, U_MASK] = mask
+            if mask == 0:
+                _table_delete(st, st.units[u, U_KEY])
+                st.unit_free[sc.free_units] = u
+                sc.free_units += 1
+        if k == hi - lo:
+            _node_drop(st, node)
         else:
-            _lru_remove(st, s)
-            if st.slot_key[s] != EMPTY_KEY:
-                _table_delete(st, st.slot_key[s])
-            st.slot_free[sc.free_slots] = s
-            sc.free_slots += 1
-        sc.cached_free -= 1
-        sc.evictions += 1
+            st.nodes[node, N_HI] = hi - k
+        sc.cached_free -= k
+        sc.evictions += k
 
 
 @jit
@@ -694,32 +773,43 @@ def _cache_hits(p, rq, st, r, target):
     most ``(target - 1) // block_size``: the last token is always computed), and how many
     of them are evictable (held by no request: taking them uses free blocks)."""
     most = (target - 1) // p.block_size
-    keyed = _keyed_tokens(p, rq, r)
+    keyed_blocks = _keyed_tokens(p, rq, r) // p.block_size
     k = 0
     evictable = 0
     while k < most:
-        s = _slot_of(st, _block_key(p, rq, r, k, keyed))
-        if s < 0:
+        u = _unit_of(st, _unit_key(p, rq, r, k, keyed_blocks))
+        if u < 0:
             break
-        if st.slot_ref[s] == 0:
-            evictable += 1
-        st.hit_slots[k] = s  # for _cache_take, which follows at once
-        k += 1
+        first = k - k % p.unit_blocks
+        end = _unit_end(p, k, most)
+        mask = st.units[u, U_MASK]
+        while k < end and (mask >> (k - first)) & 1:
+            if st.unit_ref[u, k - first] == 0:
+                evictable += 1
+            k += 1
+        if k < end:
+            break
     return k, evictable
 
 
 @jit
 def _cache_take(p, rq, st, r, k):
-    """Request ``r`` (holding nothing) takes its ``k`` cached leading blocks, the slots
-    :func:`_cache_hits` just found: they are computed and held through their slots."""
+    """Request ``r`` (holding nothing) takes its ``k`` cached leading blocks
+    (:func:`_cache_hits`): they are computed and held through their units."""
     sc = st.scalars[0]
-    for j in range(k):
-        s = st.hit_slots[j]
-        if st.slot_ref[s] == 0:
-            _lru_remove(st, s)
-            sc.cached_free -= 1
-            sc.used += 1
-        st.slot_ref[s] += 1
+    keyed_blocks = _keyed_tokens(p, rq, r) // p.block_size
+    j = 0
+    while j < k:
+        u = _unit_of(st, _unit_key(p, rq, r, j, keyed_blocks))
+        first = j - j % p.unit_blocks
+        end = _unit_end(p, j, k)
+        while j < end:
+            o = j - first
+            if st.unit_ref[u, o] == 0:
+                _lru_take(st, u, o)
+                sc.used += 1
+            st.unit_ref[u, o] += 1
+            j += 1
     st.prefix_blocks[r] = k
     st.held[r] += k
     st.computed[r] = k * p.block_size
@@ -739,23 +829,27 @@ def _cache_register(p, rq, st, r):
     if st.computed[r] < full:
         full = st.computed[r]
     full = full // p.block_size
-    keyed = _keyed_tokens(p, rq, r)
+    keyed_blocks = _keyed_tokens(p, rq, r) // p.block_size
+    if full > keyed_blocks:
+        full = keyed_blocks  # the rest have keys of r's own: no one can share them yet
     j = st.prefix_blocks[r]
     while j < full:
-        key = _block_key(p, rq, r, j, keyed)
-        if key < 0:
-            break  # a key of its own: no other request can share it while it runs
-        s = _slot_of(st, key)
-        if s < 0:
-            _new_slot(st, key, 1)
-        else:
-            if st.slot_ref[s] == 0:
-                _lru_remove(st, s)  # cached, now in use: its blocks replace r's copy
-                sc.cached_free -= 1
+        key = _unit_key(p, rq, r, j, keyed_blocks)
+        u = _unit_of(st, key)
+        if u < 0:
+            u = _unit_new(st, key)
+        first = j - j % p.unit_blocks
+        end = _unit_end(p, j, full)
+        while j < end:
+            o = j - first
+            if (st.units[u, U_MASK] >> o) & 1 == 0:
+                st.units[u, U_MASK] |= 1 << o  # r's block is now the cached one
+            elif st.unit_ref[u, o] == 0:
+                _lru_take(st, u, o)  # cached, now in use: its block replaces r's copy
             else:
                 sc.used -= 1  # held by another request: r's copy is freed
-            st.slot_ref[s] += 1
-        j += 1
+            st.unit_ref[u, o] += 1
+            j += 1
     st.prefix_blocks[r] = j
 
 
@@ -763,60 +857,69 @@ def _cache_register(p, rq, st, r):
 def _cache_release(p, rq, st, r):
     """Request ``r`` gives its blocks back (finish or preemption): its full blocks stay
     cached (last to first into the LRU; a finished request's own-key blocks as one
-    anonymous run), the rest is freed. Returns the blocks that leave ``used``."""
+    anonymous node), the rest is freed. Returns the blocks that leave ``used``."""
     sc = st.scalars[0]
     full = st.computed[r] // p.block_size
     if full > st.held[r]:
         full = st.held[r]
     freed = st.held[r] - full
     shared = st.prefix_blocks[r]
-    keyed = _keyed_tokens(p, rq, r)
+    keyed_blocks = _keyed_tokens(p, rq, r) // p.block_size
     j = full - 1
     if st.status[r] == COMPLETED:
-        own = keyed // p.block_size  # blocks from here on have keys of r's own
-        if own < shared:
-            own = shared
+        own = keyed_blocks if keyed_blocks > shared else shared  # own keys from here on
         if full > own:
-            s = _new_slot(st, EMPTY_KEY, 0)
-            st.slot_count[s] = full - own
-            _lru_append(st, s)
+            _node_append(st, -1, 0, full - own)
             sc.cached_free += full - own
             freed += full - own
             j = own - 1
+    G = p.unit_blocks
     while j >= 0:
-        key = _block_key(p, rq, r, j, keyed)
-        if j < shared:
-            s = _slot_of(st, key)
-            st.slot_ref[s] -= 1
-            if st.slot_ref[s] == 0:
-                _lru_append(st, s)
-                sc.cached_free += 1
+        first = j - j % G  # the unit's blocks of r, last to first
+        key = _unit_key(p, rq, r, j, keyed_blocks)
+        u = _unit_of(st, key)
+        while j >= first:
+            o = j - first
+            if j < shared:
+                st.unit_ref[u, o] -= 1
+                if st.unit_ref[u, o] == 0:
+                    _lru_push(st, u, o)
+                    freed += 1
+            else:
                 freed += 1
-        else:
-            freed += 1
-            if _slot_of(st, key) < 0:
-                _lru_append(st, _new_slot(st, key, 0))
-                sc.cached_free += 1
-        j -= 1
+                if u < 0:
+                    u = _unit_new(st, key)
+                if (st.units[u, U_MASK] >> o) & 1 == 0:
+                    st.units[u, U_MASK] |= 1 << o  # cached on its way out
+                    _lru_push(st, u, o)
+            j -= 1
     st.prefix_blocks[r] = 0
     return freed
 
 
 @entry
-def cached_prefix_blocks(table_key, table_slot, bs, ids, width, tokens):
+def cached_prefix_blocks(table_key, table_slot, units, unit_blocks, bs, ids, width, tokens):
     """Leading blocks of ``bs`` tokens of a prompt of ``tokens`` tokens with prefix ids
-    ``ids`` (of ``width`` tokens each) that an engine's cache (``State.table_key`` and
-    ``table_slot``) holds: a router's probe (only the table, so that a call is cheap)."""
+    ``ids`` (of ``width`` tokens each, ``unit_blocks`` blocks a unit) that an engine's
+    cache (``State.table_key``, ``table_slot`` and ``units``) holds: a router's probe."""
     most = (tokens - 1) // bs
-    keyed = ids.shape[0] * width
+    keyed_blocks = ids.shape[0] * width // bs
+    if most > keyed_blocks:
+        most = keyed_blocks
     k = 0
     while k < most:
-        end = (k + 1) * bs
-        if end > keyed:
+        first = k - k % unit_blocks
+        u = _probe(table_key, table_slot, _id_key(ids, 0, width, (first + 1) * bs))
+        if u < 0:
             break
-        if _probe(table_key, table_slot, _id_key(ids, 0, width, end)) < 0:
+        end = first + unit_blocks
+        if end > most:
+            end = most
+        mask = units[u, U_MASK]
+        while k < end and (mask >> (k - first)) & 1:
+            k += 1
+        if k < end:
             break
-        k += 1
     return k
 
 
@@ -1882,7 +1985,8 @@ def _pick(ps, rqs, sts, fulls, row, router):
             lo = full.prefix_start[row]
             hi = full.prefix_start[row + 1]
             if p.prefix_caching and hi > lo:
-                cached = cached_prefix_blocks(st.table_key, st.table_slot, p.block_size,
+                cached = cached_prefix_blocks(st.table_key, st.table_slot, st.units,
+                                              p.unit_blocks, p.block_size,
                                               full.prefix_ids[lo:hi], p.prefix_block_tokens,
                                               prompt)
             a = float(_blocks(prompt, p.block_size) - cached) + _kv_committed(p, rqs[k], st)

@@ -131,6 +131,7 @@ arrivals are all turned away after the final step, one zero-length record carrie
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -245,6 +246,16 @@ def _kernel_module(reference: bool) -> ModuleType:
     return _pure_module
 
 
+def unit_blocks_for(prefix_block_tokens: int, block_size: int) -> int:
+    """Blocks per prefix-cache unit: a divisor of the blocks in one prefix id (all of them
+    when there are at most ``UNIT_BLOCKS_MAX``), so that a unit never straddles two ids; 1
+    when an id's tokens are not whole blocks."""
+    width = max(int(prefix_block_tokens), 1)
+    if width % block_size:
+        return 1
+    return math.gcd(width // block_size, K.UNIT_BLOCKS_MAX)
+
+
 def _blocks(tokens: np.ndarray, block_size: int) -> np.ndarray:
     return (tokens + block_size - 1) // block_size
 
@@ -328,6 +339,7 @@ def kernel_params(
         total_blocks=total,
         block_size=int(block_size),
         prefix_block_tokens=max(int(prefix_block_tokens), 1),
+        unit_blocks=unit_blocks_for(int(prefix_block_tokens), int(block_size)),
         step_coef=coef,
         step_pieces=pieces,
         # SGLang's environment constants
@@ -508,7 +520,9 @@ def _initial_state(params: K.Params, requests: K.Requests, reference: bool,
     width = min(params.max_seqs, n) + 1
     last = float(requests.arrival[-1]) if horizon_s is None else float(horizon_s)
     bin_width = max(last, 1.0) / (SERIES_BINS // 2)
+    # units and LRU nodes: each holds at least one cached block, so the pool bounds both
     cache_slots = int(params.total_blocks) if params.prefix_caching else 1
+    unit = int(params.unit_blocks) if params.prefix_caching else 1
     table = 1 << max(int(2 * cache_slots - 1).bit_length(), 1)
     return K.State(
         computed=np.zeros(n, dtype=np.int64),
@@ -532,20 +546,20 @@ def _initial_state(params: K.Params, requests: K.Requests, reference: bool,
         ready_s=np.zeros(n, dtype=np.float64),
         done_order=np.zeros(n, dtype=np.int64),
         prefix_blocks=np.zeros(n, dtype=np.int64),
-        hit_slots=np.zeros(cache_slots, dtype=np.int64),
         hit_tokens=np.zeros(n, dtype=np.int64),
         table_key=np.full(table, K.EMPTY_KEY, dtype=np.int64),
         table_slot=np.zeros(table, dtype=np.int64),
-        slot_key=np.zeros(cache_slots, dtype=np.int64),
-        slot_ref=np.zeros(cache_slots, dtype=np.int64),
-        slot_count=np.zeros(cache_slots, dtype=np.int64),
-        lru_prev=np.zeros(cache_slots, dtype=np.int64),
-        lru_next=np.zeros(cache_slots, dtype=np.int64),
-        slot_free=np.arange(cache_slots - 1, -1, -1, dtype=np.int64),
+        # (np.zeros leaves untouched pages unmapped: a run touches the units it uses)
+        units=np.zeros((cache_slots, K.UNIT_COLUMNS), dtype=np.int64),
+        unit_ref=np.zeros((cache_slots, unit), dtype=np.int32),
+        unit_node=np.zeros((cache_slots, unit), dtype=np.int32),
+        unit_free=np.arange(cache_slots - 1, -1, -1, dtype=np.int64),
+        nodes=np.zeros((cache_slots, K.NODE_COLUMNS), dtype=np.int64),
+        node_free=np.arange(cache_slots - 1, -1, -1, dtype=np.int64),
         scalars=_scalar_holder(K.SCALARS, reference, chunked_req=-1, token_ratio=params.ratio_init,
                                bin_width=bin_width, known=n if known is None else known,
                                until=np.inf, lru_head=-1, lru_tail=-1,
-                               free_slots=cache_slots),
+                               free_units=cache_slots, free_nodes=cache_slots),
     )
 
 
