@@ -1962,6 +1962,14 @@ def append_row(rq, st, full, row, t):
     return m
 
 
+@entry
+def append_rows(rq, st, full, rows, arrival):
+    """:func:`append_row` for each of ``rows`` (ascending), arriving at ``arrival[row]``:
+    a static router's whole share at once."""
+    for i in range(rows.shape[0]):
+        append_row(rq, st, full, rows[i], arrival[rows[i]])
+
+
 @jit
 def _pick(ps, rqs, sts, fulls, row, router):
     """The replica (index into the tuples) of least cost for trace row ``row`` under

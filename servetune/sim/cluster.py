@@ -178,6 +178,11 @@ class _Replica:
         self.rq.ready_delay[m] = ready_delay_s
         self.rows.append(row)
 
+    def append_all(self, rows: np.ndarray, arrival_s: np.ndarray) -> None:
+        """Route trace rows ``rows`` (ascending) here, each arriving at ``arrival_s[row]``."""
+        self.km.append_rows(self.rq, self.state, self.full, rows, arrival_s)
+        self.rows.extend(rows.tolist())
+
     def idle(self) -> bool:
         return (self._get("next_arrival") >= self._get("known") and self._get("n_running") == 0
                 and not self.waiting.any())
@@ -231,6 +236,18 @@ class _Router:
         self.prefix_start, self.prefix_ids = prefix
         self.count = 0
         self.tuples: tuple[tuple[Any, ...], ...] | None = None
+
+    def static_picks(self, n: int) -> np.ndarray:
+        """A static router's picks (indices into ``pool``) for the rows ``0..n-1``, all at
+        once: what ``pick`` would answer row by row."""
+        size = len(self.pool)
+        turn = self.count + np.arange(n, dtype=np.int64)
+        self.count += n
+        if self.name == "session":
+            start, end = self.prefix_start[:n], self.prefix_start[1:n + 1]
+            first = self.prefix_ids[np.minimum(start, max(len(self.prefix_ids) - 1, 0))]
+            turn = np.where(end > start, first, turn)
+        return turn % size
 
     def pick(self, row: int) -> _Replica:
         pool = self.pool
@@ -302,11 +319,11 @@ def run_cluster(
 
     if not disagg:
         if router in STATIC_ROUTERS:
-            for row in range(n):
-                rep = route.pick(row)
-                local_of[row] = len(rep.rows)
-                replica_of[row] = rep.index
-                rep.append(row, float(arrival[row]))
+            replica_of = route.static_picks(n)
+            for rep in replicas:
+                rows = np.flatnonzero(replica_of == rep.index)
+                local_of[rows] = np.arange(len(rows))
+                rep.append_all(rows, arrival)
         else:  # the router reads every replica at every arrival: one compiled loop
             rc = replicas[0].km.route_arrivals(
                 tuple(r.params for r in replicas), tuple(r.rq for r in replicas),
