@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 from conftest import workload_from_yaml_text
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from servetune.errors import ServetuneError
@@ -357,3 +357,41 @@ def test_fit_any_trace(rows, split, bands, window):
     except ServetuneError:
         return
     assert len(t) == 100
+
+
+def _per_line(chunk: bytes) -> list[object]:
+    """What ``json.loads`` makes of each stripped line of ``chunk`` ("bad": it raises)."""
+    out: list[object] = []
+    for line in chunk.split(b"\n")[:-1]:
+        try:
+            out.append(json.loads(line.strip()) if line.strip() else "blank")
+        except (ValueError, RecursionError):
+            out.append("bad")
+    return out
+
+
+LINE_BYTES = st.sampled_from(
+    [b'{"a": 1}', b"[1, 2]", b'"x"', b"7", b"\xef\xbb\xbf", b"\x00", b"\xff", b"\xc3\xa9",
+     b"\xc2\xa0", b"\xe2\x80\xa8", b"\x0b", b"\x0c", b" ", b"\t", b"\r", b"\n", b"{", b"}",
+     b'"', b"\\", b"\\u00e9", b"\\ud800", b"\xed\xa0\x80", b":", b",", b"1e400", b"NaN"])
+
+
+@FUZZ
+@given(st.lists(LINE_BYTES, max_size=30).map(lambda parts: b"".join(parts) + b"\n"))
+@example(b'\xef\xbb\xbf{"a": 1}\n')  # json.loads drops a leading byte-order mark
+@example(b"\x00{\x00}\n")  # and reads this as UTF-16: {}
+def test_json_lines_parse_as_json_loads_does_line_by_line(chunk):
+    """The JSON Lines reader parses a plain UTF-8 chunk's lines as text (no per-line
+    decoding): the same values, and the same lines rejected, as ``json.loads`` of each
+    line's bytes (byte-order marks, NUL, invalid UTF-8, surrogates and Unicode spaces
+    included)."""
+    from servetune.workloads.formats import _ASCII_SPACE, _json_lines, _json_value
+
+    ours: list[object] = []
+    for line in _json_lines(chunk):
+        text = line.strip(_ASCII_SPACE[type(line)])
+        try:
+            ours.append(_json_value(text) if text else "blank")
+        except (ValueError, RecursionError):
+            ours.append("bad")
+    assert repr(ours) == repr(_per_line(chunk))  # (repr: NaN is not equal to itself)

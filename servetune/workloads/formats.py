@@ -785,6 +785,35 @@ def _load_csv(
 # ----------------------------------------------------------------------------- JSON Lines
 
 
+# bytes.strip()'s whitespace, for text lines too (str.strip() would take Unicode spaces)
+_ASCII_SPACE = {bytes: b" \t\n\r\x0b\x0c", str: " \t\n\r\x0b\x0c"}
+_JSON_DECODER = json.JSONDecoder()
+
+
+def _json_lines(chunk: bytes) -> list[str] | list[bytes]:
+    """A chunk's lines: as text when the chunk is plain UTF-8 (no NUL, no byte-order mark),
+    which is how ``json.loads`` would decode each of them, so that each line is parsed
+    without its per-call decoding (a third of a Mooncake trace's parse time); else as
+    bytes, for ``json.loads`` to decode (or reject) line by line."""
+    try:
+        text = chunk.decode("utf-8")
+    except UnicodeDecodeError:
+        return chunk.split(b"\n")[:-1]
+    if "\x00" in text or "\ufeff" in text:
+        return chunk.split(b"\n")[:-1]
+    return text.split("\n")[:-1]
+
+
+def _json_value(text: str | bytes) -> Any:
+    """``json.loads(text)`` for one stripped line."""
+    if isinstance(text, bytes):
+        return json.loads(text)
+    value, end = _JSON_DECODER.raw_decode(text)
+    if end != len(text):
+        raise ValueError("extra data")
+    return value
+
+
 def _json_whole(value: Any, low: int) -> int | None:
     if isinstance(value, bool):
         return None
@@ -858,14 +887,14 @@ def _load_jsonl(
         prefix_len: list[int] = []
         prefix_ids: list[int] = []
         sessions: list[str] = []
-        for line in chunk.split(b"\n")[:-1]:
+        for line in _json_lines(chunk):
             line_no += 1
-            text = line.strip()
+            text = line.strip(_ASCII_SPACE[type(line)])
             if not text:
                 rows.blank += 1
                 continue
             try:
-                record = json.loads(text)
+                record = _json_value(text)
             except (ValueError, RecursionError):
                 rows.bad(line_no, "not a JSON object")
                 continue
