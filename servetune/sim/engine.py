@@ -521,9 +521,9 @@ def _initial_state(params: K.Params, requests: K.Requests, reference: bool,
     last = float(requests.arrival[-1]) if horizon_s is None else float(horizon_s)
     bin_width = max(last, 1.0) / (SERIES_BINS // 2)
     # units and LRU nodes: each holds at least one cached block, so the pool bounds both
-    cache_slots = int(params.total_blocks) if params.prefix_caching else 1
+    cache_rows = int(params.total_blocks) if params.prefix_caching else 1
     unit = int(params.unit_blocks) if params.prefix_caching else 1
-    table = 1 << max(int(2 * cache_slots - 1).bit_length(), 1)
+    table = 1 << max(int(2 * cache_rows - 1).bit_length(), 1)
     return K.State(
         computed=np.zeros(n, dtype=np.int64),
         generated=np.zeros(n, dtype=np.int64),
@@ -550,16 +550,16 @@ def _initial_state(params: K.Params, requests: K.Requests, reference: bool,
         table_key=np.full(table, K.EMPTY_KEY, dtype=np.int64),
         table_slot=np.zeros(table, dtype=np.int64),
         # (np.zeros leaves untouched pages unmapped: a run touches the units it uses)
-        units=np.zeros((cache_slots, K.UNIT_COLUMNS), dtype=np.int64),
-        unit_ref=np.zeros((cache_slots, unit), dtype=np.int32),
-        unit_node=np.zeros((cache_slots, unit), dtype=np.int32),
-        unit_free=np.arange(cache_slots - 1, -1, -1, dtype=np.int64),
-        nodes=np.zeros((cache_slots, K.NODE_COLUMNS), dtype=np.int64),
-        node_free=np.arange(cache_slots - 1, -1, -1, dtype=np.int64),
+        units=np.zeros((cache_rows, K.UNIT_COLUMNS), dtype=np.int64),
+        unit_ref=np.zeros((cache_rows, unit), dtype=np.int32),
+        unit_node=np.zeros((cache_rows, unit), dtype=np.int32),
+        unit_free=np.arange(cache_rows - 1, -1, -1, dtype=np.int64),
+        nodes=np.zeros((cache_rows, K.NODE_COLUMNS), dtype=np.int64),
+        node_free=np.arange(cache_rows - 1, -1, -1, dtype=np.int64),
         scalars=_scalar_holder(K.SCALARS, reference, chunked_req=-1, token_ratio=params.ratio_init,
                                bin_width=bin_width, known=n if known is None else known,
                                until=np.inf, lru_head=-1, lru_tail=-1,
-                               free_units=cache_slots, free_nodes=cache_slots),
+                               free_units=cache_rows, free_nodes=cache_rows),
     )
 
 
