@@ -873,9 +873,8 @@ def _cache_release(p, rq, st, r):
             sc.cached_free += full - own
             freed += full - own
             j = own - 1
-    G = p.unit_blocks
     while j >= 0:
-        first = j - j % G  # the unit's blocks of r, last to first
+        first = j - j % p.unit_blocks  # the unit's blocks of r, last to first
         key = _unit_key(p, rq, r, j, keyed_blocks)
         u = _unit_of(st, key)
         while j >= first:
