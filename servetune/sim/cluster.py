@@ -237,30 +237,21 @@ class _Router:
         self.count = 0
         self.tuples: tuple[tuple[Any, ...], ...] | None = None
 
-    def static_picks(self, n: int) -> np.ndarray:
-        """A static router's picks (indices into ``pool``) for the rows ``0..n-1``, all at
-        once: what ``pick`` would answer row by row."""
-        size = len(self.pool)
-        turn = self.count + np.arange(n, dtype=np.int64)
-        self.count += n
+    def static_picks(self, rows: np.ndarray) -> np.ndarray:
+        """A static router's picks (indices into ``pool``) for ``rows``, in order: round
+        robin by turn; session by the request's first prefix id (its turn without ids)."""
+        turn = self.count + np.arange(len(rows), dtype=np.int64)
+        self.count += len(rows)
         if self.name == "session":
-            start, end = self.prefix_start[:n], self.prefix_start[1:n + 1]
-            first = self.prefix_ids[np.minimum(start, max(len(self.prefix_ids) - 1, 0))]
+            start, end = self.prefix_start[rows], self.prefix_start[rows + 1]
+            first = self.prefix_ids[np.minimum(start, len(self.prefix_ids) - 1)]
             turn = np.where(end > start, first, turn)
-        return turn % size
+        return turn % len(self.pool)
 
     def pick(self, row: int) -> _Replica:
         pool = self.pool
-        n = len(pool)
-        i = self.count
-        self.count += 1
-        if n == 1:
-            return pool[0]
-        if self.name == "round_robin":
-            return pool[i % n]
-        if self.name == "session":
-            start, end = self.prefix_start[row], self.prefix_start[row + 1]
-            return pool[int(self.prefix_ids[start]) % n] if end > start else pool[i % n]
+        if self.name in STATIC_ROUTERS:
+            return pool[int(self.static_picks(np.array([row]))[0])]
         if self.tuples is None:
             self.tuples = (tuple(r.params for r in pool), tuple(r.rq for r in pool),
                            tuple(r.state for r in pool), tuple(r.full for r in pool))
@@ -319,7 +310,7 @@ def run_cluster(
 
     if not disagg:
         if router in STATIC_ROUTERS:
-            replica_of = route.static_picks(n)
+            replica_of = route.static_picks(np.arange(n))
             for rep in replicas:
                 rows = np.flatnonzero(replica_of == rep.index)
                 local_of[rows] = np.arange(len(rows))
