@@ -234,9 +234,27 @@ def matched_engine_args(npz: Path | None) -> dict[str, Any]:
 
 # --- running and measuring -------------------------------------------------------------------
 
+def as_installed_env() -> dict[str, str]:
+    """The environment for both tools' runs: as after ``pip install``, which byte-compiles
+    what it installs, so the processes may read and write ``.pyc`` files. (An editable
+    install does not byte-compile, and with ``PYTHONDONTWRITEBYTECODE`` set, as on the
+    development machine, every servetune run compiled its modules from source, 0.2-0.3 s,
+    while the peer's site-packages were compiled: :func:`byte_compile_servetune`.)"""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
+def byte_compile_servetune() -> None:
+    """Byte-compile the servetune package, as a regular ``pip install`` does."""
+    import servetune
+
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(Path(servetune.__file__)
+                    .parent)], check=True, env=as_installed_env(), stdout=subprocess.DEVNULL)
+
+
 def timed_run(cmd: list[str], timeout_s: float) -> dict[str, Any]:
-    """Run ``cmd`` in a fresh process: wall time around it, and (under /usr/bin/time) its
-    peak RSS and CPU seconds; the last lines of stderr when it fails."""
+    """Run ``cmd`` in a fresh process (:func:`as_installed_env`): wall time around it, and
+    (under /usr/bin/time) its peak RSS and CPU seconds; the last lines of stderr when it
+    fails."""
     with tempfile.TemporaryDirectory(prefix="cluster-speed-") as tmp:
         tfile = Path(tmp) / "time.txt"
         timed = Path(TIME).exists()
@@ -244,7 +262,7 @@ def timed_run(cmd: list[str], timeout_s: float) -> dict[str, Any]:
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(full, capture_output=True, text=True, timeout=timeout_s,
-                                  check=False)
+                                  check=False, env=as_installed_env())
         except subprocess.TimeoutExpired:
             return {"rc": None, "wall_s": None, "error": f"timed out after {timeout_s:g} s"}
         wall = time.perf_counter() - t0
@@ -492,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
                         if k != "prompts"} for t in traces],
             "results": [],
         }
+        if not args.skip_servetune:
+            byte_compile_servetune()
         if not args.no_warmup:  # untimed: numba's compile cache, the imports' page cache
             warm = [timed_run(servetune_command(traces[0]["path"], MODES[k], work / "warm.json"),
                               args.timeout_s)

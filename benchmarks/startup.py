@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO.parent / "shared" / "traces"
 SHARED_TRACES = ("AzureLLMInferenceTrace_code.csv", "AzureLLMInferenceTrace_conv.csv",
                  "mooncake_synthetic_trace.jsonl.gz")
-CLI = [sys.executable, "-c", "from servetune.cli import main; main()"]
+CLI = [sys.executable, "-c", "from servetune.cli import run; run()"]
 SIMULATE_ONE = ["simulate", "--trace", "configs/examples/azure-conv-synthetic.csv",
                 "--requests", "1", "--profile", "h200-llama-3.1-8b",
                 "--policy", "configs/policies/vllm-serve-defaults.yaml"]
@@ -79,7 +79,8 @@ def versus(ours: list[float], theirs: list[float] | None) -> str:
 
 
 def baseline_cli(repo: Path | None) -> list[str] | None:
-    return None if repo is None else [str(repo / ".venv" / "bin" / "python"), *CLI[1:]]
+    """The other checkout's console script (its entry point may predate ``run``)."""
+    return None if repo is None else [str(repo / ".venv" / "bin" / "servetune")]
 
 
 def best(fn: Callable[[], object], runs: int) -> list[float]:

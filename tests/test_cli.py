@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from servetune import __version__
@@ -69,7 +70,49 @@ def test_library_argument_names_become_the_flags_of_the_command(monkeypatch):
 
 def test_console_script_runs_as_a_module():
     out = subprocess.run(
-        [sys.executable, "-c", "from servetune.cli import main; main()", "--version"],
+        [sys.executable, "-c", "from servetune.cli import run; run()", "--version"],
         capture_output=True, text=True, check=False,
     )
     assert out.returncode == 0 and __version__ in out.stdout
+
+
+def _exit_with(tmp_path, body: str) -> subprocess.CompletedProcess:
+    """A fresh interpreter that registers an atexit handler writing ``atexit.txt``, keeps
+    an object whose teardown writes ``teardown.txt``, then runs ``body``."""
+    code = (
+        "import atexit, sys, threading, time\n"
+        "from servetune.cli import exit_quickly\n"
+        f"folder = {str(tmp_path)!r}\n"
+        "atexit.register(lambda: open(folder + '/atexit.txt', 'w').write('ran'))\n"
+        "class Teardown:\n"
+        "    def __del__(self, open=open, folder=folder):  # globals are gone by then\n"
+        "        open(folder + '/teardown.txt', 'w').write('ran')\n"
+        "kept = Teardown()\n"
+        "sys.stdout.write('unflushed')\n"
+        f"{body}\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+@pytest.mark.parametrize(("code", "status", "stderr"),
+                         [("3", 3, ""), ("None", 0, ""), ("'bye'", 1, "bye\n")])
+def test_exit_quickly_keeps_status_output_and_atexit_but_skips_teardown(tmp_path, code,
+                                                                        status, stderr):
+    proc = _exit_with(tmp_path, f"exit_quickly({code})")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (status, "unflushed", stderr)
+    assert (tmp_path / "atexit.txt").read_text() == "ran"
+    assert not (tmp_path / "teardown.txt").exists()  # the interpreter's teardown: skipped
+    (tmp_path / "plain").mkdir()
+    plain = _exit_with(tmp_path / "plain", "sys.exit(3)")  # the ordinary exit runs it
+    assert plain.returncode == 3 and (tmp_path / "plain" / "teardown.txt").exists()
+
+
+def test_exit_quickly_waits_for_other_threads(tmp_path):
+    proc = _exit_with(tmp_path, (
+        "threading.Thread(target=lambda: (time.sleep(0.3), "
+        "open(folder + '/thread.txt', 'w').write('done'))).start()\n"
+        "exit_quickly(4)"))
+    assert proc.returncode == 4 and proc.stdout == "unflushed"
+    assert (tmp_path / "thread.txt").read_text() == "done"
+    assert (tmp_path / "atexit.txt").exists()

@@ -62,7 +62,7 @@ def test_unreadable_input_is_one_line(tmp_path):
 
 def test_console_script_prints_one_line():
     """The installed entry point (not CliRunner) behaves the same."""
-    proc = subprocess.run([sys.executable, "-c", "from servetune.cli import main; main()",
+    proc = subprocess.run([sys.executable, "-c", "from servetune.cli import run; run()",
                            "simulate", "--nope"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
@@ -129,7 +129,7 @@ def test_a_reader_that_goes_away_gets_no_traceback():
     """`servetune profile show ... | head`: the pipe closes before the output is written;
     click stops with exit 1 and no message (a traceback here was a bug)."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from servetune.cli import main; main()", "profile", "show",
+        [sys.executable, "-c", "from servetune.cli import run; run()", "profile", "show",
          "h200-llama-3.1-8b"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )

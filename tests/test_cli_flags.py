@@ -228,7 +228,7 @@ def test_a_cold_cache_prints_the_notice_once(tmp_path) -> None:
     for name in ("cold", "warm"):
         records = tmp_path / f"{name}.csv"
         proc = subprocess.run(
-            [sys.executable, "-c", "from servetune.cli import main; main()",
+            [sys.executable, "-c", "from servetune.cli import run; run()",
              *_sim_args("--records", str(records))],
             env=env, capture_output=True, text=True, timeout=600,
         )

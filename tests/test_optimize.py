@@ -367,7 +367,7 @@ def test_progress_lines_do_not_wrap_when_piped(tmp_path):
 
     args = [a for a in _args(tmp_path, "p.yaml") if a != "--quiet"]
     proc = subprocess.run(
-        [sys.executable, "-c", "from servetune.cli import main; main()", *args],
+        [sys.executable, "-c", "from servetune.cli import run; run()", *args],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr

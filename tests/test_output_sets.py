@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO / "configs" / "examples" / "azure-conv-synthetic.csv"
 PROFILE = REPO / "gpu_profiles" / "h200-llama-3.1-8b.yaml"
 SLO = REPO / "configs" / "slos" / "mlperf-llama-3.1-8b-server.yaml"
-CLI = [sys.executable, "-c", "from servetune.cli import main; main()"]
+CLI = [sys.executable, "-c", "from servetune.cli import run; run()"]
 # commit_files in a process of its own, so that a test can SIGKILL it mid-commit
 COMMIT = [sys.executable, "-c",
           "import json, sys; from servetune.io import commit_files; a = json.loads(sys.argv[1]); "

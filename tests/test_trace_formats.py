@@ -228,6 +228,9 @@ def test_mooncake_unsorted_reorders_prefixes(tmp_path):
         ("[1, 2]", "not a JSON object"),
         ('{"timestamp": 5, "input_length": 3}', "output_length"),
         ('{"timestamp": "x", "input_length": 3, "output_length": 1}', "timestamp"),
+        # an integer past float's range (it raised OverflowError, a traceback)
+        ('{"timestamp": 1' + "0" * 400 + ', "input_length": 3, "output_length": 1}',
+         "timestamp: expected a number"),
         ('{"timestamp": 5, "input_length": 0, "output_length": 1}', "input_length"),
         ('{"timestamp": 5, "input_length": 3, "output_length": true}', "output_length"),
         ('{"timestamp": 5, "input_length": 3, "output_length": 1, "hash_ids": "x"}', "hash_ids"),
@@ -281,6 +284,15 @@ def test_vllm_bench_rejections(tmp_path):
         {"input_lens": [1, "x"], "output_lens": [1, 1], "request_rate": 1}))
     with pytest.raises(ServetuneError, match=r"request 2: input_lens"):
         load_trace(bad_len)
+    # Integers past float's range: float() of them raised OverflowError, a traceback.
+    huge = 10**400
+    for i, doc in enumerate([{"start_times": [0, huge]}, {"request_rate": huge},
+                             {"duration": huge, "completed": 2},
+                             {"duration": 1.0, "completed": huge}]):
+        path = write(tmp_path, f"huge{i}.json",
+                     json.dumps({"input_lens": [1, 2], "output_lens": [1, 1], **doc}))
+        with pytest.raises(ServetuneError, match=r"request 2: start_times|--save-detailed"):
+            load_trace(path, fmt="vllm-bench")
 
 
 # ----------------------------------------------------------------------------- generic

@@ -5,11 +5,17 @@ app, the sub-command groups and the error handling are :mod:`servetune.cli.root`
 :class:`~servetune.errors.ServetuneError` raised anywhere below a command becomes one
 line on stderr and the error's exit code (2 user error, 3 infeasible, 10 kept current);
 never a traceback.
+
+The console script is :func:`run`: :func:`main`, then :func:`exit_quickly`.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
 import sys
+import threading
+from typing import NoReturn
 
 import typer
 
@@ -36,7 +42,8 @@ from servetune.cli.root import (
 )
 from servetune.errors import EXIT_INTERRUPTED, ServetuneError
 
-__all__ = ["ARGUMENT_FLAGS", "COMMAND_FLAGS", "app", "error_line", "main", "new_group"]
+__all__ = ["ARGUMENT_FLAGS", "COMMAND_FLAGS", "app", "error_line", "exit_quickly", "main",
+           "new_group", "run"]
 
 for _module in (
     trace_cmd,
@@ -65,3 +72,42 @@ def main() -> None:
     except KeyboardInterrupt:  # before the app started (imports)
         typer.echo(INTERRUPTED_LINE, err=True)
         sys.exit(EXIT_INTERRUPTED)
+
+
+def exit_quickly(code: object = 0) -> NoReturn:
+    """End the process as ``sys.exit(code)`` would, without the interpreter's teardown.
+
+    Tearing down numba's and llvmlite's modules takes 0.2-0.45 s on the development
+    machine, more than a replay of 4,000 requests (benchmarks/RESULTS.md, "Cluster replay
+    speed"). Nothing is lost by skipping it: every file servetune writes is complete before
+    a command returns (written by atomic rename and closed, :mod:`servetune.io`), the
+    atexit handlers (temporary folders, worker pools, Ray) run here, and stdout and stderr
+    are flushed. With other threads still running, it is the ordinary exit, which waits
+    for them."""
+    if threading.active_count() > 1 or not hasattr(atexit, "_run_exitfuncs"):
+        sys.exit(code)
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # sys.exit("message"): the message on stderr, status 1
+        print(code, file=sys.stderr)
+        status = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`servetune ... | head`) or stream
+            pass
+    os._exit(status)
+
+
+def run() -> NoReturn:
+    """The ``servetune`` console script: :func:`main` in a process of its own, which it
+    ends with :func:`exit_quickly` (``main`` itself raises SystemExit, for callers that
+    stay)."""
+    try:
+        main()
+    except SystemExit as done:
+        exit_quickly(done.code)
+    exit_quickly(0)

@@ -814,6 +814,18 @@ def _json_value(text: str | bytes) -> Any:
     return value
 
 
+def _finite(value: Any) -> float | None:
+    """A JSON number as a finite float; None for anything else, including ``true`` and an
+    integer past float's range (``float()`` of it raises OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _json_whole(value: Any, low: int) -> int | None:
     if isinstance(value, bool):
         return None
@@ -836,10 +848,11 @@ def _json_session(value: Any) -> str | None:
 
 def _json_arrival(value: Any, unit: str | None) -> tuple[float | None, str | None]:
     """A JSON arrival value as seconds, or as ns since epoch for date-times."""
-    if isinstance(value, bool):
-        return None, unit
-    if isinstance(value, int | float) and math.isfinite(value) and unit != "datetime":
-        return float(value) * ARRIVAL_UNITS[unit or "s"], unit or "s"
+    if isinstance(value, int | float) and unit != "datetime":
+        number = _finite(value)  # None for true and false too
+        if number is None:
+            return None, unit
+        return number * ARRIVAL_UNITS[unit or "s"], unit or "s"
     if isinstance(value, str) and unit in (None, "datetime"):
         text = value.strip()
         if text[:1].isalpha():  # "today", "now": the clock's date (_datetimes_ns)
@@ -1026,19 +1039,16 @@ def _load_vllm_bench(source: _Source, head: bytes, rows: _Rows) -> None:
                 rate = float(rate)
             except ValueError:
                 rate = None
-        if not (isinstance(rate, int | float) and not isinstance(rate, bool)
-                and math.isfinite(rate) and rate > 0):
-            duration, completed = doc.get("duration"), doc.get("completed")
-            ok = (isinstance(duration, int | float) and isinstance(completed, int | float)
-                  and not isinstance(duration, bool) and not isinstance(completed, bool)
-                  and math.isfinite(duration) and duration > 0 and completed > 0)
-            if not ok:
+        rate = _finite(rate)
+        if rate is None or rate <= 0:
+            duration, completed = _finite(doc.get("duration")), _finite(doc.get("completed"))
+            if duration is None or completed is None or duration <= 0 or completed <= 0:
                 raise ServetuneError(
                     f"{source.path}: no start_times and no finite request_rate or duration to "
                     "place arrivals; rerun vllm bench serve with --save-detailed"
                 )
-            rate = float(completed) / float(duration)
-        starts = [i / float(rate) for i in range(n)]
+            rate = completed / duration
+        starts = [i / rate for i in range(n)]
         rows.notices.append(
             f"no per-request start_times in the file; arrivals spaced evenly at {rate:g} req/s"
         )
@@ -1048,9 +1058,9 @@ def _load_vllm_bench(source: _Source, head: bytes, rows: _Rows) -> None:
             rows.dropped_failed += 1
             continue
         p, o = _json_whole(inputs[i], 1), _json_whole(outputs[i], 0)
-        t = starts[i]
-        if not (isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t)):
-            rows.bad(i + 1, f"start_times: expected seconds, got {_shown(t)}")
+        t = _finite(starts[i])
+        if t is None:
+            rows.bad(i + 1, f"start_times: expected seconds, got {_shown(starts[i])}")
             continue
         if p is None:
             rows.bad(i + 1, f"input_lens: expected a whole number >= 1, got {_shown(inputs[i])}")
@@ -1062,7 +1072,7 @@ def _load_vllm_bench(source: _Source, head: bytes, rows: _Rows) -> None:
         if o == 0:
             rows.dropped_failed += 1
             continue
-        arrival.append(float(t))
+        arrival.append(t)
         prompt.append(p)
         output.append(o)
     if arrival:
