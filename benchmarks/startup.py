@@ -6,6 +6,10 @@ Measures, each in fresh processes, and prints one Markdown table:
 - ``servetune optimize configs/jobs/quickstart.yaml`` with an empty simulator cache (the
   compile) and again warm, and whether the two policies are the same bytes;
 - a one-request ``servetune simulate`` cold (compile) and warm (loading the cached kernel);
+- the floor under every command: a fresh process that only imports, layer by layer, the
+  interpreter, numpy, the libraries the project's standards choose for schemas, CLI and
+  YAML (pydantic, typer, rich, PyYAML), numba and its first cached-kernel load, then all of
+  ``simulate``'s modules;
 - loading the shared traces (``../shared/traces``) with servetune's reader against
   pyarrow's CSV / JSON readers (when pyarrow is installed), and what importing pyarrow
   costs a process that has numpy already (every servetune run has).
@@ -166,6 +170,36 @@ def measure_first_run(rows: list[tuple[str, str]], runs: int, skip_cold: bool,
         rows.append(("one-request `simulate`, warm", versus(times, theirs)))
 
 
+# Cumulative: each layer imports everything above it. The numba layer loads a one-line
+# kernel from numba's cache (filled by an untimed run first), which is when numba sets up
+# its typing and lowering registries, as servetune's first simulation does.
+FLOOR_LAYERS = (
+    ("the interpreter (`python -c pass`)", "pass"),
+    ("+ numpy", "import numpy"),
+    ("+ pydantic, typer, rich, PyYAML", "import numpy, pydantic, typer, rich.console, "
+     "rich.table, yaml"),
+    ("+ numba", "import numpy, pydantic, typer, rich.console, rich.table, yaml, numba"),
+    ("+ numba's first cached-kernel load", "import numpy, pydantic, typer, rich.console, "
+     "rich.table, yaml, numba\n@numba.njit(cache=True)\ndef one(x):\n    return x + 1\n"
+     "one(1)"),
+    ("+ all of `simulate`'s modules (nothing run)", "import numpy, numba\n"
+     "@numba.njit(cache=True)\ndef one(x):\n    return x + 1\none(1)\n"
+     "import servetune.cli, servetune.cli.simulate_cmd, servetune.sim.cluster"),
+)
+
+
+def measure_floor(rows: list[tuple[str, str]], runs: int) -> None:
+    """Fresh processes that only import: what every ``servetune`` command pays first."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "floor.py"  # numba caches only functions defined in a file
+        env = {**child_env(), "NUMBA_CACHE_DIR": str(Path(tmp) / "numba")}
+        for name, code in FLOOR_LAYERS:
+            script.write_text(code + "\n")
+            run([sys.executable, str(script)], env)  # untimed: fills numba's cache
+            times = [run([sys.executable, str(script)], env)[0] for _ in range(runs)]
+            rows.append((f"floor: {name}", stats(times)))
+
+
 def measure_traces(rows: list[tuple[str, str]], runs: int) -> None:
     from servetune.workloads.formats import load_trace
 
@@ -220,6 +254,7 @@ def main() -> None:
         subprocess.run([str(args.baseline / ".venv" / "bin" / "python"), "-m", "compileall",
                         "-q", str(args.baseline / "servetune")], check=True, env=child_env(),
                        stdout=subprocess.DEVNULL)
+    measure_floor(rows, args.runs)
     measure_help(rows, args.runs, args.baseline)
     measure_first_run(rows, args.runs, args.skip_cold, args.baseline)
     measure_traces(rows, args.runs)

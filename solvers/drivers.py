@@ -104,6 +104,41 @@ class TopK:
         return self.out_of_time or any(o.stopped_by == "time_limit" for o in self.outcomes)
 
 
+# Why HiGHS stopped, from appsi's termination condition and from highspy's model status.
+_APPSI_STOPPED = {
+    TC.optimal: "optimal",
+    TC.maxTimeLimit: "time_limit",
+    TC.maxIterations: "work_limit",  # appsi's name for HiGHS's node and iteration limits
+    TC.infeasible: "infeasible",
+    TC.infeasibleOrUnbounded: "infeasible",
+}
+_HIGHS_STOPPED = {
+    highspy.HighsModelStatus.kOptimal: "optimal",
+    highspy.HighsModelStatus.kTimeLimit: "time_limit",
+    highspy.HighsModelStatus.kIterationLimit: "work_limit",
+    highspy.HighsModelStatus.kSolutionLimit: "work_limit",  # HiGHS's node limit
+    highspy.HighsModelStatus.kInfeasible: "infeasible",
+    highspy.HighsModelStatus.kUnboundedOrInfeasible: "infeasible",
+}
+
+
+def _status_of(stopped: str, *, has_solution: bool) -> tuple[SolveStatus, str]:
+    """A solve's status and ``stopped_by`` from why the solver stopped (``optimal``,
+    ``time_limit``, ``work_limit``, ``infeasible`` or anything else) and whether it holds a
+    feasible solution: a limit with no solution in hand is an error."""
+    if stopped == "optimal":
+        return SolveStatus.OPTIMAL, ""
+    if stopped == "time_limit":
+        return (SolveStatus.FEASIBLE_AT_TIME_LIMIT if has_solution else SolveStatus.ERROR,
+                stopped)
+    if stopped == "work_limit":
+        return (SolveStatus.FEASIBLE_AT_WORK_LIMIT if has_solution else SolveStatus.ERROR,
+                stopped)
+    if stopped == "infeasible":
+        return SolveStatus.INFEASIBLE, ""
+    return SolveStatus.ERROR, ""
+
+
 def _highs() -> Any:
     solver = appsi.solvers.Highs()
     if not solver.available():
@@ -140,20 +175,8 @@ def solve_highs(
         ), solver
     elapsed = time.perf_counter() - start
     tc = res.termination_condition
-    has_solution = res.best_feasible_objective is not None
-    stopped_by = ""
-    if tc == TC.optimal:
-        status = SolveStatus.OPTIMAL
-    elif tc == TC.maxTimeLimit:
-        stopped_by = "time_limit"
-        status = SolveStatus.FEASIBLE_AT_TIME_LIMIT if has_solution else SolveStatus.ERROR
-    elif tc == TC.maxIterations:  # appsi's name for HiGHS's node and iteration limits
-        stopped_by = "work_limit"
-        status = SolveStatus.FEASIBLE_AT_WORK_LIMIT if has_solution else SolveStatus.ERROR
-    elif tc in (TC.infeasible, TC.infeasibleOrUnbounded):
-        status = SolveStatus.INFEASIBLE
-    else:
-        status = SolveStatus.ERROR
+    status, stopped_by = _status_of(_APPSI_STOPPED.get(tc, "other"),
+                                    has_solution=res.best_feasible_objective is not None)
     if status.has_solution:
         res.solution_loader.load_vars()
     msg = "" if status != SolveStatus.ERROR else f"HiGHS stopped: {tc.name}"
@@ -201,23 +224,11 @@ def solve_highspy(
         return SolveOutcome(SolveStatus.ERROR, solve_s=time.perf_counter() - start,
                             message=f"HiGHS: {exc}")
     elapsed = time.perf_counter() - start
-    ms = highspy.HighsModelStatus
     code = highs.getModelStatus()
     info = highs.getInfo()
-    has_solution = info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
-    stopped_by = ""
-    if code == ms.kOptimal:
-        status = SolveStatus.OPTIMAL
-    elif code == ms.kTimeLimit:
-        stopped_by = "time_limit"
-        status = SolveStatus.FEASIBLE_AT_TIME_LIMIT if has_solution else SolveStatus.ERROR
-    elif code in (ms.kIterationLimit, ms.kSolutionLimit):  # HiGHS's node limit is the latter
-        stopped_by = "work_limit"
-        status = SolveStatus.FEASIBLE_AT_WORK_LIMIT if has_solution else SolveStatus.ERROR
-    elif code in (ms.kInfeasible, ms.kUnboundedOrInfeasible):
-        status = SolveStatus.INFEASIBLE
-    else:
-        status = SolveStatus.ERROR
+    status, stopped_by = _status_of(
+        _HIGHS_STOPPED.get(code, "other"),
+        has_solution=info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible)
     return SolveOutcome(
         status,
         objective=float(info.objective_function_value) if status.has_solution else None,

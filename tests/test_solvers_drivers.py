@@ -114,3 +114,70 @@ def test_cpsat_deterministic_time_is_a_work_limit():
         assert out.stopped_by == "work_limit"
         assert out.status in (SolveStatus.FEASIBLE_AT_WORK_LIMIT, SolveStatus.ERROR)
     assert runs[0].objective == runs[1].objective
+
+
+def _knapsack_highspy(n: int = 60, m: int = 8, seed: int = 3):
+    """:func:`_hard_knapsack` in matrix form, loaded in a fresh HiGHS (minimize -value)."""
+    import highspy
+
+    from servetune.solvers.drivers import new_highs
+
+    rng = np.random.default_rng(seed)
+    w = rng.integers(200, 1000, (m, n))
+    v = w.sum(axis=0) // m + rng.integers(0, 20, n)
+    cap = w.sum(axis=1) // 2
+    highs = new_highs()
+    cols = np.arange(n, dtype=np.int32)
+    highs.addVars(n, np.zeros(n), np.ones(n))
+    highs.changeColsCost(n, cols, -v.astype(float))
+    highs.changeColsIntegrality(n, cols, np.full(n, highspy.HighsVarType.kInteger))
+    for i in range(m):
+        highs.addRow(-highspy.kHighsInf, float(cap[i]), n, cols, w[i].astype(float))
+    return highs
+
+
+def test_highspy_statuses_match_the_pyomo_driver():
+    # The same knapsack through both drivers: the same optimum; the node limit and the
+    # time limit are reported as solve_highs reports them.
+    from servetune.solvers.drivers import solve_highspy
+
+    exact = solve_highspy(_knapsack_highspy(n=12, m=3), time_limit_s=60)
+    assert exact.status == SolveStatus.OPTIMAL and exact.stopped_by == ""
+    assert -exact.objective == solve_highs(_hard_knapsack(n=12, m=3), time_limit_s=60
+                                           )[0].objective
+    limited = [solve_highspy(_knapsack_highspy(), time_limit_s=600, max_nodes=1)
+               for _ in range(2)]
+    for out in limited:
+        assert out.stopped_by == "work_limit"
+        assert out.status in (SolveStatus.FEASIBLE_AT_WORK_LIMIT, SolveStatus.ERROR)
+    assert limited[0].objective == limited[1].objective
+    timed = solve_highspy(_knapsack_highspy(), time_limit_s=0.05)
+    assert timed.stopped_by == "time_limit"
+    assert timed.status in (SolveStatus.FEASIBLE_AT_TIME_LIMIT, SolveStatus.ERROR)
+
+
+def test_highspy_infeasible():
+    import highspy
+
+    from servetune.solvers.drivers import new_highs, solve_highspy
+
+    highs = new_highs()
+    highs.addVars(1, np.zeros(1), np.ones(1))
+    highs.changeColsIntegrality(1, np.zeros(1, dtype=np.int32),
+                                np.full(1, highspy.HighsVarType.kInteger))
+    highs.addRow(2.0, highspy.kHighsInf, 1, np.zeros(1, dtype=np.int32), np.ones(1))
+    out = solve_highspy(highs, time_limit_s=10)
+    assert out.status == SolveStatus.INFEASIBLE and out.objective is None
+
+
+def test_a_limit_without_a_solution_is_an_error_that_names_the_limit():
+    from servetune.solvers.drivers import _status_of
+
+    assert _status_of("time_limit", has_solution=False) == (SolveStatus.ERROR, "time_limit")
+    assert _status_of("work_limit", has_solution=False) == (SolveStatus.ERROR, "work_limit")
+    assert _status_of("time_limit", has_solution=True) == (
+        SolveStatus.FEASIBLE_AT_TIME_LIMIT, "time_limit")
+    assert _status_of("work_limit", has_solution=True) == (
+        SolveStatus.FEASIBLE_AT_WORK_LIMIT, "work_limit")
+    assert _status_of("other", has_solution=True) == (SolveStatus.ERROR, "")
+    assert _status_of("infeasible", has_solution=False) == (SolveStatus.INFEASIBLE, "")
