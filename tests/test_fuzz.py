@@ -11,7 +11,10 @@ A full run::
 
 spreads that many inputs over the targets, keeps going past a failure (so that it can
 count them), writes the counts and the first failing inputs per target to the report,
-and then fails the targets that had any.
+and then fails the targets that had any. A crash of the interpreter itself (a segfault
+in a library) ends the run with no report; the input that did it is still on disk, in
+the newest ``servetune-fuzz-*`` folder of the temporary directory (each case's folder is
+removed only after the case).
 """
 
 from __future__ import annotations

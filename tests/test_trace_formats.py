@@ -108,6 +108,9 @@ def test_bad_row_names_file_and_row(tmp_path):
         ("2023-11-16 18:15:53.0,12,3,4", "fields"),  # too many
         ("2023-13-16 18:15:53.0,12,3", "TIMESTAMP"),  # month 13
         ("yesterday,12,3", "TIMESTAMP"),
+        # past datetime64[ns]'s years: numpy would wrap them around to 1678 and 1794
+        ("2263-01-01 00:00:00.0,12,3", "TIMESTAMP"),
+        ("99999-11-16 18:15:53.0,12,3", "TIMESTAMP"),
         ("2023-11-16 18:15:53.0,0,3", "ContextTokens"),  # zero prompt
         ("2023-11-16 18:15:53.0,12,0", "GeneratedTokens"),  # zero output
         ("2023-11-16 18:15:53.0,-4,3", "ContextTokens"),
@@ -333,6 +336,21 @@ def test_generic_jsonl(tmp_path):
     assert [trace.class_names[i] for i in trace.class_id] == ["y", "x"]
 
 
+def test_generic_jsonl_date_times_and_one_past_2262(tmp_path):
+    text = (
+        '{"t": "2024-01-01 00:00:10.5", "in": 10, "out": 2}\n'
+        '{"t": "2024-01-01T00:00:00+01:00", "in": 20, "out": 3}\n'
+        '{"t": "2263-01-01 00:00:00", "in": 30, "out": 4}\n'
+    )
+    path = write(tmp_path, "g.jsonl", text)
+    with pytest.raises(ServetuneError, match="row 3: t: .*got .2263-01-01 00:00:00."):
+        load_trace(path, columns="arrival=t,prompt=in,output=out")
+    trace = load_trace(path, columns="arrival=t,prompt=in,output=out", on_bad_row="skip")
+    # the zone is applied: 2024-01-01T00:00+01:00 is 2023-12-31T23:00 UTC, 3,610.5 s earlier
+    assert trace.arrival_s.tolist() == [0.0, 3610.5]
+    assert trace.prompt_tokens.tolist() == [20, 10]
+
+
 def test_generic_needs_mapping_and_valid_columns(tmp_path):
     path = write(tmp_path, "g.csv", "a,b,c\n1,2,3\n")
     with pytest.raises(ServetuneError, match="argument `columns` arrival="):
@@ -493,3 +511,51 @@ def test_clock_words_are_not_date_times_in_json_lines(tmp_path):
                     '{"t": "now", "in": 6, "out": 1}\n')
     with pytest.raises(ServetuneError, match="row 2"):
         load_trace(path, columns="arrival=t,prompt=in,output=out", arrival_unit="datetime")
+
+
+def test_a_bad_date_time_in_a_long_column_is_a_bad_row_not_a_crash(tmp_path):
+    # numpy (1.26-2.4) crashes the process when a cast of more than 500 texts to datetime64
+    # meets one it cannot parse (found by the fuzz harness): the loader casts 500 rows at a
+    # time. Run in a child process so that a crash fails this test instead of the suite.
+    import subprocess
+    import sys
+
+    rows = [f"2023-11-16 18:{i // 600:02d}:{i % 600 / 10:04.1f}0000,{100 + i},{1 + i % 7}"
+            for i in range(1_200)]
+    rows[900] = "sweep,1320,407"
+    rows[1_100] = "99999-11-16 18:00:00.0000000,10,1"  # past datetime64[ns]'s range
+    path = tmp_path / "long.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    code = (
+        "import sys\n"
+        "from servetune.errors import ServetuneError\n"
+        "from servetune.workloads.formats import load_trace\n"
+        "try:\n"
+        "    load_trace(sys.argv[1])\n"
+        "except ServetuneError as err:\n"
+        "    print(err.message)\n"
+        "trace = load_trace(sys.argv[1], on_bad_row='skip')\n"
+        "print(len(trace), int(trace.prompt_tokens.sum()), float(trace.arrival_s.max()))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    error, counts = proc.stdout.strip().splitlines()
+    assert "row 901 (line 902): TIMESTAMP" in error  # rows count from 1 and "'sweep'" in error
+    kept = [i for i in range(1_200) if i not in (900, 1_100)]
+    n, prompt_sum, last = counts.split()
+    assert int(n) == 1_198
+    assert int(prompt_sum) == sum(100 + i for i in kept)
+    assert float(last) == pytest.approx(1_199 / 10)  # row 1,199 at 18:01:59.9, row 0 at 18:00
+
+
+@pytest.mark.parametrize("bad", [0, 499, 500, 501, 1_199])
+def test_a_bad_date_time_is_named_by_its_row_on_either_side_of_a_cast_boundary(tmp_path, bad):
+    rows = [f"2023-11-16 18:00:{i / 100:05.2f},{1 + i},1" for i in range(1_200)]
+    rows[bad] = "2023-11-16 25:00:00,99999,1"  # hour 25
+    path = tmp_path / "t.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    with pytest.raises(ServetuneError, match=rf"row {bad + 1} \(line {bad + 2}\): TIMESTAMP"):
+        load_trace(path)
+    trace = load_trace(path, on_bad_row="skip")
+    assert trace.prompt_tokens.tolist() == [1 + i for i in range(1_200) if i != bad]

@@ -371,19 +371,46 @@ def _floats(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return values, np.isfinite(values)
 
 
+# numpy releases the GIL in a cast of more than 500 items, and its bytes-to-datetime cast
+# then crashes the process (segfault; numpy 1.26.4, 2.2.6, 2.3.5 and 2.4.6 alike) on text
+# it cannot parse instead of raising ValueError; casts of at most this many rows raise.
+_DATETIME_CAST_ROWS = 500
+_NAT = np.datetime64("NaT", "ns")
+
+
+def _in_ns_range(ns: np.ndarray, days: np.ndarray) -> np.ndarray:
+    """Where date-times parsed as ns are the ones parsed as days: numpy wraps a date-time
+    outside datetime64[ns]'s years (1678-2262) around silently (numpy issue 9956)."""
+    return ns.astype("datetime64[D]") == days
+
+
+def _datetime_ns(text: str) -> np.datetime64:
+    """One date-time text as datetime64[ns]; NaT when it does not parse or lies outside
+    the years datetime64[ns] holds."""
+    try:
+        ns, day = np.datetime64(text, "ns"), np.datetime64(text, "D")
+    except (ValueError, OverflowError, TypeError):
+        return _NAT
+    return ns if _in_ns_range(ns, day) else _NAT
+
+
 def _datetimes_ns(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Date-time text (``YYYY-MM-DD HH:MM:SS.fffffff``, optional zone) -> int64 ns."""
+    """Date-time text (``YYYY-MM-DD HH:MM:SS.fffffff``, optional zone) -> int64 ns, cast
+    500 rows at a time; a part with a row that does not parse is parsed row by row."""
+    values = np.empty(len(raw), dtype="datetime64[ns]")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:
-            values = raw.astype("datetime64[ns]")
-        except (ValueError, OverflowError, TypeError):
-            values = np.empty(len(raw), dtype="datetime64[ns]")
-            for i, item in enumerate(raw):
-                try:
-                    values[i] = np.datetime64(bytes(item).decode("ascii").strip(), "ns")
-                except (ValueError, OverflowError, TypeError, UnicodeDecodeError):
-                    values[i] = np.datetime64("NaT")
+        for start in range(0, len(raw), _DATETIME_CAST_ROWS):
+            part = raw[start:start + _DATETIME_CAST_ROWS]
+            try:
+                ns, days = part.astype("datetime64[ns]"), part.astype("datetime64[D]")
+                values[start:start + len(part)] = np.where(_in_ns_range(ns, days), ns, _NAT)
+            except (ValueError, OverflowError, TypeError):
+                for i, item in enumerate(part, start):
+                    try:
+                        values[i] = _datetime_ns(bytes(item).decode("ascii").strip())
+                    except UnicodeDecodeError:
+                        values[i] = _NAT
     ok = ~np.isnat(values)
     # numpy reads "today" and "now" (any case) as the clock's date and time: a trace would
     # load differently each day. A date-time never starts with a letter otherwise.
@@ -859,10 +886,7 @@ def _json_arrival(value: Any, unit: str | None) -> tuple[float | None, str | Non
             return None, unit
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            try:
-                ns = np.datetime64(text, "ns")
-            except (ValueError, OverflowError, TypeError):
-                return None, unit
+            ns = _datetime_ns(text)
         if np.isnat(ns):
             return None, unit
         return float(ns.astype(np.int64)), "datetime"
