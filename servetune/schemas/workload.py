@@ -295,6 +295,21 @@ class RateModulation(Strict):
                 "the chain spends all its time at levels with rate 0; give a level with a "
                 "positive rate that the transitions reach"
             )
+        # levels that lead to a positive rate, found backwards from the positive ones
+        leads = {a for a, m in enumerate(self.levels) if m > 0}
+        grew = True
+        while grew:
+            before = len(leads)
+            leads |= {a for a, row in enumerate(self.transitions)
+                      if any(row[b] > 0 for b in leads)}
+            grew = len(leads) > before
+        stuck = [a for a in range(k) if a not in leads]
+        if stuck:
+            raise ValueError(
+                f"level {stuck[0]} has rate 0 and its transitions never lead to a level with "
+                "a positive rate: once there, no request would ever arrive again; give it a "
+                "transition toward a level with a positive rate"
+            )
         return self
 
     def stationary(self) -> list[float]:

@@ -145,8 +145,9 @@ chunks of ``CHUNK`` requests from its own seeded generators: unit-mean exponenti
 gamma or empirical gaps (u -> interp(u, gap quantiles, gap values / their mean)) cumulated
 in operational time, mapped to seconds through the inverse cumulative rate (a modulated
 class: of its level path, a Markov chain started from the stationary distribution and
-drawn MOD_CHUNK windows at a time from a generator of its own), then through the inverse
-of the slow profile's Lambda (periodic: the profile repeats after its last window).
+drawn run by run, each level's holding time geometric, from a generator of its own), then
+through the inverse of the slow profile's Lambda (periodic: the profile repeats after its
+last window).
 ``rate_scale`` s divides the resulting times by s for a class with windows or a
 modulation: the profile and the bursts compress with the time axis, exactly as a trace
 replay scaled by s does (a goodput search compares the two; a profile kept in wall time
@@ -219,7 +220,6 @@ MOD_WINDOWS_PER_LEVEL = 10
 MOD_DISPERSION_RATIO = 1.25  # windowed-count dispersion over that of the shuffled gaps
 MOD_MIN_LAG1 = 0.1
 MOD_SHUFFLES = 8
-MOD_CHUNK = 1024  # windows of the level path generated at a time
 GAP_SIGNIFICANT_DIGITS = 6
 # Prompt/output dependence (Gaussian copula, see the module docstring)
 COPULA_MIN_REQUESTS = 30
@@ -1043,8 +1043,13 @@ def arrival_model(workload: Workload) -> str:
 
 
 class _LevelPath:
-    """A modulation's level path, MOD_CHUNK windows at a time from its own generator,
-    and the map from operational time (unit mean rate) to seconds."""
+    """A modulation's level path as runs: a level held for a geometric number of windows
+    (``Geometric(1 - P[a][a])``, the holding time of the one-step chain), then a jump to
+    another level ``b`` with probability ``P[a][b] / (1 - P[a][a])``; started from the
+    stationary distribution, drawn from its own generator as far as the operational time
+    (unit mean rate) asked for, and mapped to seconds. A run costs the same whatever its
+    length, so a quiet level held for thousands of windows (a low rate in short windows)
+    costs no more than one held for one."""
 
     def __init__(self, mod: RateModulation, rate: float, seed: np.random.SeedSequence):
         self.gen = np.random.Generator(np.random.PCG64(seed))
@@ -1052,39 +1057,54 @@ class _LevelPath:
         m = np.asarray(mod.levels, dtype=np.float64)
         self.m = m / float(pi @ m)
         p = np.asarray(mod.transitions, dtype=np.float64)
-        self.cum_p = np.cumsum(p / p.sum(axis=1, keepdims=True), axis=1)
-        self.cum_p[:, -1] = np.inf  # rounding must not leave a draw past the last level
+        p = p / p.sum(axis=1, keepdims=True)
+        self.stay = np.diag(p).copy()
+        jump = p.copy()
+        np.fill_diagonal(jump, 0.0)
+        self.cum_jump = np.cumsum(jump, axis=1) / np.maximum(jump.sum(axis=1), 1e-300)[:, None]
+        for a, row in enumerate(jump):  # rounding must not leave a draw past the last target
+            targets = np.flatnonzero(row > 0)
+            if len(targets):
+                self.cum_jump[a, targets[-1]:] = np.inf
         self.cum_pi = np.cumsum(pi)
         self.cum_pi[-1] = np.inf
         self.w = mod.window_s
         self.rate = rate
-        self.state = -1
-        self.mult = np.zeros(0)  # each window's multiplier
-        self.ends = np.zeros(1)  # operational time at each window boundary, from 0
+        self.level = -1
+        self.run_levels: list[int] = []
+        self.run_windows: list[float] = []  # inf: a level never left
+        self.op_end = 0.0  # operational time at the end of the last run
 
-    def _extend(self) -> None:
-        u = self.gen.random(MOD_CHUNK)
-        out = np.empty(MOD_CHUNK, dtype=np.int64)
-        state = self.state
-        for j in range(MOD_CHUNK):
-            row = self.cum_pi if state < 0 else self.cum_p[state]
-            state = int(np.searchsorted(row, u[j], side="right"))
-            out[j] = state
-        self.state = state
-        mult = self.m[out]
-        self.mult = np.concatenate([self.mult, mult])
-        self.ends = np.concatenate([self.ends, self.ends[-1] + np.cumsum(mult) * self.w
-                                    * self.rate])
+    def _next_run(self) -> None:
+        u = self.gen.random()
+        row = self.cum_pi if self.level < 0 else self.cum_jump[self.level]
+        level = int(np.searchsorted(row, u, side="right"))
+        stay = self.stay[level]
+        windows = (math.inf if stay >= 1.0 else
+                   1.0 if stay <= 0.0 else float(self.gen.geometric(1.0 - stay)))
+        if self.m[level] > 0:
+            self.op_end += windows * self.m[level] * self.w * self.rate
+        elif windows == math.inf:  # the schema rejects such a chain; never loop forever
+            raise ServetuneError("a rate modulation reached a level with rate 0 that it "
+                                 "never leaves: no more arrivals would come")
+        self.level = level
+        self.run_levels.append(level)
+        self.run_windows.append(windows)
 
     def seconds(self, tau: np.ndarray) -> np.ndarray:
-        while self.ends[-1] < tau[-1]:
-            self._extend()
-        # the window with ends[i] < tau <= ends[i+1] has a positive rate
-        i = np.clip(np.searchsorted(self.ends, tau, side="left") - 1, 0, len(self.mult) - 1)
-        mi = self.mult[i]
-        inside = np.where(mi > 0, (tau - self.ends[i]) / (self.rate * np.where(mi > 0, mi, 1)),
+        while self.op_end < tau[-1]:
+            self._next_run()
+        levels = np.asarray(self.run_levels)
+        windows = np.asarray(self.run_windows)
+        rate_m = self.rate * self.m[levels]
+        op = np.where(rate_m > 0, windows * self.w * rate_m, 0.0)
+        ends = np.concatenate([[0.0], np.cumsum(op)])
+        first_window = np.concatenate([[0.0], np.cumsum(windows[:-1])])
+        # the run with ends[i] < tau <= ends[i+1] has a positive rate
+        i = np.clip(np.searchsorted(ends, tau, side="left") - 1, 0, len(levels) - 1)
+        inside = np.where(rate_m[i] > 0, (tau - ends[i]) / np.where(rate_m[i] > 0, rate_m[i], 1),
                           0.0)
-        return (i + np.minimum(inside / self.w, 1.0)) * self.w
+        return first_window[i] * self.w + np.minimum(inside, windows[i] * self.w)
 
 
 _ERF = np.frompyfunc(math.erf, 1, 1)
