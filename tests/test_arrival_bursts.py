@@ -210,9 +210,9 @@ def test_level_path_holding_times_and_shares_follow_the_chain():
 
 def test_a_quiet_level_held_for_thousands_of_windows_samples_at_once():
     # Found by a property run: 0.000015 req/s in 60 s windows, a silent level held for
-    # 2,450 windows on average. The old path drew every window (65,536 requests' worth:
-    # ~73 million windows) and ran for hours; runs make it ~200 thousand steps, each one
-    # a run of windows.
+    # 2,450 windows on average. Sampling covers 65,536 gaps at a time: 72 million windows
+    # here, which the old path drew one by one (it ran for hours); as runs they are
+    # 59,460 steps.
     w = document_from_data(_doc({"window_s": 60.0, "levels": [0.0, 2043.48],
                                  "transitions": [[0.999592, 0.000408], [0.833333, 0.166667]]}),
                            Workload, "w.yaml")
