@@ -1070,14 +1070,13 @@ class _LevelPath:
         self.cum_pi[-1] = np.inf
         self.w = mod.window_s
         self.rate = rate
-        self.level = -1
         self.run_levels: list[int] = []
         self.run_windows: list[float] = []  # inf: a level never left
         self.op_end = 0.0  # operational time at the end of the last run
 
     def _next_run(self) -> None:
         u = self.gen.random()
-        row = self.cum_pi if self.level < 0 else self.cum_jump[self.level]
+        row = self.cum_jump[self.run_levels[-1]] if self.run_levels else self.cum_pi
         level = int(np.searchsorted(row, u, side="right"))
         stay = self.stay[level]
         windows = (math.inf if stay >= 1.0 else
@@ -1087,7 +1086,6 @@ class _LevelPath:
         elif windows == math.inf:  # the schema rejects such a chain; never loop forever
             raise ServetuneError("a rate modulation reached a level with rate 0 that it "
                                  "never leaves: no more arrivals would come")
-        self.level = level
         self.run_levels.append(level)
         self.run_windows.append(windows)
 
