@@ -170,20 +170,17 @@ def measure_first_run(rows: list[tuple[str, str]], runs: int, skip_cold: bool,
         rows.append(("one-request `simulate`, warm", versus(times, theirs)))
 
 
-# Cumulative: each layer imports everything above it. The numba layer loads a one-line
-# kernel from numba's cache (filled by an untimed run first), which is when numba sets up
-# its typing and lowering registries, as servetune's first simulation does.
+# Each layer runs the lines of every layer above it, then its own. The numba layer loads
+# a one-line kernel from numba's cache (filled by an untimed run first), which is when
+# numba sets up its typing and lowering registries, as servetune's first simulation does.
 FLOOR_LAYERS = (
     ("the interpreter (`python -c pass`)", "pass"),
     ("+ numpy", "import numpy"),
-    ("+ pydantic, typer, rich, PyYAML", "import numpy, pydantic, typer, rich.console, "
-     "rich.table, yaml"),
-    ("+ numba", "import numpy, pydantic, typer, rich.console, rich.table, yaml, numba"),
-    ("+ numba's first cached-kernel load", "import numpy, pydantic, typer, rich.console, "
-     "rich.table, yaml, numba\n@numba.njit(cache=True)\ndef one(x):\n    return x + 1\n"
-     "one(1)"),
-    ("+ all of `simulate`'s modules (nothing run)", "import numpy, numba\n"
-     "@numba.njit(cache=True)\ndef one(x):\n    return x + 1\none(1)\n"
+    ("+ pydantic, typer, rich, PyYAML", "import pydantic, typer, rich.console, rich.table, yaml"),
+    ("+ numba", "import numba"),
+    ("+ numba's first cached-kernel load",
+     "@numba.njit(cache=True)\ndef one(x):\n    return x + 1\none(1)"),
+    ("+ all of `simulate`'s modules (nothing run)",
      "import servetune.cli, servetune.cli.simulate_cmd, servetune.sim.cluster"),
 )
 
@@ -193,8 +190,8 @@ def measure_floor(rows: list[tuple[str, str]], runs: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "floor.py"  # numba caches only functions defined in a file
         env = {**child_env(), "NUMBA_CACHE_DIR": str(Path(tmp) / "numba")}
-        for name, code in FLOOR_LAYERS:
-            script.write_text(code + "\n")
+        for k, (name, _) in enumerate(FLOOR_LAYERS):
+            script.write_text("\n".join(code for _, code in FLOOR_LAYERS[: k + 1]) + "\n")
             run([sys.executable, str(script)], env)  # untimed: fills numba's cache
             times = [run([sys.executable, str(script)], env)[0] for _ in range(runs)]
             rows.append((f"floor: {name}", stats(times)))
