@@ -82,13 +82,7 @@ def main() -> None:
         print(render_targets(data))
         return
 
-    from servetune.apps.optimize import (
-        TraceSimulator,
-        gpu_facts,
-        min_window_s,
-        model_error_meta,
-        optimize,
-    )
+    from servetune.apps.optimize import gpu_facts, model_error_meta, optimize
     from servetune.errors import InfeasibleError
     from servetune.models.fluid import FluidModel, LoadModel, Platform, knobs_grid, targets_for
     from servetune.profiles.shipped import load_profile
@@ -98,6 +92,7 @@ def main() -> None:
     from servetune.schemas.space import SearchSpace, apply_knobs
     from servetune.schemas.workload import Workload
     from servetune.sim.api import prepare_trace
+    from servetune.sim.evaluator import Evaluator, judging_window_s
     from servetune.solvers import baselines
     from servetune.solvers.loop import find_goodput
     from servetune.workloads.fitting import class_stats
@@ -174,13 +169,13 @@ def main() -> None:
             def make_policy(k, base=base):
                 return apply_knobs(base, k.as_dotted())
 
-            window = min_window_s(slo, 0.03)
+            window = judging_window_s(slo, 0.03)
 
             def simulator(engine="vllm", sample=sample, workload=workload, slo=slo,
                           profile=profile,
                           window=window):
                 # As optimize does: longer samples of the same source at high rates.
-                return TraceSimulator(sample, profile, slo, engine=engine, source=workload,
+                return Evaluator(sample, profile, slo, engine=engine, source=workload,
                                       seed=0, min_window_s=window)
 
             sim = simulator()

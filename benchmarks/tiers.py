@@ -49,7 +49,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from servetune.apps.optimize import TraceSimulator, min_window_s, optimize  # noqa: E402
+from servetune.apps.optimize import optimize  # noqa: E402
 from servetune.models.pools_milp import compositions  # noqa: E402
 from servetune.models.tiers import ClassOption, Shared  # noqa: E402
 from servetune.profiles.shipped import load_profile  # noqa: E402
@@ -57,6 +57,7 @@ from servetune.schemas.base import load_document  # noqa: E402
 from servetune.schemas.policy import ClassPolicy, Policy  # noqa: E402
 from servetune.schemas.slo import SLOSet  # noqa: E402
 from servetune.sim import simulate  # noqa: E402
+from servetune.sim.evaluator import Evaluator, judging_window_s  # noqa: E402
 from servetune.solvers import tiers  # noqa: E402
 from servetune.solvers.loop import find_goodput  # noqa: E402
 from servetune.workloads.formats import load_trace  # noqa: E402
@@ -109,8 +110,8 @@ def run_instance(name: str, trace_path: str, slo_path: str, small: int, quick: b
     profile = load_profile(PROFILE)
     slo = load_document(REPO / slo_path, SLOSet)
     trace = classify(load_trace(REPO / trace_path), slo)
-    sim = TraceSimulator(trace, profile, slo, source=trace,
-                         min_window_s=min_window_s(slo, REL_TOL))
+    sim = Evaluator(trace, profile, slo, source=trace,
+                         min_window_s=judging_window_s(slo, REL_TOL))
     base_rate = sim.base_rate_per_s
     out: dict = {"trace": trace_path, "slo": slo_path, "requests": len(trace),
                  "base_rate_per_s": base_rate,
@@ -220,8 +221,8 @@ def run_instance(name: str, trace_path: str, slo_path: str, small: int, quick: b
 def exhaustive(trace, profile, slo, single_policy: Policy, small: int, quick: bool) -> dict:
     """(e): every order x chunk cap x KV cap per class on a small instance, simulated."""
     sub = trace.head(small)
-    sim = TraceSimulator(sub, profile, slo, source=sub,
-                         min_window_s=min_window_s(slo, REL_TOL))
+    sim = Evaluator(sub, profile, slo, source=sub,
+                         min_window_s=judging_window_s(slo, REL_TOL))
     names = sub.class_names
     shared = Shared(single_policy.batching.max_num_seqs,
                     single_policy.batching.max_num_batched_tokens,

@@ -14,7 +14,7 @@ p99 TTFT over 3000 requests is set by ~30 requests, i.e. by one or two bursts, s
 default is the whole trace (8,818, 19,365 and 3,993 rows). Two policies are measured, on
 the H200 Llama-3.1-8B profile: the vLLM engine defaults and the policy ``optimize`` chooses
 given the stretch itself (default space, seed 0). Goodput is the same search on every side
-(``TraceSimulator`` on exactly that many requests, no longer samples;
+(``Evaluator`` on exactly that many requests, no longer samples;
 ``find_goodput`` from rate scale 1, factor 2, 2% tolerance): (a) replaying the stretch
 time-scaled, (b) on a sample of the same size from each fitted workload (seeds
 ``--seeds``; the ratio reported first is seed 0's, then the median over the seeds).
@@ -73,13 +73,14 @@ def main() -> None:
         return
     fits = [f for f in args.fits.split(",") if f]
 
-    from servetune.apps.optimize import TraceSimulator, gpu_facts, optimize
+    from servetune.apps.optimize import gpu_facts, optimize
     from servetune.errors import InfeasibleError
     from servetune.profiles.shipped import load_profile
     from servetune.schemas.base import document_from_data, load_document
     from servetune.schemas.policy import Policy
     from servetune.schemas.slo import SLOSet
     from servetune.schemas.space import apply_knobs
+    from servetune.sim.evaluator import Evaluator
     from servetune.solvers import baselines
     from servetune.solvers.loop import find_goodput
     from servetune.workloads.fitting import (
@@ -97,7 +98,7 @@ def main() -> None:
     rows = []
 
     def goodput(trace, policy, slo) -> float:
-        sim = TraceSimulator(trace, profile, slo)
+        sim = Evaluator(trace, profile, slo)
         return find_goodput(sim, policy, start_scale=1.0, factor=2.0, rel_tol=0.02).rate_per_s
 
     for key in args.cases.split(","):

@@ -197,7 +197,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("batching.long_prefill_token_threshold", "long_prefill_threshold", _count,
          _engines(vllm=Plain("long-prefill-token-threshold"), sglang=_NONE, trtllm=_NONE,
                   tgi=_NONE),
-         modeled=True, space=(0, 512, 2048), summary=True,
+         modeled=True, space=(0, 128, 256, 512, 1024, 2048), summary=True,
          off_at_or_above="batching.max_num_batched_tokens", widen=(16, 262144)),
     # None: each engine's own default (Engine.chunked_prefill: off only in trtllm-serve).
     Knob("batching.enable_chunked_prefill", "chunked_prefill", _flag,

@@ -263,3 +263,38 @@ def refine_goodput(
         rate_scale=lo, rate_per_s=lo * base, points=points, base_rate_per_s=base,
         bracketed=True,
     )
+
+
+@dataclass
+class SimPoint:
+    """One simulation of a policy at one rate scale."""
+
+    rate_scale: float
+    rate_per_s: float
+    meets_slo: bool
+    attainment: float
+    # by Condition key (ttft[c], tpot[c]), and kv_peak_tokens, sample_window_s
+    measured: dict[str, float] = field(default_factory=dict)
+    judged: dict[str, Any] = field(default_factory=dict)  # the simulator's per-class verdicts
+    # the requests turned away (SimResult.turned_away: count, share, which by reason)
+    turned_away: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rate_scale": self.rate_scale,
+            "rate_per_s": self.rate_per_s,
+            "meets_slo": self.meets_slo,
+            "attainment": self.attainment,
+            "measured": dict(self.measured),
+        }
+
+
+@dataclass
+class SimTally:
+    """What a forked simulator did: its simulations and their time, and the cache entries
+    it added (``TraceSimulator``'s ``_seen`` points and ``_longer`` samples; empty for a
+    simulator without caches)."""
+
+    simulations: int = 0
+    simulation_s: float = 0.0
+    caches: dict[str, dict[Any, Any]] = field(default_factory=dict)

@@ -74,7 +74,7 @@ from servetune.conditions import Condition, Family
 from servetune.executor import Executor, SerialExecutor
 from servetune.models.fluid import Calibration, FluidModel, Knobs, binding_limit
 from servetune.models.policy_milp import MilpInstance
-from servetune.search import GoodputResult
+from servetune.search import GoodputResult, SimPoint, SimTally
 from servetune.search import goodput_search as _goodput_search
 from servetune.search import refine_goodput as _refine_goodput
 from servetune.solvers.formulations import solve_policy_milp
@@ -101,30 +101,6 @@ STOP_MAX_ITERATIONS = "max_iterations"  # the iteration limit came before it was
 STOP_SIMULATIONS = "simulation_budget"  # the work budget (simulations) was spent
 STOP_EXHAUSTED = "exhausted"  # a baseline simulated every point
 STOP_TIME_LIMIT = "time_limit"  # the wall-clock safety stop: result depends on the machine
-
-
-@dataclass
-class SimPoint:
-    """One simulation of a policy at one rate scale."""
-
-    rate_scale: float
-    rate_per_s: float
-    meets_slo: bool
-    attainment: float
-    # by Condition key (ttft[c], tpot[c]), and kv_peak_tokens, sample_window_s
-    measured: dict[str, float] = field(default_factory=dict)
-    judged: dict[str, Any] = field(default_factory=dict)  # the simulator's per-class verdicts
-    # the requests turned away (SimResult.turned_away: count, share, which by reason)
-    turned_away: dict[str, Any] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "rate_scale": self.rate_scale,
-            "rate_per_s": self.rate_per_s,
-            "meets_slo": self.meets_slo,
-            "attainment": self.attainment,
-            "measured": dict(self.measured),
-        }
 
 
 class Simulator(Protocol):
@@ -184,17 +160,6 @@ def refine_goodput(
 # into the simulator in the batch's order. The serial path forks too, so a fork never
 # sees what another search of its batch simulated: the answers, the simulation counts and
 # the caches are the same, byte for byte, on any backend and any number of workers.
-
-
-@dataclass
-class SimTally:
-    """What a forked simulator did: its simulations and their time, and the cache entries
-    it added (``TraceSimulator``'s ``_seen`` points and ``_longer`` samples; empty for a
-    simulator without caches)."""
-
-    simulations: int = 0
-    simulation_s: float = 0.0
-    caches: dict[str, dict[Any, Any]] = field(default_factory=dict)
 
 
 def fork_simulator(sim: Simulator) -> Simulator:

@@ -173,7 +173,7 @@ def stubbed_work() -> Iterator[None]:
     def reached(*args: Any, **kwargs: Any) -> Any:
         raise ReachedWork
 
-    patches = [(optimize_app, "TraceSimulator"), (plan_app, "measure_capacities"),
+    patches = [(optimize_app, "Evaluator"), (plan_app, "measure_capacities"),
                (place_app, "measure_spare"), (place_app, "solve_placement"),
                (nightly_app, "optimize_policy")]
     saved = [(mod, name, getattr(mod, name)) for mod, name in patches]

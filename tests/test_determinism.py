@@ -17,8 +17,8 @@ import yaml
 from test_nightly import POOR, SPACE  # the nightly tests' tiny space and poor policy
 from typer.testing import CliRunner
 
-from servetune.apps.optimize import TraceSimulator
 from servetune.cli import app
+from servetune.sim.evaluator import Evaluator
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = REPO / "configs" / "workloads" / "azure-conv-2023.yaml"
@@ -40,7 +40,7 @@ def slow_down(monkeypatch, *, factor: float = 10.0, extra_s: float = 5.0) -> Non
     real = time.perf_counter
     offset = [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: real() + offset[0])
-    run = TraceSimulator.run
+    run = Evaluator.run
 
     def slow_run(self, policy, rate_scale):
         t0 = real()
@@ -48,7 +48,7 @@ def slow_down(monkeypatch, *, factor: float = 10.0, extra_s: float = 5.0) -> Non
         offset[0] += (factor - 1.0) * (real() - t0) + extra_s
         return out
 
-    monkeypatch.setattr(TraceSimulator, "run", slow_run)
+    monkeypatch.setattr(Evaluator, "run", slow_run)
 
 
 def _optimize_args(tmp_path: Path, out: str, *extra: str) -> list[str]:

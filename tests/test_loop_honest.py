@@ -183,7 +183,8 @@ def test_model_error_numbers_by_hand():
                        "to_rate_per_s": 1.3}
     meta = round_floats(model_error_meta(err))
     assert meta == {"median_ratio": 0.85, "worst_ratio": 0.5, "worst_miss": 1.94175,
-                    "factor": 1.5, "unsure": True, "local_search_simulations": 5}
+                    "factor": 1.5, "unsure": True, "local_search_simulations": 5,
+                    "near_answer": None}
     # The report's section.
     text = model_error_section(round_floats(err))
     assert "seqs 256, tokens 4096 | 3 | 1.5 | < 1.01 | 1.49x |" in text

@@ -485,3 +485,49 @@ def test_defaults_section_names_the_rule_for_the_gpu():
     assert text.endswith("differs from them.")
     text, _ = defaults_section(big, load_profile("h200-llama-3.1-8b"))
     assert "1024 sequences and 8192 batched tokens" in text and text.endswith("uses these.")
+
+
+def test_next_run_checks_the_last_runs_promise_on_todays_trace(tiny, first_run):
+    """The first run promised its new policy's goodput on its trace; a second run into the
+    same folder, on another stretch of traffic and with another policy in production,
+    replays that policy on today's trace and reports promised against delivered: the
+    number `goodput` gives for that policy on today's trace."""
+    import shutil
+
+    from servetune.profiles.shipped import load_profile
+    from servetune.schemas.base import load_document
+    from servetune.schemas.policy import Policy
+    from servetune.schemas.slo import SLOSet
+    from servetune.sim import goodput
+    from servetune.workloads.formats import load_trace
+
+    out, res = first_run
+    assert res.exit_code == 0
+    first = json.loads((out / "summary.json").read_text())
+    promise = first["promise"]
+    assert promise["goodput_rate_per_s"] == first["new"]["goodput_rate_per_s"]
+    assert promise["engine"] == "vllm" and promise["trace"] == "trace.csv"
+    assert first["last_promise"] is None
+    assert "nothing to check yet" in (out / "report.md").read_text()
+
+    today = tiny / "today"
+    today.mkdir()
+    lines = TRACE.read_text().splitlines()
+    (today / "trace.csv").write_text("\n".join([lines[0], *lines[401:801]]) + "\n")
+    folder = tiny / "promise"
+    shutil.copytree(out, folder, symlinks=True)
+    args = tiny_args(tiny, folder, tiny / "poor.yaml")
+    args[args.index("--trace") + 1] = str(today / "trace.csv")
+    res2 = runner.invoke(app, args)
+    assert res2.exit_code in (0, 10, 11), res2.output
+    checked = json.loads((folder / "summary.json").read_text())["last_promise"]
+    promised_policy = load_document(out / "policy.yaml", Policy)
+    expected = goodput(load_trace(today / "trace.csv"), promised_policy,
+                       load_profile(tiny / "profile.yaml"), load_document(SLO, SLOSet))
+    assert checked["promised_rate_per_s"] == promise["goodput_rate_per_s"]
+    assert checked["delivered_rate_per_s"] == pytest.approx(expected.rate_per_s, rel=1e-9)
+    report = (folder / "report.md").read_text()
+    assert "## Yesterday's promise, checked today" in report
+    assert (f"Last run promised {promise['goodput_rate_per_s']:.3f} req/s (on trace.csv, "
+            f"vllm); replayed on today's trace it gives {expected.rate_per_s:.3f} req/s"
+            in report)

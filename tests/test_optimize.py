@@ -235,12 +235,13 @@ def test_job_documents_fail_only_with_servetune_errors(data):
 
 
 def test_returned_policy_passes_the_simulator_at_its_goodput(tmp_path):
-    from servetune.apps.optimize import TraceSimulator, min_window_s, optimize
+    from servetune.apps.optimize import optimize
     from servetune.profiles.shipped import load_profile
     from servetune.schemas.slo import SLOSet
     from servetune.schemas.workload import Workload
     from servetune.sim import simulate
     from servetune.sim.api import prepare_trace
+    from servetune.sim.evaluator import Evaluator, judging_window_s
 
     workload = load_document(WORKLOAD, Workload)
     profile = load_profile(PROFILE)
@@ -253,9 +254,9 @@ def test_returned_policy_passes_the_simulator_at_its_goodput(tmp_path):
     scale = res.policy.metadata["simulated"]["rate_scale"]
     # At the goodput, 300 requests would span less than the window the TTFT target needs
     # (2 s / 3% = 67 s), so the run that judged it used a longer sample of the workload.
-    window = min_window_s(slo, 0.03)
+    window = judging_window_s(slo, 0.03)
     assert window == pytest.approx(2.0 / 0.03)
-    sim = TraceSimulator(sample, profile, slo, source=workload, seed=3, min_window_s=window)
+    sim = Evaluator(sample, profile, slo, source=workload, seed=3, min_window_s=window)
     trace, own_scale = sim.sample_for(scale)
     assert len(trace) > len(sample)
     run = simulate(trace, res.policy, profile, rate_scale=own_scale)

@@ -416,10 +416,28 @@ def test_exit_10_never_leaves_an_earlier_policy_beside_a_new_report(night):
         "file": "poor.yaml", "name": "poor", "sha256": io_mod.sha256_file(night / "poor.yaml"),
         "engines": ["vllm"], "kept_in_folder": []}
     assert "`poor` (`poor.yaml`, sha256 " in second["report.md"].decode()
-    # the same run again, uninterrupted: the same set (same inputs, same bytes), tidied
+    # the same run again, uninterrupted: the same set (same inputs, same bytes), tidied;
+    # only the check of the last run's promise differs, since the last run is now the
+    # killed one (its promise: the policy it kept), no longer night one
     proc = subprocess.run(nightly(night, out, *args), capture_output=True, text=True)
     assert proc.returncode == 10, proc.stderr
-    assert live(out) == second
+    third = live(out)
+    assert set(third) == set(second)
+    assert {k: v for k, v in third.items() if not k.endswith((".md", ".json"))} == {
+        k: v for k, v in second.items() if not k.endswith((".md", ".json"))}
+    before, after = (json.loads(files["summary.json"]) for files in (second, third))
+    assert before["last_promise"]["promised_rate_per_s"] == json.loads(
+        first["summary.json"])["promise"]["goodput_rate_per_s"]
+    assert after["last_promise"]["promised_rate_per_s"] == before["promise"][
+        "goodput_rate_per_s"]
+    assert ({k: v for k, v in after.items() if k != "last_promise"}
+            == {k: v for k, v in before.items() if k != "last_promise"})
+
+    def without_promise(report: bytes) -> list[str]:
+        return [line for line in report.decode().splitlines()
+                if not line.startswith("Last run promised")]
+
+    assert without_promise(third["report.md"]) == without_promise(second["report.md"])
     assert_clean(out)
 
 

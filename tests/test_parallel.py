@@ -13,7 +13,6 @@ from optimizer_fixtures import SMALL_SPACE, ThresholdSim, fluid
 from test_nightly import POOR, SPACE, snapshot, tiny_args
 from typer.testing import CliRunner
 
-from servetune.apps.optimize import TraceSimulator
 from servetune.cli import app
 from servetune.executor import ProcessExecutor, SerialExecutor, ray_available
 from servetune.models.fluid import Knobs, knobs_grid
@@ -22,6 +21,7 @@ from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
 from servetune.schemas.space import apply_knobs
 from servetune.sim.api import prepare_trace
+from servetune.sim.evaluator import Evaluator
 from servetune.solvers import baselines
 from servetune.solvers.loop import GoodputTask, find_goodputs, search
 from servetune.workloads.fitting import load_workload
@@ -119,7 +119,7 @@ def test_trace_simulator_forks_merge_counts_and_caches_exactly():
     from servetune.profiles.shipped import load_profile
 
     workload = load_workload(WORKLOAD)
-    sim = TraceSimulator(prepare_trace(workload, seed=0, n_requests=200),
+    sim = Evaluator(prepare_trace(workload, seed=0, n_requests=200),
                          load_profile(str(PROFILE)), load_document(SLO, SLOSet),
                          source=workload, min_window_s=60.0)
     policies = [apply_knobs(Policy(), {"batching.max_num_seqs": n}) for n in (64, 256)]

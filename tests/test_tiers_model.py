@@ -226,8 +226,11 @@ def test_single_class_recalibration_sees_an_attainment_tier_bind():
 def test_optimize_runs_the_tiered_search_and_keeps_it_only_when_better():
     """The tiered stage of ``optimize`` on a small two-tier trace: the policy it returns
     is the best simulated round when that beats the single-class policy, else the
-    single-class one; ``per_class=False`` skips the stage."""
+    single-class one; ``per_class=False`` skips the stage. Either way the goodput printed
+    is the evaluator's for the policy returned, and never below the single-class
+    answer's (beyond the evaluator's 1%)."""
     from servetune.apps.optimize import optimize
+    from servetune.sim.evaluator import Evaluator
 
     trace = mixed_trace(n_chat=800, n_long=25, span_s=160.0)
     profile = load_profile("h200-llama-3.1-8b")
@@ -237,13 +240,15 @@ def test_optimize_runs_the_tiered_search_and_keeps_it_only_when_better():
     best_round = max(r["simulated_rate_per_s"] for r in info["rounds"])
     single = info["single_class_goodput_rate_per_s"]
     if info["kept"]:
-        assert res.summary["goodput_rate_per_s"] == pytest.approx(best_round, rel=1e-3)  # rounded
         assert best_round > single and res.policy.classes
         assert set(res.summary["classes"]) == {"chat", "longctx"}
     else:
-        assert res.summary["goodput_rate_per_s"] == pytest.approx(single, rel=1e-3)
+        assert not res.policy.classes
     assert "ttft[chat]" in info.get("what_binds", {"ttft[chat]": None})
+    judge = Evaluator.of(trace, profile, SLO)
+    assert res.summary["goodput_rate_per_s"] == judge.goodput(res.policy).rate_per_s
     flat = optimize(trace, profile, SLO, compare_defaults=False, max_iterations=2,
                     n_requests=len(trace), per_class=False)
     assert not any("tiers" in i for i in flat.summary["iterations"])
-    assert flat.summary["goodput_rate_per_s"] == pytest.approx(single, rel=1e-3)
+    assert not flat.policy.classes
+    assert res.summary["goodput_rate_per_s"] >= flat.summary["goodput_rate_per_s"] / 1.01

@@ -45,6 +45,7 @@ so the same inputs give the same files.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -52,8 +53,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from servetune import knobs as knob_table
-from servetune.apps.optimize import DEFAULT_REQUESTS, gpu_facts, optimize
+from servetune.apps.optimize import gpu_facts, optimize
 from servetune.apps.report import (
     DEFAULT_STRESS,
     FIGURE_NAMES,
@@ -86,13 +89,14 @@ from servetune.io import (
     sha256_file,
 )
 from servetune.models.fluid import Calibration, FluidModel, Knobs, LoadModel, Platform, targets_for
-from servetune.profiles.shipped import load_profile
+from servetune.profiles.shipped import load_profile, shipped_or_path
 from servetune.schemas.base import document_to_yaml, load_document
 from servetune.schemas.policy import Policy
 from servetune.schemas.profile import Profile
 from servetune.schemas.slo import SLOSet
 from servetune.schemas.space import SearchSpace
 from servetune.schemas.workload import Workload
+from servetune.sim import goodput
 from servetune.solvers import baselines
 from servetune.solvers.loop import STOP_TIME_LIMIT
 from servetune.workloads.fitting import class_stats, fit_workload
@@ -310,6 +314,9 @@ class Optimized:
     policy: Policy
     reasons: dict[str, str]  # knob path (or section) -> why, from the models
     info: dict[str, Any]  # method, statuses, simulations (no wall times)
+    # When the answer has a long-request lane: the best candidate simulated without one
+    # (the gate's fallback, :func:`run_nightly`); None otherwise.
+    without_lane: Policy | None = None
 
 
 def _shown(value: Any) -> str:
@@ -390,7 +397,7 @@ def optimize_policy(
         kwargs["max_simulations"] = max_simulations
     result = optimize(
         trace, profile, slo, space, seed=seed, base_policy=current, inputs=inputs or {},
-        n_requests=min(DEFAULT_REQUESTS, max(len(trace), 2)), compare_defaults=False,
+        compare_defaults=False,
         engine=engine, progress=progress, executor=executor, **kwargs,
     )
     if result.policy is None:  # pragma: no cover - optimize raises InfeasibleError instead
@@ -418,7 +425,25 @@ def optimize_policy(
         "solver": result.policy.metadata.get("solver"),
         "model_error": summary.get("model_error"),
     }
-    return Optimized(policy=result.policy, reasons=reasons, info=info)
+    return Optimized(policy=result.policy, reasons=reasons, info=info,
+                     without_lane=best_without_lane(result.policy, result.evaluated))
+
+
+def best_without_lane(answer: Policy, evaluated: Sequence[Any]) -> Policy | None:
+    """When ``answer`` has a long-request lane, the candidate the optimizer simulated best
+    without one (by its simulated goodput), named and with provenance as the answer,
+    marked as the fallback; None when the answer has no lane or no such candidate passed."""
+    if not answer.long_requests.enabled:
+        return None
+    plain = [e for e in evaluated
+             if e.goodput.passed and not e.policy.long_requests.enabled]
+    if not plain:
+        return None
+    top = max(plain, key=lambda e: e.goodput.rate_per_s)
+    meta = {k: v for k, v in answer.metadata.items() if k not in ("simulated", "objective")}
+    meta["fallback"] = ("the optimizer's best candidate without a long-request lane, "
+                        f"{top.goodput.rate_per_s:.3f} req/s in its search")
+    return top.policy.model_copy(update={"name": answer.name, "metadata": meta})
 
 
 # --------------------------------------------------------------------------- the job
@@ -467,8 +492,10 @@ def run_nightly(
         raise ServetuneError(
             f"argument `sim_engine` {sim_engine!r}: choose one of {', '.join(ENGINE_NAMES)}"
         )
+    # a shipped profile's bare name is its file (hashed for the provenance like any other)
     trace_path, profile_path, slo_path, current_path = (
-        Path(trace_path), Path(profile_path), Path(slo_path), Path(current_path))
+        Path(trace_path), Path(shipped_or_path(str(profile_path))), Path(slo_path),
+        Path(current_path))
     out = Path(out_dir)
     _check_out_dir(out, NIGHTLY_FILES, {
         "trace_path": trace_path, "profile_path": profile_path, "slo_path": slo_path,
@@ -517,24 +544,49 @@ def run_nightly(
         new = with_profile_facts(opt.policy, profile)
         timed_out = opt.info.get("stopped_by") == STOP_TIME_LIMIT
 
-        gates: list[EngineGate] = []
-        for e in engines:
-            _say(progress, f"{e}: simulating current and new policies (trace, +20%, +50%, "
-                           "goodput)")
-            gate_prof, pool_note = gate_profile(profile, e, new)
-            comp_e = compare(trace, current, new, gate_prof, slo, engine=e, stress=stress,
-                             executor=executor)
-            decision = decide(comp_e, min_gain)
-            if timed_out:
-                # The safety stop cut the search short, so the new policy is whatever this
-                # machine reached in the time: another run could differ. Keep the current one.
-                decision = Decision(False, decision.gain, [
-                    "the optimizer's wall-clock safety stop (--time-limit) ended its search "
-                    "before its work budget or convergence did, so the proposed policy depends "
-                    "on this machine's speed and is not adopted; raise --time-limit",
-                    *decision.reasons,
-                ])
-            gates.append(EngineGate(e, comp_e, decision, gate_prof.kv_blocks(), pool_note))
+        def gate_all(new: Policy) -> list[EngineGate]:
+            gates: list[EngineGate] = []
+            for e in engines:
+                _say(progress, f"{e}: simulating current and new policies (trace, +20%, "
+                               "+50%, goodput)")
+                gate_prof, pool_note = gate_profile(profile, e, new)
+                comp_e = compare(trace, current, new, gate_prof, slo, engine=e,
+                                 stress=stress, executor=executor)
+                decision = decide(comp_e, min_gain)
+                if timed_out:
+                    # The safety stop cut the search short, so the new policy is whatever
+                    # this machine reached in the time: another run could differ. Keep
+                    # the current one.
+                    decision = Decision(False, decision.gain, [
+                        "the optimizer's wall-clock safety stop (--time-limit) ended its "
+                        "search before its work budget or convergence did, so the proposed "
+                        "policy depends on this machine's speed and is not adopted; raise "
+                        "--time-limit",
+                        *decision.reasons,
+                    ])
+                gates.append(EngineGate(e, comp_e, decision, gate_prof.kv_blocks(),
+                                        pool_note))
+            return gates
+
+        gates = gate_all(new)
+        lane_note = None
+        if (not any(g.passed for g in gates) and opt.without_lane is not None
+                and any("would drop" in r for g in gates for r in g.decision.reasons)):
+            # A lane delays some long requests to serve more in all; where that lowers
+            # attainment under stress, the best policy without one may still pass.
+            _say(progress, "the lane lowers attainment under stress: gating the best "
+                           "candidate without a lane")
+            plain = with_profile_facts(opt.without_lane, profile)
+            plain_gates = gate_all(plain)
+            lane_note = (f"The optimizer's answer has a long-request lane "
+                         f"(threshold {new.long_requests.threshold_tokens} tokens), which "
+                         "lowered SLO attainment under stress: "
+                         + "; ".join(r for r in gates[0].decision.reasons if "would drop" in r)
+                         + ". The best candidate without a lane was gated instead"
+                         + (" and passed." if any(g.passed for g in plain_gates)
+                            else " and failed too."))
+            if any(g.passed for g in plain_gates):
+                new, gates = plain, plain_gates
         passed = [g for g in gates if g.passed]
         # The report's plots and results: the optimizer's engine when it is gated, else the
         # first engine; the gate table covers every engine.
@@ -581,6 +633,8 @@ def run_nightly(
                 headline = (f"Current policy kept: `{current.name}` stays in production (exit 10): "
                             "the optimizer's safety time limit fired.")
         reasons = list(main.decision.reasons)
+        if lane_note:
+            reasons.insert(0, lane_note)
         if len(gates) > 1:
             reasons = [f"{main.engine}: {r}" for r in reasons] + [
                 f"{g.engine}: gate {'passed' if g.passed else 'failed'}"
@@ -592,6 +646,12 @@ def run_nightly(
         live = (live_policy(out, current_path, current, failed, keep_files=not passed)
                 if failed else None)
         defaults_text, defaults_rule = defaults_section(current, profile)
+        # Yesterday's promise, replayed on today's trace; today's, for tomorrow.
+        kept = main.comparison.new if main.passed else main.comparison.current
+        assert kept is not None
+        promise = promise_record(kept.policy, kept.goodput.rate_per_s, main.engine, trace_path)
+        checked = check_promise(previous_promise(out), trace, profile, slo, current,
+                                main.comparison.current.goodput.rate_per_s, main.engine)
         summary_extra = {
             **base_summary,
             "status": status,
@@ -604,6 +664,8 @@ def run_nightly(
             "optimizer": drop_timings(opt.info),
             "new_policy": new.knobs(),
             "defaults_rule": defaults_rule,
+            "promise": promise,
+            "last_promise": checked,
         }
         _say(progress, "rendering the report and its plots")
         report = build_report(
@@ -612,11 +674,81 @@ def run_nightly(
             extra_sections=[("Gate per engine", gate_table(gates)),
                             *_live_policy_section(live, policy_written=bool(passed)),
                             (MODEL_ERROR_HEADING, model_error_section(opt.info.get("model_error"))),
+                            (PROMISE_HEADING, promise_section(promise, checked)),
                             ("Engine defaults on this GPU", defaults_text)],
         )
         _say(progress, f"writing outputs to {out}")
         written = _write_outputs(out, policy_text, exports, report, live)
         return NightlyOutcome(exit_code=code, status=status, files=written, summary=report.summary)
+
+
+PROMISE_HEADING = "Yesterday's promise, checked today"
+
+
+def promise_record(policy: Policy, goodput_rate_per_s: float, engine: str,
+                   trace_path: Path) -> dict[str, Any]:
+    """What this run promises the next one: the policy in production after it (the new
+    one where the gate of the report's engine passed, else the current one), its goodput
+    on this trace under that engine, and the trace it was measured on."""
+    return {"goodput_rate_per_s": goodput_rate_per_s, "engine": engine,
+            "trace": trace_path.name,
+            "policy": policy.model_dump(mode="json", exclude={"metadata"})}
+
+
+def previous_promise(out: Path) -> dict[str, Any] | None:
+    """The promise the last run into ``out`` left in its ``summary.json``; None when there
+    is none (a first run, a folder from before promises were kept, an unreadable file)."""
+    try:
+        data = json.loads((out / "summary.json").read_text())
+        promise = data["promise"]
+        return {"goodput_rate_per_s": float(promise["goodput_rate_per_s"]),
+                "engine": str(promise["engine"]), "trace": str(promise.get("trace", "")),
+                "policy": Policy.model_validate(promise["policy"])}
+    except (OSError, ValueError, KeyError, TypeError, ValidationError):
+        return None
+
+
+def check_promise(
+    last: dict[str, Any] | None, trace: Trace, profile: Profile, slo: SLOSet,
+    current: Policy, current_rate_per_s: float, engine: str,
+) -> dict[str, Any] | None:
+    """The last run's promise replayed on today's trace by the one evaluator
+    (:func:`servetune.sim.goodput`, as the gate measures goodput), under the engine it was
+    made for: its policy's goodput today. When that policy is today's current one under
+    the same engine, the gate's own measurement of it is the answer."""
+    if last is None:
+        return None
+    policy = last["policy"]
+    same = (last["engine"] == engine
+            and policy.model_dump(exclude={"name", "metadata"})
+            == current.model_dump(exclude={"name", "metadata"}))
+    if same:
+        delivered = current_rate_per_s
+    else:
+        gate_prof, _note = gate_profile(profile, last["engine"], policy)
+        delivered = goodput(trace, policy, gate_prof, slo, engine=last["engine"]).rate_per_s
+    promised = last["goodput_rate_per_s"]
+    return {"promised_rate_per_s": promised, "delivered_rate_per_s": delivered,
+            "ratio": delivered / promised if promised > 0 else None,
+            "engine": last["engine"], "promised_on": last["trace"]}
+
+
+def promise_section(promise: dict[str, Any], checked: dict[str, Any] | None) -> str:
+    """The report's lines: the last run's promise against today, and today's promise."""
+    lines = []
+    if checked is None:
+        lines.append("No earlier run's summary.json in this folder: nothing to check yet.")
+    else:
+        ratio = checked["ratio"]
+        lines.append(
+            f"Last run promised {checked['promised_rate_per_s']:.3f} req/s "
+            f"(on {checked['promised_on'] or 'its trace'}, {checked['engine']}); replayed on "
+            f"today's trace it gives {checked['delivered_rate_per_s']:.3f} req/s"
+            + (f" ({ratio:.2f}x)." if ratio is not None else "."))
+    lines.append(f"Today's promise, checked by the next run into this folder: "
+                 f"{promise['goodput_rate_per_s']:.3f} req/s with the policy in production "
+                 f"({promise['engine']}).")
+    return "\n\n".join(lines)
 
 
 def defaults_section(current: Policy, profile: Profile) -> tuple[str, str]:

@@ -27,7 +27,7 @@ the solvers' deterministic limits (:mod:`servetune.solvers.drivers`), so a slow 
 a cold numba cache gives the same policy. The goodput searches that do not depend on each
 other (a round's candidates, the edges, a baseline's points) run as batches on an
 executor (``executor=``, ``--workers`` / ``--ray``), each on a fork of the simulator
-(:meth:`TraceSimulator.fork`), so the policy is the same, byte for byte, on any backend
+(:meth:`Evaluator.fork`), so the policy is the same, byte for byte, on any backend
 and number of workers. ``time_limit_s`` is only a safety stop: when it
 fires, ``metadata.stopped_by`` is ``"time_limit"`` and the result is not reproducible.
 
@@ -37,7 +37,6 @@ says which condition binds, the best value reachable and what would make it feas
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Callable
@@ -64,7 +63,6 @@ from servetune.models.fluid import (
 from servetune.models.lanes_cpsat import build_instance
 from servetune.optimize_options import (
     DEFAULT_MAX_SIMULATIONS,
-    DEFAULT_REQUESTS,
     DEFAULT_TIME_LIMIT_S,
     METHODS_IN_WORDS,
 )
@@ -74,10 +72,8 @@ from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
 from servetune.schemas.space import SearchSpace, apply_knobs
 from servetune.schemas.workload import Workload
-from servetune.sim import metrics as M
-from servetune.sim import simulate
-from servetune.sim.api import base_rate_per_s, prepare_trace
-from servetune.solvers import baselines, tiers
+from servetune.sim.evaluator import EVAL_REL_TOL, Evaluator, base_sample, judging_window_s
+from servetune.solvers import baselines, coordinate, tiers
 from servetune.solvers.formulations import solve_lanes
 from servetune.solvers.loop import (
     STOP_SIMULATIONS,
@@ -85,14 +81,12 @@ from servetune.solvers.loop import (
     Evaluated,
     GoodputTask,
     LoopResult,
-    SimPoint,
-    SimTally,
     equivalence_key,
     find_goodput,
     find_goodputs,
     search,
 )
-from servetune.steady_state import MAX_WINDOW_REQUESTS, arrivals_in, steady_window_s
+from servetune.solvers.loop import model_error as model_error_of
 from servetune.workloads.fitting import class_stats, load_workload
 from servetune.workloads.formats import load_trace
 from servetune.workloads.tiers import check_fits, classify
@@ -102,157 +96,17 @@ if TYPE_CHECKING:
     from servetune.schemas.profile import Profile
 
 DEFAULT_SPACE_KNOBS: dict[str, list[Any]] = knob_table.default_space_knobs()
-# Cap on the minimum simulated window (seconds): see min_window_s().
-MAX_MIN_WINDOW_S = 600.0
 RANDOM_BUDGET = 60  # simulations for random / optuna when run on their own
 # Widening the space where the answer sits on its edge: at most this many rounds (each
 # searches again), and a value beyond the edge must beat the answer's goodput by 1%.
 MAX_WIDENINGS = 3
+# Simulations coordinate descent may spend after the model-guided search (work).
+DESCENT_SIMULATIONS = 300
 EDGE_BAR = 0.01
-
-
-def min_window_s(slo: SLOSet, rel_tol: float) -> float:
-    """The shortest stretch of arrivals a simulation should cover to judge a rate at the
-    goodput search's tolerance ``rel_tol``: the steady-state window
-    (:func:`servetune.steady_state.steady_window_s`) of the TTFT target over ``rel_tol``
-    (67 s for a 2 s target at 3%), capped at ``MAX_MIN_WINDOW_S``; no TTFT target: no
-    minimum."""
-    return steady_window_s(slo, rate_tolerance=rel_tol, cap_s=MAX_MIN_WINDOW_S)
 
 
 def default_space() -> SearchSpace:
     return SearchSpace(name="default", knobs=DEFAULT_SPACE_KNOBS)
-
-
-class TraceSimulator:
-    """The simulator on one sample, counting simulations and their time.
-
-    A fixed number of requests covers a shorter and shorter stretch of time as the rate
-    grows, and a short run flatters an overloaded policy: its queue has no time to grow
-    past the TTFT target. With ``source`` (the Workload, or the whole Trace, that
-    ``trace`` was taken from) and ``min_window_s``, a run whose rate would make the sample
-    span less than ``min_window_s`` uses a longer sample of the same source instead (up to
-    ``max_requests``; samples come in whole multiples of the base sample's size, so a
-    search reuses a few of them), replayed at the same arrival rate."""
-
-    def __init__(
-        self, trace: Trace, profile: Profile, slo: SLOSet, *, engine: str = "vllm",
-        source: Trace | Workload | None = None, seed: int = 0, min_window_s: float = 0.0,
-        max_requests: int = MAX_WINDOW_REQUESTS,
-    ) -> None:
-        self.trace = trace
-        self.profile = profile
-        self.slo = slo
-        self.engine = engine
-        self.source = source
-        self.seed = seed
-        self.min_window_s = float(min_window_s)
-        self.max_requests = int(max_requests)
-        self.base_rate_per_s = float(base_rate_per_s(trace))
-        self.simulations = 0
-        self.simulation_s = 0.0
-        self.kv_tokens = int(profile.kv_blocks()) * int(profile.block_size)
-        self._longer: dict[int, tuple[Any, float]] = {}
-        # A policy simulated again at the same rate (a search over a widened space meets
-        # its earlier candidates again) gives the same point: kept, not re-simulated.
-        self._seen: dict[tuple[str, float], SimPoint] = {}
-        # A fork's caches as it started (:meth:`fork`), so that its tally holds only what
-        # it added.
-        self._forked_from: tuple[set, set] = (set(), set())
-
-    def sample_for(self, rate_scale: float) -> tuple[Any, float]:
-        """The trace a run at ``rate_scale`` (times the base rate) replays, and the rate
-        scale that gives that trace the same arrival rate."""
-        rate = rate_scale * self.base_rate_per_s
-        need = arrivals_in(rate, self.min_window_s) + 1  # n arrivals span n - 1 gaps
-        if self.source is None or need <= len(self.trace) or rate <= 0:
-            return self.trace, rate_scale
-        size = len(self.trace)
-        n = min(size * math.ceil(need / size), max(self.max_requests, size))
-        if n <= size:
-            return self.trace, rate_scale
-        if n not in self._longer:
-            longer = prepare_trace(self.source, seed=self.seed, n_requests=n)
-            if len(longer) <= size:
-                longer = self.trace
-            self._longer[n] = (longer, float(base_rate_per_s(longer)))
-        longer, base = self._longer[n]
-        if longer is self.trace or base <= 0:
-            return self.trace, rate_scale
-        return longer, rate / base
-
-    def fork(self) -> TraceSimulator:
-        """A copy for one search of a batch (:func:`servetune.solvers.loop.find_goodputs`):
-        the same inputs and caches (copied, so the fork adds to its own), counters at
-        zero; :meth:`tally` then says what it added."""
-        child = copy.copy(self)
-        child.simulations = 0
-        child.simulation_s = 0.0
-        child._seen = dict(self._seen)
-        child._longer = dict(self._longer)
-        child._forked_from = (set(self._seen), set(self._longer))
-        return child
-
-    def tally(self) -> SimTally:
-        """What this fork did since :meth:`fork`: its counters, and only the cache entries
-        it added (they travel back from a worker; the rest the parent has)."""
-        seen, longer = self._forked_from
-        return SimTally(self.simulations, self.simulation_s, {
-            "seen": {k: v for k, v in self._seen.items() if k not in seen},
-            "longer": {k: v for k, v in self._longer.items() if k not in longer},
-        })
-
-    def merge(self, tally: SimTally) -> None:
-        """Add a fork's tally: its counters, and its cache entries this one lacks (the
-        first fork's wins: they are the same simulations of the same inputs)."""
-        self.simulations += tally.simulations
-        self.simulation_s += tally.simulation_s
-        for key, point in tally.caches.get("seen", {}).items():
-            self._seen.setdefault(key, point)
-        for n, sample in tally.caches.get("longer", {}).items():
-            self._longer.setdefault(n, sample)
-
-    def run(self, policy: Policy, rate_scale: float) -> SimPoint:
-        key = (policy.model_dump_json(exclude={"name", "metadata"}), float(rate_scale))
-        if key not in self._seen:
-            self._seen[key] = self._simulate(policy, rate_scale)
-        return self._seen[key]
-
-    def _simulate(self, policy: Policy, rate_scale: float) -> SimPoint:
-        trace, own_scale = self.sample_for(rate_scale)
-        started = time.perf_counter()
-        res = simulate(trace, policy, self.profile, engine=self.engine,
-                       rate_scale=own_scale)
-        self.simulation_s += time.perf_counter() - started
-        self.simulations += 1
-        verdicts = res.slo_verdicts(self.slo)
-        ok = all(v[0] for v in verdicts.values())
-        m = res.metrics
-        measured: dict[str, float] = {}
-        for cid, name in enumerate(res.trace.class_names):
-            sel = m.class_id == cid
-            if not sel.any():
-                continue
-            target = self.slo.for_class(name)
-            q = target.percentile if target.percentile is not None else 100 * target.attainment
-            sub = M.RequestMetrics(
-                m.ttft_s[sel], m.tpot_s[sel], m.e2e_s[sel], m.completed[sel],
-                m.output_tokens[sel], m.status[sel], m.class_id[sel],
-            )
-            measured[Condition(Family.TTFT, name).key] = M.percentile_value(sub, "ttft_s", q)
-            measured[Condition(Family.TPOT, name).key] = M.percentile_value(sub, "tpot_s", q)
-        peak = getattr(res.output, "kv_util_peak", float("nan"))
-        measured["kv_peak_tokens"] = float(peak) * self.kv_tokens
-        measured["sample_window_s"] = float(res.trace.duration_s)
-        return SimPoint(
-            rate_scale=float(rate_scale),
-            rate_per_s=float(rate_scale) * self.base_rate_per_s,
-            meets_slo=bool(ok),
-            attainment=float(res.attainment(self.slo)),
-            measured=measured,
-            judged={k: v[1] for k, v in verdicts.items()},
-            turned_away=res.turned_away(),
-        )
 
 
 @dataclass
@@ -392,7 +246,7 @@ class SearchInputs:
     fluid: FluidModel
     points: list[Knobs]
     make_policy: Callable[[Knobs], Policy]
-    sim: TraceSimulator
+    sim: Evaluator
     space: SearchSpace
     seed: int
     rel_tol: float
@@ -406,11 +260,13 @@ class SearchInputs:
 
 
 def _run_milp(run: SearchInputs) -> LoopResult:
+    # No local search inside the loop: coordinate descent (_descend) follows, over every
+    # value of every knob, whatever the model's error.
     return search(
         run.fluid, run.points, run.make_policy, run.sim, k=run.k,
         max_iterations=run.max_iterations, max_simulations=run.max_simulations,
         time_limit_s=run.deadline - time.perf_counter(), rel_tol=run.rel_tol, log=run.say,
-        executor=run.executor,
+        executor=run.executor, local_simulations=0,
     )
 
 
@@ -566,7 +422,7 @@ def optimize(
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     max_simulations: int = DEFAULT_MAX_SIMULATIONS,
     seed: int = 0,
-    n_requests: int = DEFAULT_REQUESTS,
+    n_requests: int | None = None,
     engine: str = "vllm",
     inputs: dict[str, Any] | None = None,
     base_policy: Policy | None = None,
@@ -579,6 +435,7 @@ def optimize(
     widen_edges: bool = True,
     executor: Executor | None = None,
     per_class: bool | None = None,
+    descent_simulations: int = DESCENT_SIMULATIONS,
 ) -> OptimizeResult:
     """Choose a policy (see the module docstring). ``source`` is a Workload or a Trace;
     ``inputs`` names the input files and their sha256 for the provenance.
@@ -591,7 +448,8 @@ def optimize(
     run on ``executor`` (default: in this process); the result is the same, byte for
     byte, on any executor. ``per_class`` (None: when the SLO set gives two or more of the
     sample's classes different tiers) runs the tiered search after the single-class one
-    (method milp)."""
+    (method milp). ``descent_simulations``: the simulations coordinate descent may spend
+    after the model-guided search (method milp; :func:`_descend`)."""
     wall_start = time.perf_counter()
     if not (isinstance(max_simulations, int) and max_simulations >= 1):
         raise ServetuneError(
@@ -610,7 +468,7 @@ def optimize(
         load = LoadModel.from_trace(source)
     else:
         raise ServetuneError("optimize: give a Workload or a Trace")
-    sample = prepare_trace(source, seed=seed, n_requests=n_requests)
+    sample = base_sample(source, seed=seed, n_requests=n_requests)
     platform = Platform.from_profile(profile)
     try:
         fluid = FluidModel(load, platform, targets_for(load, slo))
@@ -629,9 +487,9 @@ def optimize(
     def make_policy(knobs: Knobs) -> Policy:
         return apply_knobs(base, knobs.as_dotted())
 
-    window = min_window_s(slo, rel_tol)
-    sim = TraceSimulator(sample, profile, slo, engine=engine, source=source, seed=seed,
-                         min_window_s=window)
+    window = judging_window_s(slo)
+    sim = Evaluator(sample, profile, slo, engine=engine, source=source, seed=seed,
+                    min_window_s=window)
     say(f"{len(points)} candidate policies, {len(sample)} requests per simulation "
         f"(base rate {sim.base_rate_per_s:.3g} req/s)")
 
@@ -692,6 +550,11 @@ def optimize(
                 if lanes_info.get("candidate"):
                     evaluated.append(lanes_info.pop("_evaluated"))
                 lanes_info.pop("_evaluated", None)
+        if best is not None and descent_simulations > 0:
+            left = max(0, min(descent_simulations, max_simulations - sim.simulations))
+            best, descent_info = _descend(run, best, evaluated, base, gpu_facts(profile),
+                                          budget=left, widened=edges)
+            iterations.append({"iteration": len(iterations) + 1, "descent": descent_info})
         if best is not None and (per_class if per_class is not None
                                  else has_tiers(sample, slo)):
             best, tiers_info, tiers_s = _try_tiers(
@@ -700,7 +563,6 @@ def optimize(
             solver_meta["tiers"] = {"solves": tiers_info["solves"]}
             iterations.append({"iteration": len(iterations) + 1, "tiers": tiers_info})
             evaluated += tiers_info.pop("_evaluated")
-        predicted = best.predicted_rate_per_s if best else None
     else:
         # The baselines need no model, but if even vanishing load breaks a condition on
         # every candidate, say so now instead of simulating the whole space.
@@ -717,13 +579,22 @@ def optimize(
         iterations = [
             {"iteration": i + 1, "candidates": [e.as_dict()]} for i, e in enumerate(evaluated)
         ]
-    method_sims = sim.simulations
     if stopped_by == STOP_TIME_LIMIT:
         say(f"{method}: the safety time limit ({time_limit_s:g} s) stopped the search after "
-            f"{method_sims} simulations; the result depends on this machine's speed")
+            f"{sim.simulations} simulations; the result depends on this machine's speed")
     if best is None:
         message, details = explain_sim_infeasible(evaluated, slo)
         _raise_infeasible(message, details, sim, solver_s, wall_start, method, iterations)
+    best, search_rate = judge_leaders(evaluated, best, sim, rel_tol=rel_tol, say=say,
+                                      base=base)
+    if not spec.baseline:
+        # The recalibrated model's word on the answer and on its neighbourhood (the
+        # candidates one move from it), against the simulator's.
+        final_model = fluid.with_calibration(_cal(calibration))
+        predicted = float(final_model.goodput(best.knobs)[0])
+        model_error = {**(model_error or {}),
+                       "near_answer": near_answer_error(final_model, best, evaluated)}
+    method_sims = sim.simulations
 
     # Engine defaults, for comparison.
     defaults_rate = None
@@ -732,10 +603,8 @@ def optimize(
     if compare_defaults:
         d_knobs, defaults_rule = baselines.engine_default_knobs("vllm", gpu_facts(profile))
         d_policy = apply_knobs(base, d_knobs.as_dotted())
-        start = fluid.with_calibration(_cal(calibration)).goodput(d_knobs)[0]
-        start_scale = start / sim.base_rate_per_s if start > 0 else 1.0
         before = sim.simulations
-        d_est = find_goodput(sim, d_policy, start_scale=start_scale, rel_tol=rel_tol)
+        d_est = sim.goodput(d_policy)  # the one evaluator's, as the answer's
         defaults_sims = sim.simulations - before
         defaults_rate = d_est.rate_per_s
         say(f"vLLM serve defaults ({defaults_rule}): {defaults_rate:.2f} req/s in simulation")
@@ -810,6 +679,11 @@ def optimize(
         "classes": {name: cp.model_dump(exclude_defaults=True)
                     for name, cp in policy.classes.items()},
         "goodput_rate_per_s": best.goodput.rate_per_s,
+        # the search's estimate of the answer's goodput, before the evaluator judged it
+        "search_goodput_rate_per_s": search_rate,
+        # how `servetune goodput` reproduces goodput_rate_per_s
+        "evaluation": {"requests": len(sample), "seed": seed, "tolerance": EVAL_REL_TOL,
+                       "window_s": window},
         "defaults_goodput_rate_per_s": defaults_rate,
         "defaults_rule": defaults_rule,
         "predicted_goodput_rate_per_s": predicted,
@@ -835,6 +709,64 @@ def optimize(
     return OptimizeResult(policy, text, summary, evaluated=evaluated)
 
 
+# The search's leaders judged by the one evaluator's own search: those whose estimate is
+# within the search tolerance of the best, at most this many.
+MAX_JUDGED_LEADERS = 3
+
+
+def judge_leaders(
+    evaluated: list[Evaluated], best: Evaluated, sim: Evaluator, *, rel_tol: float,
+    say: Callable[[str], Any], base: Policy | None = None,
+) -> tuple[Evaluated, float]:
+    """The answer and the goodput it is printed with: the search's leaders (estimates
+    within ``rel_tol`` of the best, at most ``MAX_JUDGED_LEADERS``, distinct policies)
+    each judged by :meth:`Evaluator.goodput`, the search every command uses
+    (``servetune goodput`` reproduces it). The best judged wins; among those within the
+    evaluator's tolerance of it, the one that changes fewest knobs from ``base`` (a lane
+    or a cap that buys nothing measurable is left out). Returns it (its goodput the
+    judged one) and the search's estimate of it."""
+    passing = sorted((e for e in evaluated if e.goodput.passed),
+                     key=lambda e: (-e.goodput.rate_per_s, e.index))
+    leaders: dict[str, Evaluated] = {}
+    for ev in passing:
+        if ev.goodput.rate_per_s < best.goodput.rate_per_s / (1.0 + rel_tol):
+            break
+        key = ev.policy.model_dump_json(exclude={"name", "metadata"})
+        leaders.setdefault(key, ev)
+        if len(leaders) == MAX_JUDGED_LEADERS:
+            break
+    judged = [(replace(ev, goodput=sim.goodput(ev.policy)), ev) for ev in leaders.values()]
+    high = max(j.goodput.rate_per_s for j, _ in judged)
+    reference = knob_table.values(base) if base is not None else {}
+
+    def changed(policy: Policy) -> int:
+        return sum(v != reference.get(k) for k, v in knob_table.values(policy).items())
+
+    top, searched = min(
+        (pair for pair in judged if pair[0].goodput.rate_per_s >= high / (1.0 + EVAL_REL_TOL)),
+        key=lambda pair: (changed(pair[0].policy), -pair[0].goodput.rate_per_s))
+    if not top.goodput.passed:  # the evaluator's search fails where the search passed
+        say("warning: the evaluator's own search finds no passing rate for the answer; "
+            "its goodput is the search's estimate")
+        return searched, searched.goodput.rate_per_s
+    say(f"judged {len(judged)} leader(s) by the evaluator: {top.goodput.rate_per_s:.3f} req/s "
+        f"(search estimate {searched.goodput.rate_per_s:.3f})")
+    return top, searched.goodput.rate_per_s
+
+
+def near_answer_error(model: FluidModel, answer: Evaluated,
+                      evaluated: list[Evaluated]) -> dict[str, Any]:
+    """The model's error (:func:`servetune.solvers.loop.model_error`) on the answer and
+    the candidates simulated one knob away from it: how far the model can be trusted
+    where the answer was chosen."""
+    here = Knobs.from_policy(answer.policy).as_dotted()
+    near = [e for e in evaluated if e.policy is not None and sum(
+        v != here[k] for k, v in Knobs.from_policy(e.policy).as_dotted().items()) <= 1
+        and e.policy.long_requests == answer.policy.long_requests]
+    error = model_error_of(model, [answer, *(e for e in near if e is not answer)])
+    return {k: error[k] for k in ("candidates", "median_ratio", "worst_miss")}
+
+
 def model_error_meta(error: dict[str, Any] | None) -> dict[str, Any] | None:
     """The model's error in brief, for the policy's metadata (no per-candidate rows, no
     times: the same inputs give the same bytes; rounded with the rest of the metadata).
@@ -849,6 +781,7 @@ def model_error_meta(error: dict[str, Any] | None) -> dict[str, Any] | None:
         "factor": error.get("factor"),
         "unsure": error.get("unsure"),
         "local_search_simulations": fallback.get("simulations", 0),
+        "near_answer": error.get("near_answer"),
     }
 
 
@@ -878,7 +811,7 @@ def _raise_infeasible(message, details, sim, solver_s, wall_start, method, itera
 
 
 def _try_lanes(
-    fluid: FluidModel, best: Evaluated, sim: TraceSimulator, space: SearchSpace, *,
+    fluid: FluidModel, best: Evaluated, sim: Evaluator, space: SearchSpace, *,
     rel_tol: float, seed: int, say: Callable[[str], Any], time_limit_s: float,
 ) -> tuple[Evaluated, dict[str, Any] | None, float]:
     """Size long-request lanes for the best candidate with CP-SAT at its simulated
@@ -924,6 +857,48 @@ def _try_lanes(
     return (ev if better else best), info, lanes_s
 
 
+def _descend(
+    run: SearchInputs, best: Evaluated, evaluated: list[Evaluated], base: Policy,
+    gpu: GpuFacts, *, budget: int, widened: list[dict] = (),
+) -> tuple[Evaluated, dict[str, Any]]:
+    """Coordinate descent by simulation (:mod:`servetune.solvers.coordinate`) from the
+    best so far, the engine's defaults and a space-filling design, over the space's knobs
+    and, unless the space pins them, the lane's threshold (the sample's quantiles) and
+    seats; ``widened``: the edge records of :func:`_search_beyond_edges`, whose values
+    beyond the space join it where it widened. Adds what it simulated to ``evaluated``;
+    returns the best and a record."""
+    # lazy: the engine module imports numba, which importing the optimizer should not pay
+    from servetune.sim.engine import lane_footprint
+
+    axes = {p: list(v) for p, v in run.space.knobs.items()}
+    for edge in widened:
+        if edge["widened"] and edge["beyond"] not in axes[edge["knob"]]:
+            axes[edge["knob"]].append(edge["beyond"])
+    if not any(p.startswith("long_requests.") for p in run.space.knobs):
+        axes.update(coordinate.lane_axes(lane_footprint(run.sim.trace)))
+
+    def make_policy(point: dict[str, Any]) -> Policy:
+        return apply_knobs(base, coordinate.dotted_of(point))
+
+    d_knobs, _rule = baselines.engine_default_knobs("vllm", gpu)
+    defaults = coordinate.snapped({**coordinate.point_of(base, axes), **d_knobs.as_dotted()},
+                                  axes)
+    starts = [defaults, *coordinate.design(axes, coordinate.DESIGN_POINTS, run.seed)]
+    result = coordinate.descend(
+        run.sim, axes, make_policy, best, starts, budget=budget, rel_tol=run.rel_tol,
+        known=evaluated, executor=run.executor, log=run.say)
+    evaluated.extend(result.evaluated)
+    passing = [e for e in evaluated if e.goodput.passed]
+    top = max(passing, key=lambda e: e.goodput.rate_per_s)
+    info = {"simulations": result.simulations, "moves": result.moves,
+            "starts": result.starts, "stopped_by": result.stopped_by,
+            "from_rate_per_s": best.goodput.rate_per_s, "to_rate_per_s": top.goodput.rate_per_s,
+            "axes": {p: v for p, v in axes.items()}}
+    run.say(f"coordinate descent: {result.simulations} simulations, {result.moves} moves, "
+            f"{best.goodput.rate_per_s:.3f} -> {top.goodput.rate_per_s:.3f} req/s")
+    return (top if top.goodput.rate_per_s > best.goodput.rate_per_s else best), info
+
+
 def has_tiers(sample: Trace, slo: SLOSet) -> bool:
     """Two or more of the sample's classes have different SLO tiers."""
     present = {sample.class_names[i] for i in set(sample.class_ids().tolist())}
@@ -937,7 +912,7 @@ def has_tiers(sample: Trace, slo: SLOSet) -> bool:
 
 
 def _try_tiers(
-    best: Evaluated, sample: Trace, profile: Profile, slo: SLOSet, sim: TraceSimulator, *,
+    best: Evaluated, sample: Trace, profile: Profile, slo: SLOSet, sim: Evaluator, *,
     engine: str, rel_tol: float, say: Callable[[str], Any],
 ) -> tuple[Evaluated, dict[str, Any], float]:
     """The tiered search (:func:`servetune.solvers.tiers.optimize_tiers`) from the best

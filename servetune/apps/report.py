@@ -131,7 +131,7 @@ def compare(
     *,
     engine: str = "vllm",
     stress: Sequence[float] = DEFAULT_STRESS,
-    goodput_rel_tol: float = 0.02,
+    goodput_rel_tol: float | None = None,
     executor: Executor | None = None,
 ) -> Comparison:
     """Evaluate both policies (or the current one alone when ``new`` is None) on the same

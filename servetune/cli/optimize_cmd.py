@@ -69,7 +69,7 @@ def run_optimize(
     method: str,
     time_limit_s: float,
     seed: int,
-    requests: int,
+    requests: int | None,
     engine: str = "vllm",
     trace_format: str | None = None,
     progress: Callable[[str], None] | None = None,
@@ -88,7 +88,7 @@ def run_optimize(
         raise ServetuneError(f"--time-limit must be > 0 seconds (got {time_limit_s})")
     if max_simulations < 1:
         raise ServetuneError(f"--max-simulations must be >= 1 (got {max_simulations})")
-    if requests < 50:
+    if requests is not None and requests < 50:
         raise ServetuneError(f"--requests must be >= 50 (got {requests})")
     if trace is not None:
         _file(trace, "--trace")
@@ -111,6 +111,38 @@ def run_optimize(
         n_requests=requests, engine=engine, progress=progress, max_simulations=max_simulations,
         executor=executor, per_class=per_class,
     )
+
+
+def _model_lines(s: dict[str, Any]) -> list[str]:
+    """The figures a user checks the answer by: the model's promise against the
+    simulator's, and how far coordinate descent moved the model's answer."""
+    lines = []
+    error = s.get("model_error")
+    if error and error.get("median_ratio") is not None:
+        predicted = s.get("predicted_goodput_rate_per_s")
+        lines.append(
+            f"model error: over the {error['candidates']} candidates simulated, simulated / "
+            f"model goodput is {error['median_ratio']:.2f} at the median, worst miss "
+            f"{error['worst_miss']:.2f}x"
+            + (f"; it predicted {predicted:.2f} req/s for the answer" if predicted else ""))
+        near = error.get("near_answer") or {}
+        if near.get("worst_miss") is not None:
+            lines.append(f"model error near the answer ({near['candidates']} candidates one "
+                         f"knob away): worst miss {near['worst_miss']:.2f}x")
+    descent = next((it["descent"] for it in s.get("iterations") or []
+                    if isinstance(it, dict) and "descent" in it), None)
+    if descent:
+        lines.append(
+            f"coordinate descent: {descent['from_rate_per_s']:.2f} -> "
+            f"{descent['to_rate_per_s']:.2f} req/s in {descent['simulations']} simulations "
+            f"({descent['moves']} moves)")
+    evaluation = s.get("evaluation")
+    if evaluation:
+        lines.append(
+            f"goodput judged on {evaluation['requests']} requests (seed {evaluation['seed']}) "
+            f"to {evaluation['tolerance']:.0%}: `servetune goodput` with the same --requests "
+            "and --seed prints the same")
+    return lines
 
 
 def _emit_json(to: JsonTarget, summary: dict[str, Any]) -> None:
@@ -183,8 +215,9 @@ def register(app: typer.Typer) -> None:
         seed: int | None = typer.Option(None, "--seed", help="seed of the workload sample"),
         requests: int | None = typer.Option(
             None, "--requests",
-            help="requests per simulation (default 3000; a workload is sampled longer at "
-            "rates where they would span less than the TTFT target / 3%)"
+            help=f"requests per simulation (default: a workload's {DEFAULT_REQUESTS}, sampled "
+            "longer at rates where they would span less than the TTFT target / 3%; a trace's "
+            "every row, at most 20000); `servetune goodput` takes the same"
         ),
         output: Path | None = typer.Option(None, "-o", "--output", help="policy YAML to write"),
         as_json: JsonOption = False,
@@ -259,7 +292,7 @@ def register(app: typer.Typer) -> None:
                     max_simulations=(DEFAULT_MAX_SIMULATIONS if max_simulations is None
                                      else max_simulations),
                     seed=0 if seed is None else seed,
-                    requests=DEFAULT_REQUESTS if requests is None else requests,
+                    requests=requests,
                     engine=engine, trace_format=trace_format, columns=columns, progress=say,
                     executor=executor, per_class=per_class,
                 )
@@ -282,6 +315,14 @@ def register(app: typer.Typer) -> None:
             f"solver {s['solver_s']:.1f} s, simulation {s['simulation_s']:.1f} s, "
             f"wall {s['wall_s']:.1f} s; stopped by {s['stopped_by']}"
         )
+        knobs = s["policy"]
+        if knobs.get("long_requests.threshold_tokens") is not None:
+            typer.echo(f"long-request lane: requests of {knobs['long_requests.threshold_tokens']}"
+                       f"+ tokens (prompt + expected output) hold at most "
+                       f"{knobs['long_requests.max_seqs']} seat(s), "
+                       f"{knobs['long_requests.reserved_seqs']} reserved")
+        for line in _model_lines(s):
+            typer.echo(line)
         if s.get("classes"):
             typer.echo("per class: " + "; ".join(
                 f"{name}: " + ", ".join(f"{k} {v}" for k, v in c.items())

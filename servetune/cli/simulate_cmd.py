@@ -521,11 +521,15 @@ def register(app: typer.Typer) -> None:
         workload: WorkloadOption = None,
         engine: EngineOption = "vllm",
         seed: int = typer.Option(0, "--seed", help="first sampling seed (workloads)"),
-        seeds: int = typer.Option(3, "--seeds", help="number of seeds per point (workloads)"),
+        seeds: int = typer.Option(
+            1, "--seeds", help="number of seeds per point (workloads; a point passes only "
+            "when every seed passes; optimize judges one)"),
         requests: RequestsOption = None,
         duration: DurationOption = None,
         reference: bool = typer.Option(False, "--reference", help="step-by-step reference mode"),
-        rel_tol: float = typer.Option(0.02, "--tolerance", help="relative bisection tolerance"),
+        rel_tol: float = typer.Option(
+            0.01, "--tolerance", help="relative bisection tolerance (optimize prints its "
+            "goodput at 0.01)"),
         as_json: JsonOption = False,
         json_out: JsonOutOption = None,
         quiet: QuietOption = False,

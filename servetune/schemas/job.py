@@ -14,7 +14,6 @@ from pydantic import Field, model_validator
 from servetune.engines import ENGINE_NAMES
 from servetune.optimize_options import (
     DEFAULT_MAX_SIMULATIONS,
-    DEFAULT_REQUESTS,
     DEFAULT_TIME_LIMIT_S,
     METHODS,
 )
@@ -41,9 +40,10 @@ class OptimizeJob(Document):
         description="wall-clock safety stop, seconds; when it fires metadata.stopped_by says so",
     )
     seed: int = Field(0, ge=0, description="seed of the workload sample and of random methods")
-    requests: int = Field(
-        DEFAULT_REQUESTS, ge=50, le=1_000_000,
-        description="requests per simulation (a sample, not the hour)",
+    requests: int | None = Field(
+        None, ge=50, le=1_000_000,
+        description="requests per simulation; null: a workload's 3000, a trace's every row "
+        "(at most 20000)",
     )
     engine: Literal[ENGINE_NAMES] = "vllm"  # type: ignore[valid-type]
     per_class: bool | None = Field(

@@ -412,7 +412,7 @@ def goodput(
     n_requests: int | None = None,
     duration_s: float | None = None,
     reference: bool = False,
-    rel_tol: float = 0.02,
+    rel_tol: float | None = None,
     start: float = 1.0,
     min_scale: float = 1.0 / 1024,
     max_scale: float = 1024.0,
@@ -420,7 +420,11 @@ def goodput(
     on_point: Callable[[dict[str, Any]], Any] | None = None,
     executor: Executor | None = None,
 ) -> GoodputResult:
-    """Highest rate scale at which ``policy`` meets ``slo`` (every seed, for a workload).
+    """Highest rate scale at which ``policy`` meets ``slo`` (every seed, for a workload),
+    judged by the one evaluator's rules (:mod:`servetune.sim.evaluator`: its sample, window,
+    verdict and search, to ``rel_tol``, default ``EVAL_REL_TOL``), so that with the same
+    ``n_requests`` and seed it is the goodput ``optimize`` prints. ``duration_s`` instead
+    cuts each run to the arrivals before that many simulated seconds (no window rule).
     ``prune_at``: a scale that only matters to beat (:func:`servetune.search.search_scale`:
     the search stops once a scale at or below it fails; the answer is then a lower bound).
 
@@ -428,8 +432,11 @@ def goodput(
     with each seed, the seeds of a scale side by side on ``executor`` (default: in this
     process). Each point records its verdict, per-seed attainment and the summary of
     every run (without wall-clock fields, so the result is deterministic)."""
+    from servetune.sim.evaluator import EVAL_REL_TOL, base_sample
+
     if not seeds:
         raise ServetuneError("goodput: give at least one seed")
+    rel_tol = EVAL_REL_TOL if rel_tol is None else rel_tol
     run_seeds = (seeds[0],) if isinstance(source, Trace) else tuple(seeds)
     if executor is None:
         from servetune.executor import SerialExecutor
@@ -450,11 +457,12 @@ def goodput(
             on_point({"rate_scale": scale, "meets_slo": ok, **point})
         return ok, point
 
-    base = (
-        base_rate_per_s(prepare_trace(source, n_requests=n_requests, duration_s=duration_s))
-        if isinstance(source, Trace)
-        else base_rate_per_s(source)
-    )
+    if duration_s is not None:
+        base = (base_rate_per_s(prepare_trace(source, n_requests=n_requests,
+                                              duration_s=duration_s))
+                if isinstance(source, Trace) else base_rate_per_s(source))
+    else:
+        base = base_rate_per_s(base_sample(source, seed=run_seeds[0], n_requests=n_requests))
     result = goodput_search(
         evaluate, base, start=start, rel_tol=rel_tol,
         min_scale=min_scale, max_scale=max_scale, prune_at=prune_at,
@@ -463,11 +471,32 @@ def goodput(
     return result
 
 
+def judged_run_trace(
+    source: Trace | Workload, slo: SLOSet, *, seed: int, rate_scale: float,
+    n_requests: int | None = None, duration_s: float | None = None,
+) -> tuple[Trace, float]:
+    """The trace one goodput point replays and the rate scale it is replayed at: the one
+    evaluator's sample at ``rate_scale`` (:func:`servetune.sim.evaluator.judged_sample`),
+    or, with ``duration_s``, the first ``n_requests`` arrivals at ``rate_scale`` cut to
+    ``duration_s`` simulated seconds."""
+    from servetune.sim.evaluator import base_sample, judged_sample, judging_window_s
+
+    if duration_s is not None:
+        return prepare_trace(source, seed=seed, n_requests=n_requests, duration_s=duration_s,
+                             rate_scale=rate_scale), 1.0
+    sample = base_sample(source, seed=seed, n_requests=n_requests)
+    return judged_sample(source, sample, rate_scale, judging_window_s(slo), seed=seed)
+
+
 def _seed_run(shared: tuple, job: tuple[int, float]) -> tuple[bool, dict[str, Any], float]:
     """One seed of one goodput point: (meets the SLOs, summary without wall time, window)."""
     source, policy, profile, slo, kw = shared
     seed, scale = job
-    result = simulate(source, policy, profile, seed=seed, rate_scale=scale, **kw)
+    trace, own_scale = judged_run_trace(source, slo, seed=seed, rate_scale=scale,
+                                        n_requests=kw["n_requests"],
+                                        duration_s=kw["duration_s"])
+    result = simulate(trace, policy, profile, seed=seed, rate_scale=own_scale,
+                      engine=kw["engine"], reference=kw["reference"])
     summary = result.summary(slo)
     summary.pop("sim_wall_s", None)
     return result.meets_slo(slo), summary, float(result.trace.duration_s)

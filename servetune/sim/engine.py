@@ -261,7 +261,7 @@ def _blocks(tokens: np.ndarray, block_size: int) -> np.ndarray:
 
 
 def _expected_output(
-    trace: Trace, declared: np.ndarray, expected_output: np.ndarray | None
+    trace: Trace, declared: np.ndarray | None, expected_output: np.ndarray | None
 ) -> np.ndarray:
     """Expected output per request, for the lanes' footprints and the long-request test
     (Policy docstring)."""
@@ -284,6 +284,15 @@ def _expected_output(
     counts = np.bincount(class_ids, minlength=n_classes)
     means = np.ceil(sums / np.maximum(counts, 1)).astype(np.int64)
     return means[class_ids]
+
+
+def lane_footprint(trace: Trace, expected_output: np.ndarray | None = None) -> np.ndarray:
+    """Per request, prompt + expected output: what the long-request test compares with a
+    lane's ``threshold_tokens`` (Policy docstring)."""
+    prompt = np.asarray(trace.prompt_tokens, dtype=np.int64)
+    declared = (np.maximum(np.asarray(trace.max_tokens, dtype=np.int64), 1)
+                if trace.max_tokens is not None else None)
+    return prompt + _expected_output(trace, declared, expected_output)
 
 
 def _validate(
@@ -431,7 +440,7 @@ def kernel_requests(
     lane, chunk_cap = _class_columns(trace, policy)
     lane_blocks = np.zeros(n, dtype=np.int64)
     if lr.enabled or lane.any():
-        footprint = prompt + _expected_output(trace, declared, expected_output)
+        footprint = lane_footprint(trace, expected_output)
         if lr.enabled:  # the last lane, after the classes'
             lane[footprint >= int(lr.threshold_tokens)] = len(class_lanes(
                 policy, trace.class_names)) + 1
