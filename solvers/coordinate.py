@@ -220,60 +220,45 @@ def descend(
                      and point_key(pair[0]) != point_key(here)),
                     key=lambda pair: -pair[1].goodput.rate_per_s)
     descents = [(here, incumbent), *others[:MAX_STARTS - 1]]
-    for point, ev in descents:
+    for point, ev in descents:  # each has passed: its goodput sets its bar
         out.starts.append({"point": point, "rate_per_s": ev.goodput.rate_per_s})
-        while True:
-            if spent():
-                out.stopped_by = "simulation_budget"
-                break
-            if ev.goodput.passed:
-                ev.goodput = refine_goodput(sim, ev.policy, ev.goodput, rel_tol=bar_tol)
-            bar = ev.goodput.rate_scale * (1.0 + bar_tol) if ev.goodput.passed else None
-            moves: list[tuple[dict[str, Any], Any]] = []
-            keys = set()
+        while not (stopped := spent()):
+            ev.goodput = refine_goodput(sim, ev.policy, ev.goodput, rel_tol=bar_tol)
+            bar = ev.goodput.rate_scale * (1.0 + bar_tol)
+            moves: dict[str, tuple[dict[str, Any], Any]] = {}
             for path, values in axes.items():
                 for value in values:
-                    if value == point.get(path):
-                        continue
                     cand = {**point, path: value}
                     key = point_key(cand)
-                    if key == point_key(point) or key in keys:
-                        continue
-                    if bar is not None and fails_at(key, bar):
-                        continue
-                    if key in seen and bar is None:
+                    if key == point_key(point) or key in moves or fails_at(key, bar):
                         continue
                     policy = policy_of(cand)
-                    if policy is None:
-                        continue
-                    keys.add(key)
-                    moves.append((cand, policy))
+                    if policy is not None:
+                        moves[key] = (cand, policy)
             if not moves:
                 break
-            start = bar if bar is not None else 1.0
-            tasks = [GoodputTask(policy, start, rel_tol, prune_at=bar,
-                                 factor=1.25 if bar is not None else 2.0)
-                     for _, policy in moves]
-            ests = find_goodputs(sim, tasks, executor)
+            tasks = [GoodputTask(policy, bar, rel_tol, prune_at=bar)
+                     for _, policy in moves.values()]
             best_move = None
-            for (cand, policy), est in zip(moves, ests, strict=True):
+            for (cand, policy), est in zip(moves.values(), find_goodputs(sim, tasks, executor),
+                                           strict=True):
                 cev = evaluated(cand, policy, est, "descent")
-                if est.passed and (bar is None or est.rate_scale >= bar) and (
-                        best_move is None
-                        or est.rate_per_s > best_move[1].goodput.rate_per_s):
+                if est.passed and est.rate_scale >= bar and (
+                        best_move is None or est.rate_per_s > best_move[1].goodput.rate_per_s):
                     best_move = (cand, cev)
             if best_move is None:
-                break
+                break  # a local optimum by simulation
             point, ev = best_move
             out.moves += 1
             if log:
-                log(f"descent: moved to {_changed(point)} at "
+                log(f"descent: moved to {_described(point)} at "
                     f"{ev.goodput.rate_per_s:.3f} req/s")
-        if out.stopped_by:
+        if stopped:
+            out.stopped_by = "simulation_budget"
             break
     out.simulations = sim.simulations - began
     return out
 
 
-def _changed(point: dict[str, Any]) -> str:
+def _described(point: dict[str, Any]) -> str:
     return ", ".join(f"{p.split('.')[-1]}={v}" for p, v in point.items())
