@@ -468,6 +468,8 @@ def register(app: typer.Typer) -> None:
             else:
                 result = simulate(source, pol, prof, prefix_caching=caching, **kwargs)
         summary = result.summary(slo_set)
+        if "prefix_cache" in summary and result.trace.prefix_offsets is not None:
+            summary["prefix_cache"].update(_cache_bounds(result.trace, prof))
         if cluster is not None:
             summary["cluster"] = {
                 "router": router,
@@ -509,6 +511,11 @@ def register(app: typer.Typer) -> None:
             pc = summary["prefix_cache"]
             out.print(f"prefix cache: {pc['hit_rate_tokens']:.1%} of admitted prompt tokens "
                       f"served from the cache ({pc['evictions']} evictions)", highlight=False)
+            if "trace_bound" in pc:
+                out.print(f"the trace's own reuse: an unbounded cache would hit "
+                          f"{pc['trace_bound']:.1%} of its block references, an LRU cache of "
+                          f"this KV pool's size {pc['lru_hit_rate_at_pool']:.1%}",
+                          highlight=False)
         if cluster is not None:
             out.print(replica_table(summary["cluster"]))
 
@@ -602,6 +609,17 @@ def register(app: typer.Typer) -> None:
                 f"goodput: rate scale {result.rate_scale:.4g} = {result.rate_per_s:.3f} req/s"
                 + ("" if result.bracketed else " (search hit the scale limit)")
             )
+
+
+def _cache_bounds(trace: Trace, profile: Profile) -> dict[str, float]:
+    """What the replayed trace's own reuse allows (:func:`servetune.workloads.reuse.
+    hit_rate_curve`): the infinite-cache bound, and the LRU hit rate of a cache as large
+    as the profile's KV pool (in the trace's blocks), both shares of block references."""
+    from servetune.workloads.reuse import hit_rate_curve
+
+    pool = int(profile.kv_blocks()) * int(profile.block_size) // int(trace.prefix_block_tokens)
+    curve = hit_rate_curve(trace, fractions=(), sizes=(max(pool, 1),))
+    return {"trace_bound": curve["bound"], "lru_hit_rate_at_pool": curve["points"][0]["hit_rate"]}
 
 
 def _points_table(result: GoodputResult, pol: Policy, prof: Profile, engine: str) -> Table:

@@ -130,7 +130,8 @@ def register(app: typer.Typer) -> None:
         arrival_unit: ArrivalUnitOption = None,
         on_bad_row: OnBadRowOption = "error",
     ) -> None:
-        """Request count, span, mean rate, burstiness and prompt/output length statistics."""
+        """Request count, span, mean rate, burstiness and prompt/output length statistics;
+        for a trace with prefix block ids, its reuse and its LRU hit-rate curve."""
         # lazy: numpy and rich's renderers cost 0.1 s that --help should not pay
         from rich.console import Console
 
@@ -139,9 +140,10 @@ def register(app: typer.Typer) -> None:
         trace = load_trace_cli(file, trace_format, columns, arrival_unit, on_bad_row, quiet)
         result = trace_stats(trace)
         if trace.prefix_offsets is not None:
-            from servetune.workloads.reuse import reuse_stats
+            from servetune.workloads.reuse import hit_rate_curve, reuse_stats
 
             result["prefix_reuse"] = reuse_stats(trace).summary()
+            result["prefix_reuse"]["hit_rate_curve"] = hit_rate_curve(trace)
         if as_json:
             print_json(json.dumps(result) + "\n")
             return
@@ -154,6 +156,12 @@ def register(app: typer.Typer) -> None:
                 f"references repeat an earlier id ({reuse['block_tokens']}-token blocks); "
                 f"{reuse['sessions']:,} sessions, {reuse['continuing_share']:.1%} of requests "
                 f"continue one; {reuse['system_prompts']:,} shared prefixes", highlight=False)
+            curve = reuse["hit_rate_curve"]
+            console.print(
+                f"LRU prefix-cache hit rate by cache size (share of the "
+                f"{curve['distinct_blocks']:,} distinct blocks -> share of references hit): "
+                + ", ".join(f"{p['fraction']:.0%} -> {p['hit_rate']:.1%}"
+                            for p in curve["points"]), highlight=False)
         if len(trace.class_names) > 1:
             for name, cls in per_class_stats(trace).items():
                 console.print(stats_table(cls, f"class {name}"))
