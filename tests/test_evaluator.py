@@ -51,7 +51,12 @@ def test_window_is_the_ttft_target_over_three_percent_capped():
     assert judging_window_s(none) == 0.0
 
 
-def test_default_requests_a_whole_trace_or_a_workloads_sample():
+def test_default_requests_a_whole_trace_a_whole_bootstrap_cycle_or_a_sample():
+    """A trace is replayed whole, a block bootstrap by one whole cycle (every request of
+    the trace it was fitted to, never the first minutes of it), another workload by 3000
+    requests."""
+    from servetune.schemas.base import document_from_data
+    from servetune.schemas.workload import Workload
     from servetune.workloads.fitting import load_workload
 
     assert default_requests(evenly(500, 1.0)) == 500
@@ -59,6 +64,19 @@ def test_default_requests_a_whole_trace_or_a_workloads_sample():
     assert default_requests(evenly(500, 1.0), 120) == 120
     assert default_requests(load_workload(WORKLOAD)) == 3000
     assert len(base_sample(evenly(500, 1.0))) == 500
+    boot = document_from_data({
+        "apiVersion": "servetune/v1", "kind": "Workload", "name": "boot",
+        "classes": {"a": {"arrival": {"process": "poisson", "rate_per_s": 0.2},
+                          "prompt_tokens": {"quantiles": [0, 1], "values": [100, 600]},
+                          "output_tokens": {"quantiles": [0, 1], "values": [1, 6]}}},
+        "block_bootstrap": {
+            "block_s": 10.0, "stratum_s": 20.0, "span_s": 35.0, "block_counts": [2, 1, 2, 1],
+            "offset_s": [1.0, 4.0, 2.0, 3.0, 9.0, 5.0],
+            "prompt_tokens": [100, 200, 300, 400, 500, 600],
+            "output_tokens": [1, 2, 3, 4, 5, 6]}}, Workload, "boot.yaml")
+    assert default_requests(boot) == 6
+    assert sorted(base_sample(boot, seed=4).prompt_tokens.tolist()) == [
+        100, 200, 300, 400, 500, 600]
 
 
 def test_judged_sample_lengthens_in_whole_multiples_at_the_same_rate():

@@ -215,9 +215,10 @@ def register(app: typer.Typer) -> None:
         seed: int | None = typer.Option(None, "--seed", help="seed of the workload sample"),
         requests: int | None = typer.Option(
             None, "--requests",
-            help=f"requests per simulation (default: a workload's {DEFAULT_REQUESTS}, sampled "
-            "longer at rates where they would span less than the TTFT target / 3%; a trace's "
-            "every row, at most 20000); `servetune goodput` takes the same"
+            help=f"requests per simulation (default: a workload's {DEFAULT_REQUESTS}, or one "
+            "cycle of its block bootstrap, sampled longer at rates where they would span less "
+            "than the TTFT target / 3%; a trace's every row; at most 20000); `servetune "
+            "goodput` takes the same"
         ),
         output: Path | None = typer.Option(None, "-o", "--output", help="policy YAML to write"),
         as_json: JsonOption = False,

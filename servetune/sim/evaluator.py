@@ -6,8 +6,10 @@ prints, another reproduces:
 
 - **sample** (:func:`base_sample`): a Trace is replayed whole, or its first ``n_requests``
   rows when given (at most :data:`MAX_TRACE_REQUESTS` by default); a Workload is sampled
-  with ``seed``, ``n_requests`` requests (default :data:`DEFAULT_REQUESTS`) at its own
-  rates. A rate scale then compresses the sample's time;
+  with ``seed``, ``n_requests`` requests at its own rates (default: one whole cycle of a
+  block bootstrap, which holds every request of the trace it was fitted to, up to
+  ``MAX_TRACE_REQUESTS``; else :data:`DEFAULT_REQUESTS`). A rate scale then compresses
+  the sample's time;
 - **window** (:func:`judged_sample`): a run whose sample would span less than
   ``window_s`` seconds at the rate judged replays a longer sample of the same source
   instead (whole multiples of the base sample's size, at most
@@ -66,11 +68,14 @@ def judging_window_s(slo: SLOSet, rel_tol: float = WINDOW_REL_TOL) -> float:
 
 def default_requests(source: Trace | Workload, n_requests: int | None = None) -> int:
     """The requests a run replays of ``source`` when ``n_requests`` is None: a trace's
-    rows (at most ``MAX_TRACE_REQUESTS``), a workload's ``DEFAULT_REQUESTS``."""
+    rows, a block bootstrap's cycle (the fitted trace's requests), both at most
+    ``MAX_TRACE_REQUESTS``; another workload's ``DEFAULT_REQUESTS``."""
     if n_requests is not None:
         return int(n_requests)
     if isinstance(source, Trace):
         return min(len(source), MAX_TRACE_REQUESTS)
+    if source.block_bootstrap is not None:
+        return min(source.block_bootstrap.n_requests, MAX_TRACE_REQUESTS)
     return DEFAULT_REQUESTS
 
 
