@@ -851,8 +851,13 @@ def _try_lanes(
     info["_evaluated"] = ev
     better = est.passed and est.rate_per_s > best.goodput.rate_per_s * (1 + rel_tol / 2)
     info["kept"] = bool(better)
+    # A search pruned at the best's rate that never passed says only that the lanes
+    # fail there: say that, not "0 req/s".
+    simulated = (f"simulated {est.rate_per_s:.2f} req/s" if est.passed else
+                 f"fails at the best's {best.goodput.rate_per_s:.2f} req/s")
+    info["candidate"]["verdict"] = simulated
     say(f"long-request lanes (CP-SAT {outcome.status.value}): threshold "
-        f"{choice.threshold_tokens}, simulated {est.rate_per_s:.2f} req/s"
+        f"{choice.threshold_tokens}, {simulated}"
         f"{' (kept)' if better else ' (not better; dropped)'}")
     return (ev if better else best), info, lanes_s
 
