@@ -531,3 +531,22 @@ def test_next_run_checks_the_last_runs_promise_on_todays_trace(tiny, first_run):
     assert (f"Last run promised {promise['goodput_rate_per_s']:.3f} req/s (on trace.csv, "
             f"vllm); replayed on today's trace it gives {expected.rate_per_s:.3f} req/s"
             in report)
+
+
+def test_report_and_nightly_take_a_shipped_profile_by_name(tiny, first_run, tmp_path):
+    """A bare shipped name is the shipped file: it is loaded, and hashed for the
+    provenance like a path (it used to crash in sha256_file after the work)."""
+    out, res = first_run
+    assert res.exit_code == 0
+    args = ["--trace", str(tiny / "trace.csv"), "--profile", "h200-llama-3.1-8b",
+            "--slo", str(SLO), "--current", str(tiny / "poor.yaml")]
+    rep = runner.invoke(app, ["report", *args, "--new", str(out / "policy.yaml"),
+                              "--out-dir", str(tmp_path / "report"), "-q"])
+    assert rep.exit_code == 0, rep.output
+    assert "h200-llama-3.1-8b.yaml (sha256 " in (tmp_path / "report" / "report.md").read_text()
+    night = runner.invoke(app, ["nightly", *args, "--out-dir", str(tmp_path / "night"),
+                                "--space", str(tiny / "space.yaml"), "--engines", "vllm",
+                                "--max-simulations", "10", "-q"])
+    assert night.exit_code in (0, 10), night.output
+    summary = json.loads((tmp_path / "night" / "summary.json").read_text())
+    assert summary["inputs"]["profile"].startswith("h200-llama-3.1-8b.yaml (sha256 ")

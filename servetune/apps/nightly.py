@@ -911,8 +911,8 @@ def run_report(
     module docstring, without the optimizer or a decision; the simulations on
     ``executor``) and write the report."""
     trace_path, profile_path, slo_path, current_path, new_path = (
-        Path(trace_path), Path(profile_path), Path(slo_path), Path(current_path),
-        Path(new_path))
+        Path(trace_path), Path(shipped_or_path(str(profile_path))), Path(slo_path),
+        Path(current_path), Path(new_path))
     _check_out_dir(Path(out_dir), [], {
         "trace_path": trace_path, "profile_path": profile_path, "slo_path": slo_path,
         "current_path": current_path, "new_path": new_path})

@@ -95,7 +95,7 @@ def register(app: typer.Typer) -> None:
     @app.command("nightly", help=NIGHTLY_HELP)
     def nightly_cmd(
         trace: Path = typer.Option(..., "--trace", help="Request trace (Azure CSV, ...)."),
-        profile: Path = typer.Option(..., "--profile", help="GPU profile YAML."),
+        profile: Path = typer.Option(..., "--profile", help="GPU profile YAML (or shipped name)."),
         slo: Path = typer.Option(..., "--slo", help="SLO set YAML."),
         current: Path = typer.Option(..., "--current", help="The policy in production."),
         out_dir: Path = typer.Option(..., "--out-dir", help="Where the outputs go."),
@@ -164,7 +164,7 @@ def register(app: typer.Typer) -> None:
     @app.command("report", help=REPORT_HELP)
     def report_cmd(
         trace: Path = typer.Option(..., "--trace", help="Request trace (Azure CSV, ...)."),
-        profile: Path = typer.Option(..., "--profile", help="GPU profile YAML."),
+        profile: Path = typer.Option(..., "--profile", help="GPU profile YAML (or shipped name)."),
         slo: Path = typer.Option(..., "--slo", help="SLO set YAML."),
         current: Path = typer.Option(..., "--current", help="Policy in production."),
         new: Path = typer.Option(..., "--new", help="Proposed policy."),
