@@ -550,3 +550,32 @@ def test_report_and_nightly_take_a_shipped_profile_by_name(tiny, first_run, tmp_
     assert night.exit_code in (0, 10), night.output
     summary = json.loads((tmp_path / "night" / "summary.json").read_text())
     assert summary["inputs"]["profile"].startswith("h200-llama-3.1-8b.yaml (sha256 ")
+
+
+def test_the_gates_fallback_is_the_best_candidate_without_a_lane():
+    from servetune.apps.nightly import best_without_lane
+    from servetune.models.fluid import Knobs
+    from servetune.schemas.policy import Policy
+    from servetune.search import GoodputResult
+    from servetune.solvers.loop import Evaluated
+
+    def ev(rate: float, lane: int | None, seqs: int, passed: bool = True) -> Evaluated:
+        policy = Policy.model_validate({
+            "batching": {"max_num_seqs": seqs},
+            "long_requests": {"threshold_tokens": lane, "reserved_seqs": 1 if lane else 0,
+                              "max_seqs": 1 if lane else None}})
+        points = [{"rate_scale": rate, "meets_slo": passed}]
+        est = GoodputResult(rate if passed else 0.0, rate if passed else 0.0, points, 1.0)
+        return Evaluated(0, Knobs.from_policy(policy), 0.0, None, est, policy)
+
+    answer = ev(3.0, 4096, 256).policy.model_copy(update={
+        "name": "servetune-milp", "metadata": {"method": "milp", "simulated": {"x": 1}}})
+    evaluated = [ev(3.0, 4096, 256), ev(2.5, None, 64), ev(2.8, None, 128),
+                 ev(9.0, None, 512, passed=False), ev(2.9, 8192, 128)]
+    plain = best_without_lane(answer, evaluated)
+    assert plain is not None and plain.batching.max_num_seqs == 128
+    assert not plain.long_requests.enabled and plain.name == "servetune-milp"
+    assert "simulated" not in plain.metadata and plain.metadata["method"] == "milp"
+    assert "2.800 req/s" in plain.metadata["fallback"]
+    assert best_without_lane(evaluated[1].policy, evaluated) is None  # no lane: no fallback
+    assert best_without_lane(answer, evaluated[:1]) is None  # nothing without one passed

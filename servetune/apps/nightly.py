@@ -544,13 +544,13 @@ def run_nightly(
         new = with_profile_facts(opt.policy, profile)
         timed_out = opt.info.get("stopped_by") == STOP_TIME_LIMIT
 
-        def gate_all(new: Policy) -> list[EngineGate]:
+        def gate_all(proposal: Policy) -> list[EngineGate]:
             gates: list[EngineGate] = []
             for e in engines:
                 _say(progress, f"{e}: simulating current and new policies (trace, +20%, "
                                "+50%, goodput)")
-                gate_prof, pool_note = gate_profile(profile, e, new)
-                comp_e = compare(trace, current, new, gate_prof, slo, engine=e,
+                gate_prof, pool_note = gate_profile(profile, e, proposal)
+                comp_e = compare(trace, current, proposal, gate_prof, slo, engine=e,
                                  stress=stress, executor=executor)
                 decision = decide(comp_e, min_gain)
                 if timed_out:
