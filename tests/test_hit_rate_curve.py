@@ -117,3 +117,84 @@ def test_the_simulators_prefix_cache_hits_what_lru_at_its_pool_size_predicts():
     assert cache["trace_bound"] == pytest.approx(0.6396, abs=1e-4)  # 64.0% of references
     assert cache["lru_hit_rate_at_pool"] == pytest.approx(0.1315, abs=1e-4)
     assert abs(cache["hit_rate_blocks"] - cache["lru_hit_rate_at_pool"]) < 0.01
+
+
+def _mooncake_file(path: Path, requests: list[list[int]]) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": 512 * len(r),
+                                        "output_length": 10, "hash_ids": r}) + "\n"
+                            for i, r in enumerate(requests)))
+    return path
+
+
+def test_trace_stats_prints_and_plots_the_curve(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from servetune.cli import app
+
+    trace = _mooncake_file(tmp_path / "t.jsonl", [[1, 2], [1, 3], [1, 2]] * 20)
+    runner = CliRunner()
+    res = runner.invoke(app, ["trace", "stats", str(trace), "--json"])
+    assert res.exit_code == 0, res.output
+    curve = json.loads(res.stdout)["prefix_reuse"]["hit_rate_curve"]
+    assert curve["distinct_blocks"] == 3 and curve["references"] == 120
+    assert curve["bound"] == pytest.approx(117 / 120)
+    res = runner.invoke(app, ["trace", "stats", str(trace), "--plot", str(tmp_path / "c.png")])
+    assert res.exit_code == 0, res.output
+    assert "LRU prefix-cache hit rate by cache size" in res.output
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    plain = tmp_path / "plain.csv"
+    plain.write_text("arrival,prompt,output\n0,10,5\n1,20,5\n")
+    res = runner.invoke(app, ["trace", "stats", str(plain), "--columns",
+                              "arrival=arrival,prompt=prompt,output=output", "--plot",
+                              str(tmp_path / "p.png")])
+    assert res.exit_code == 2 and "has no prefix block ids" in res.output
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_workload_show_samples_the_curve_of_a_workload_with_reuse(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from servetune.cli import app
+
+    trace = _mooncake_file(tmp_path / "t.jsonl", [[1, 2, 3 + i % 7] for i in range(300)])
+    runner = CliRunner()
+    fitted = tmp_path / "w.yaml"
+    res = runner.invoke(app, ["workload", "fit", str(trace), "-o", str(fitted), "-q"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["workload", "show", str(fitted), "--json"])
+    assert res.exit_code == 0, res.output
+    sample = json.loads(res.stdout)["prefix_reuse_sample"]
+    assert sample["seed"] == 0 and sample["hit_rate_curve"]["references"] > 0
+    # never above what its own blocks allow: the curve ends at its bound
+    points = sample["hit_rate_curve"]["points"]
+    assert points[-1]["hit_rate"] == pytest.approx(sample["hit_rate_curve"]["bound"])
+    res = runner.invoke(app, ["workload", "show", str(fitted), "--sample", "200",
+                              "--plot", str(tmp_path / "w.png")])
+    assert res.exit_code == 0, res.output
+    assert "LRU prefix-cache hit rate" in res.output
+    assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_reports_prefix_cache_section_places_the_pool_on_the_curve():
+    """Worked by hand as above: three blocks, half the references repeats. The H200's pool
+    holds far more than three 16-token blocks, so an LRU cache that size hits every
+    repeat: the bound."""
+    from servetune.apps.nightly import PREFIX_CACHE_HEADING, prefix_cache_section
+    from servetune.profiles.shipped import load_profile
+
+    profile = load_profile("h200-llama-3.1-8b")
+    ((heading, text),) = prefix_cache_section(trace_of([[1, 2], [1, 3], [1, 2]]), profile)
+    assert heading == PREFIX_CACHE_HEADING
+    blocks = profile.kv_blocks() * profile.block_size // 16
+    assert f"This KV pool holds {blocks:,} blocks of 16 tokens" in text
+    assert "an LRU cache that size hits 50.0% of the block references, an unbounded one " \
+        "50.0%" in text
+    plain = Trace(arrival_s=np.zeros(1), prompt_tokens=np.ones(1, dtype=np.int64),
+                  output_tokens=np.ones(1, dtype=np.int64))
+    assert prefix_cache_section(plain, profile) == []

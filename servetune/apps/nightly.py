@@ -101,6 +101,7 @@ from servetune.solvers import baselines
 from servetune.solvers.loop import STOP_TIME_LIMIT
 from servetune.workloads.fitting import class_stats, fit_workload
 from servetune.workloads.formats import load_trace
+from servetune.workloads.reuse import curve_text, hit_rate_curve, pool_blocks
 from servetune.workloads.trace import Trace
 
 EXIT_NEW_POLICY = 0
@@ -647,6 +648,7 @@ def run_nightly(
                 if failed else None)
         defaults_text, defaults_rule = defaults_section(current, profile)
         # Yesterday's promise, replayed on today's trace; today's, for tomorrow.
+        main_profile, _note = gate_profile(profile, main.engine, new)
         kept = main.comparison.new if main.passed else main.comparison.current
         assert kept is not None
         promise = promise_record(kept.policy, kept.goodput.rate_per_s, main.engine, trace_path)
@@ -675,6 +677,7 @@ def run_nightly(
                             *_live_policy_section(live, policy_written=bool(passed)),
                             (MODEL_ERROR_HEADING, model_error_section(opt.info.get("model_error"))),
                             (PROMISE_HEADING, promise_section(promise, checked)),
+                            *prefix_cache_section(trace, main_profile),
                             ("Engine defaults on this GPU", defaults_text)],
         )
         _say(progress, f"writing outputs to {out}")
@@ -749,6 +752,27 @@ def promise_section(promise: dict[str, Any], checked: dict[str, Any] | None) -> 
                  f"{promise['goodput_rate_per_s']:.3f} req/s with the policy in production "
                  f"({promise['engine']}).")
     return "\n\n".join(lines)
+
+
+PREFIX_CACHE_HEADING = "Prefix cache: the trace's reuse and this KV pool"
+
+
+def prefix_cache_section(trace: Trace, profile: Profile) -> list[tuple[str, str]]:
+    """For a trace with prefix block ids, the report's section: its LRU hit-rate curve
+    (:func:`servetune.workloads.reuse.hit_rate_curve`) and where the profile's KV pool
+    sits on it; none for a trace without ids."""
+    if trace.prefix_offsets is None or trace.prefix_block_ids is None:
+        return []
+    pool = pool_blocks(int(profile.kv_blocks()) * int(profile.block_size), trace)
+    curve = hit_rate_curve(trace, sizes=(pool,))
+    at = curve["points"][-1]
+    curve["points"] = curve["points"][:-1]
+    text = (f"{curve_text(curve)}.\n\nThis KV pool holds {pool:,} blocks of "
+            f"{curve['block_tokens']} tokens ({at['fraction']:.1%} of the trace's distinct "
+            f"blocks): an LRU cache that size hits {at['hit_rate']:.1%} of the block "
+            f"references, an unbounded one {curve['bound']:.1%}. The hit rates the "
+            "simulated runs reached are in summary.json (`prefix_cache` of each run).")
+    return [(PREFIX_CACHE_HEADING, text)]
 
 
 def defaults_section(current: Policy, profile: Profile) -> tuple[str, str]:
@@ -929,6 +953,7 @@ def run_report(
                ("current policy", current_path), ("new policy", new_path))}
     reasons = model_reasons(fit_workload(trace, name=trace_path.stem), profile, slo, current,
                             new)
-    files = build_report(comp, Verdict(headline), inputs=inputs, reasons=reasons)
+    files = build_report(comp, Verdict(headline), inputs=inputs, reasons=reasons,
+                         extra_sections=prefix_cache_section(trace, profile))
     written = write_report(files, out_dir)
     return ReportOutcome(headline=headline, files=written, summary=files.summary)

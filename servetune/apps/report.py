@@ -267,6 +267,30 @@ def pyplot() -> ModuleType:
     return plt
 
 
+def hit_rate_plot(curves: dict[str, dict[str, Any]], title: str,
+                  pool_blocks: int | None = None) -> bytes:
+    """PNG: LRU prefix-cache hit rate against cache size (blocks, log scale), one line per
+    curve (:func:`servetune.workloads.reuse.hit_rate_curve`, a fine grid), each one's
+    infinite-cache bound dotted, and a KV pool's size marked when given."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, curve in curves.items():
+        points = curve["points"]
+        line = ax.plot([p["blocks"] for p in points], [100 * p["hit_rate"] for p in points],
+                       "-", label=name)[0]
+        ax.axhline(100 * curve["bound"], color=line.get_color(), linestyle=":", linewidth=0.8)
+    if pool_blocks is not None:
+        ax.axvline(pool_blocks, color="grey", linestyle="--", label="KV pool")
+    _plain_log_axis(ax)
+    ax.set_xlabel(f"cache size (blocks of {next(iter(curves.values()))['block_tokens']} "
+                  "tokens)")
+    ax.set_ylabel("block references hit (%)")
+    ax.set_title(title)
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    return figure_bytes(fig)
+
+
 def _plain_log_axis(ax: Axes) -> None:
     """Log-scale x axis labelled 0.5, 1, 2 rather than 5x10^-1."""
     # lazy: as in pyplot()

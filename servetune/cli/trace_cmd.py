@@ -22,6 +22,7 @@ from servetune.cli.options import (
     print_json,
 )
 from servetune.cli.root import new_group
+from servetune.errors import ServetuneError
 
 if TYPE_CHECKING:  # imported where used: see the lazy imports
     from rich.table import Table
@@ -112,6 +113,20 @@ def stats_table(stats: dict[str, Any], title: str) -> Table:
     return table
 
 
+def curve_plot(traces: dict[str, Trace], title: str, pool_blocks: int | None = None
+               ) -> bytes:
+    """PNG of the traces' LRU hit-rate curves on a fine grid of cache sizes."""
+    # lazy: numpy and matplotlib are for the commands that draw
+    import numpy as np
+
+    from servetune.apps.report import hit_rate_plot
+    from servetune.workloads.reuse import hit_rate_curve
+
+    grid = tuple(float(f) for f in np.geomspace(0.002, 1.0, 40))
+    return hit_rate_plot({name: hit_rate_curve(t, grid) for name, t in traces.items()},
+                         f"LRU prefix-cache hit rate: {title}", pool_blocks)
+
+
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the top-level app."""
     group = new_group("Inspect request traces (Azure, BurstGPT, Mooncake, vllm bench, CSV/JSONL).")
@@ -129,24 +144,36 @@ def register(app: typer.Typer) -> None:
         columns: ColumnsOption = None,
         arrival_unit: ArrivalUnitOption = None,
         on_bad_row: OnBadRowOption = "error",
+        plot: Path | None = typer.Option(
+            None, "--plot", help="write the LRU hit-rate curve as a PNG (a trace with "
+            "prefix block ids)"),
     ) -> None:
         """Request count, span, mean rate, burstiness and prompt/output length statistics;
         for a trace with prefix block ids, its reuse and its LRU hit-rate curve."""
         # lazy: numpy and rich's renderers cost 0.1 s that --help should not pay
         from rich.console import Console
 
+        from servetune.io import check_outputs, write_bytes_atomic
         from servetune.workloads.stats import per_class_stats, trace_stats
 
+        check_outputs({"--plot": plot}, {"FILE": file})
         trace = load_trace_cli(file, trace_format, columns, arrival_unit, on_bad_row, quiet)
+        if plot is not None and trace.prefix_offsets is None:
+            raise ServetuneError(f"--plot: {file} has no prefix block ids (Mooncake hash_ids "
+                                 "or a session column), so it has no hit-rate curve")
         result = trace_stats(trace)
         if trace.prefix_offsets is not None:
             from servetune.workloads.reuse import hit_rate_curve, reuse_stats
 
             result["prefix_reuse"] = reuse_stats(trace).summary()
             result["prefix_reuse"]["hit_rate_curve"] = hit_rate_curve(trace)
+            if plot is not None:
+                write_bytes_atomic(plot, [curve_plot({"trace": trace}, file.name)])
         if as_json:
             print_json(json.dumps(result) + "\n")
             return
+        from servetune.workloads.reuse import curve_text
+
         console = Console()
         console.print(stats_table(result, str(file)))
         if "prefix_reuse" in result:
@@ -156,12 +183,7 @@ def register(app: typer.Typer) -> None:
                 f"references repeat an earlier id ({reuse['block_tokens']}-token blocks); "
                 f"{reuse['sessions']:,} sessions, {reuse['continuing_share']:.1%} of requests "
                 f"continue one; {reuse['system_prompts']:,} shared prefixes", highlight=False)
-            curve = reuse["hit_rate_curve"]
-            console.print(
-                f"LRU prefix-cache hit rate by cache size (share of the "
-                f"{curve['distinct_blocks']:,} distinct blocks -> share of references hit): "
-                + ", ".join(f"{p['fraction']:.0%} -> {p['hit_rate']:.1%}"
-                            for p in curve["points"]), highlight=False)
+            console.print(curve_text(reuse["hit_rate_curve"]), highlight=False)
         if len(trace.class_names) > 1:
             for name, cls in per_class_stats(trace).items():
                 console.print(stats_table(cls, f"class {name}"))

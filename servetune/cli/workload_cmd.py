@@ -168,14 +168,24 @@ def register(app: typer.Typer) -> None:
             1.0, "--rate-scale", help="Multiply every rate of the --sample."
         ),
         as_json: JsonOption = False,
+        plot: Path | None = typer.Option(
+            None, "--plot", help="write the sample's LRU hit-rate curve as a PNG (a workload "
+            "with prefix_reuse)"),
     ) -> None:
-        """Show a workload's classes, or sample it and show the sample's statistics."""
+        """Show a workload's classes, or sample it and show the sample's statistics. A
+        workload with prefix reuse also shows the LRU hit-rate curve of a sample (--sample
+        N, else as many requests as `goodput` judges on)."""
         # lazy: as in class_table
         from rich.console import Console
 
+        from servetune.cli.trace_cmd import curve_plot
+        from servetune.io import check_outputs, write_bytes_atomic
+        from servetune.sim.evaluator import default_requests
         from servetune.workloads.fitting import class_stats_json, load_workload, sample_trace
+        from servetune.workloads.reuse import curve_text, hit_rate_curve
         from servetune.workloads.stats import trace_stats
 
+        check_outputs({"--plot": plot}, {"W.yaml": path})
         workload = load_workload(path)
         console = Console()
         if sample is None and rate_scale != 1.0:
@@ -183,23 +193,45 @@ def register(app: typer.Typer) -> None:
                 "--rate-scale applies to the sampled requests; add --sample N (e.g. --sample "
                 "100000) to see the statistics at that rate"
             )
+        if sample is not None and sample < 1:
+            raise ServetuneError(f"--sample must be >= 1 (got {sample})")
+        if plot is not None and workload.prefix_reuse is None:
+            raise ServetuneError(f"--plot: {path} has no prefix_reuse section, so its samples "
+                                 "have no hit-rate curve")
+        sampled = None
+        if sample is not None or workload.prefix_reuse is not None:
+            size = sample if sample is not None else default_requests(workload)
+            sampled = sample_trace(workload, n_requests=size, seed=seed, rate_scale=rate_scale)
+        curve = (hit_rate_curve(sampled) if sampled is not None
+                 and sampled.prefix_offsets is not None else None)
+        n_sampled = len(sampled) if sampled is not None else 0
+        title = f"{workload.name}: {n_sampled:,} sampled, seed {seed}"
+        if plot is not None:
+            write_bytes_atomic(plot, [curve_plot({"sample": sampled}, title)])
         if sample is None:
             if as_json:
-                print_json(json.dumps(class_stats_json(workload)) + "\n")
+                data = class_stats_json(workload)
+                if curve is not None:
+                    data["prefix_reuse_sample"] = {"requests": len(sampled), "seed": seed,
+                                                   "hit_rate_curve": curve}
+                print_json(json.dumps(data) + "\n")
             else:
                 console.print(class_table(workload, f"{workload.name} ({path})"))
                 if workload.prefix_reuse is not None:
                     from servetune.workloads.prefixes import describe
 
                     console.print(describe(workload.prefix_reuse))
+                if curve is not None:
+                    console.print(f"{title}: {curve_text(curve)}", highlight=False)
             return
-        if sample < 1:
-            raise ServetuneError(f"--sample must be >= 1 (got {sample})")
-        trace = sample_trace(workload, n_requests=sample, seed=seed, rate_scale=rate_scale)
-        result = trace_stats(trace)
+        result = trace_stats(sampled)
+        if curve is not None:
+            result["prefix_reuse"] = {"hit_rate_curve": curve}
         if as_json:
             print_json(json.dumps(result) + "\n")
         else:
-            console.print(stats_table(result, f"{workload.name}: {sample:,} sampled, seed {seed}"))
+            console.print(stats_table(result, title))
+            if curve is not None:
+                console.print(curve_text(curve), highlight=False)
 
     app.add_typer(group, name="workload")

@@ -210,6 +210,19 @@ def hit_rate_curve(trace: Trace, fractions: tuple[float, ...] = CURVE_FRACTIONS,
             "points": points}
 
 
+def curve_text(curve: dict[str, Any]) -> str:
+    """One line: "LRU prefix-cache hit rate by cache size (share of the 43,924 distinct
+    blocks -> share of references hit): 1% -> 3.4%, ..., 100% -> 64.0%"."""
+    return (f"LRU prefix-cache hit rate by cache size (share of the "
+            f"{curve['distinct_blocks']:,} distinct blocks -> share of references hit): "
+            + ", ".join(f"{p['fraction']:.0%} -> {p['hit_rate']:.1%}" for p in curve["points"]))
+
+
+def pool_blocks(kv_tokens: int, trace: Trace) -> int:
+    """A KV pool of ``kv_tokens`` tokens in ``trace``'s prefix blocks (at least one)."""
+    return max(1, int(kv_tokens) // int(trace.prefix_block_tokens))
+
+
 def covers_output(trace: Trace) -> bool:
     """Whether the ids cover prompt and output: every request has ``ceil((prompt +
     output) / B)`` ids and some request has more than its prompt needs."""
