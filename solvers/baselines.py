@@ -236,7 +236,8 @@ def optuna_search(
     start = sim.simulations
     out: list[Evaluated] = []
     study = optuna.create_study(
-        direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed)
+        # TPE seeds numpy's legacy RandomState, which takes 32 bits
+        direction="maximize", sampler=optuna.samplers.TPESampler(seed=int(seed) % 2**32)
     )
     trials = 0
     stopped_by = STOP_EXHAUSTED  # TPE stopped proposing new points

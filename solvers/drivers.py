@@ -331,6 +331,10 @@ def cpsat_status(code: int) -> SolveStatus:
     return SolveStatus.ERROR
 
 
+# CP-SAT's random_seed is a 32-bit signed integer.
+CPSAT_SEEDS = 2**31
+
+
 def solve_cpsat(
     model: cp_model.CpModel, *, time_limit_s: float, seed: int = 0, workers: int = 1,
     max_deterministic_time: float = CPSAT_MAX_DETERMINISTIC_TIME,
@@ -338,14 +342,15 @@ def solve_cpsat(
     """Solve a CP-SAT model deterministically: a fixed seed and number of workers (one by
     default; CP-SAT's search with several workers depends on thread timing), stopped by
     ``max_deterministic_time`` (work, the same on every machine) or by ``time_limit_s``
-    (the wall-clock safety stop, module docstring)."""
+    (the wall-clock safety stop, module docstring). Any whole ``seed`` is accepted: CP-SAT
+    takes a 32-bit one, so it gets ``seed`` modulo 2^31."""
     # lazy: as in cpsat_status
     from ortools.sat.python import cp_model
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(float(time_limit_s), 0.01)
     solver.parameters.max_deterministic_time = float(max_deterministic_time)
-    solver.parameters.random_seed = int(seed)
+    solver.parameters.random_seed = int(seed) % CPSAT_SEEDS
     solver.parameters.num_workers = int(workers)
     start = time.perf_counter()
     try:

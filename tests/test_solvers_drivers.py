@@ -69,6 +69,20 @@ def test_cpsat_statuses():
     assert solve_cpsat(bad, time_limit_s=5)[0].status == SolveStatus.INFEASIBLE
 
 
+def test_cpsat_takes_any_whole_seed():
+    """CP-SAT's seed is 32-bit; a larger one (a user's --seed) is taken modulo 2^31, not
+    a TypeError from OR-Tools (issue 33)."""
+    from ortools.sat.python import cp_model
+
+    m = cp_model.CpModel()
+    x = m.NewIntVar(0, 10, "x")
+    m.Maximize(x)
+    for seed in (3_000_000_000, 1180591620717411303424):
+        out, solver = solve_cpsat(m, time_limit_s=5, seed=seed)
+        assert out.status == SolveStatus.OPTIMAL and solver.Value(x) == 10
+        assert solver.parameters.random_seed == seed % 2**31
+
+
 def _hard_knapsack_cpsat():
     """A 120-item, 10-dimension knapsack that CP-SAT cannot prove optimal at once."""
     from ortools.sat.python import cp_model
