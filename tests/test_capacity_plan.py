@@ -295,6 +295,16 @@ def test_unusable_output_paths_exit_2_before_any_work(inputs, tmp_path: Path) ->
                             "--forecast", str(inputs["forecast"]), "-o", str(sched),
                             "--report", str(afile / "rep")])
     assert r.exit_code == 2 and "--report" in r.output and not sched.exists()
+    # a file as the cache folder is refused before the work, not after (issue 33)
+    args = _plan_args(inputs, out)
+    args[args.index("--cache-dir") + 1] = str(afile)
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2 and "--cache-dir" in r.output and "not a folder" in r.output
+    assert not out.exists()
+    r = runner.invoke(app, ["place", "--jobs", str(inputs["jobs"]), "--plan", str(afile),
+                            "--forecast", str(inputs["forecast"]), "-o", str(sched),
+                            "--cache-dir", str(afile)])
+    assert r.exit_code == 2 and "--cache-dir" in r.output and not sched.exists()
 
 
 def test_plan_report_bytes_are_deterministic(inputs, tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from servetune.cli.options import (
 )
 from servetune.engines import ENGINE_NAMES
 from servetune.errors import ServetuneError
-from servetune.io import check_outputs, require_file, write_text_atomic
+from servetune.io import check_out_dir, check_outputs, require_file, write_text_atomic
 
 if TYPE_CHECKING:  # imported where used: see the lazy imports
     from servetune.schemas.fleet import CapacityPlan
@@ -198,6 +198,8 @@ def register(app: typer.Typer) -> None:
             )
         if budget is not None and not budget > 0:
             raise ServetuneError(f"--budget must be > 0 dollars (got {budget})")
+        if cache_dir is not None:  # a file there would fail only after the work
+            check_out_dir(cache_dir, "--cache-dir")
         if growth == "forecast":
             # lazy: the fleet schemas add 20 ms to every command's start-up
             from servetune.schemas.base import load_document
@@ -251,6 +253,8 @@ def register(app: typer.Typer) -> None:
             require_file(p, f"given to {opt}")
         _check_outputs(output, report, PLACE_REPORT_FILES,
                        {"--jobs": jobs, "--plan": plan, "--forecast": forecast})
+        if cache_dir is not None:
+            check_out_dir(cache_dir, "--cache-dir")
         # lazy: placement imports pyomo and OR-Tools (0.6 s)
         from servetune.apps.place import run_place
         from servetune.apps.plan_report import write_schedule_report
