@@ -404,6 +404,13 @@ def test_rules_output_clashing_with_the_config_is_refused(tmp_path):
                      "--gateway-rules", str(out))
     assert res.exit_code == 2 and "give each output its own file" in res.output
     assert not out.exists()
+    # a policy that needs no rules too (it wrote the config, then warned about it)
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("apiVersion: servetune/v1\nkind: Policy\nname: plain\n")
+    res = export_cli("--policy", str(plain), "--engine", "vllm", "-o", str(out),
+                     "--gateway-rules", str(out))
+    assert res.exit_code == 2 and "give each output its own file" in res.output
+    assert not out.exists()
 
 
 # --- the schema --------------------------------------------------------------------------

@@ -102,7 +102,9 @@ def register(app: typer.Typer) -> None:
                                  "config; give a file path")
         class_source(class_header, class_field)  # a bad name fails before any reading
         inputs = {"--policy": policy, "--profile": profile}
-        check_outputs({"-o/--output": output}, inputs)
+        # --gateway-rules checked now too, whether or not the policy turns out to need
+        # rules: the -o file given again would be written, then warned about
+        check_outputs({"-o/--output": output, "--gateway-rules": gateway_rules}, inputs)
         pol = load_document(policy, Policy)
         result = export_policy(pol, engine, profile=load_profile_arg(profile), role=role,
                                class_header=class_header, class_field=class_field)
