@@ -191,6 +191,10 @@ def test_bad_inputs_exit_2_naming_the_field(inputs, tmp_path: Path) -> None:
     assert r.exit_code == 2 and "gpus_per_replica is 2" in r.output
     r = runner.invoke(app, _plan_args(inputs, tmp_path / "p.yaml", "--growth", "1,x"))
     assert r.exit_code == 2 and "--growth" in r.output
+    for flag, value in (("--growth", "1,,2"), ("--prompt-edges", "1024,"),
+                        ("--output-edges", ",256")):  # empty items were skipped silently
+        r = runner.invoke(app, _plan_args(inputs, tmp_path / "p.yaml", flag, value))
+        assert r.exit_code == 2 and f"{flag}: an item of {value!r} is empty" in r.output
     del fleet["gpu_types"][1]["gpus_per_replica"]
     inputs["fleet"].write_text(yaml.safe_dump(fleet))
     forecast = {"apiVersion": "servetune/v1", "kind": "Forecast",

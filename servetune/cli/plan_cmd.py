@@ -69,9 +69,22 @@ def _check_outputs(output: Path, report: Path | None, report_files: tuple[str, .
                   out_dirs={"--report": (report, report_files)})
 
 
+def _items(text: str, option: str) -> list[str]:
+    """A comma-separated list's items (none for an empty text); an empty item (``1,,2``,
+    a trailing comma) is an error rather than skipped."""
+    if not text.strip():
+        return []
+    items = [x.strip() for x in text.split(",")]
+    if not all(items):
+        raise ServetuneError(f"{option}: an item of {text!r} is empty; give comma-separated "
+                             "values such as 1,1.5,2")
+    return items
+
+
 def _floats(text: str, option: str) -> list[float]:
+    items = _items(text, option)
     try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
+        vals = [float(x) for x in items]
     except ValueError:
         raise ServetuneError(f"{option}: give comma-separated numbers (got {text!r})") from None
     if not vals or any(not (v > 0 and v < float("inf")) for v in vals):
@@ -80,8 +93,9 @@ def _floats(text: str, option: str) -> list[float]:
 
 
 def _ints(text: str, option: str) -> list[int]:
+    items = _items(text, option)
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        return [int(x) for x in items]
     except ValueError:
         raise ServetuneError(f"{option}: give comma-separated integers (got {text!r})") from None
 
