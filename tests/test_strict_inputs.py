@@ -97,6 +97,20 @@ def test_duplicate_columns_are_errors():
         "arrival": "t", "prompt": "a", "output": "b"}
 
 
+def test_base_60_numbers_are_text_not_counts():
+    """YAML 1.1 read 50:00 as 3000 and 1:30.5 as 90.5; other numbers read as before."""
+    data = load_yaml("a: 50:00\nb: 1:30.5\nc: 12\nd: -1.5\ne: .inf\nf: 0x1f\ng: 1_000\n"
+                     "h: 2.5e-3\n")
+    assert data == {"a": "50:00", "b": "1:30.5", "c": 12, "d": -1.5, "e": float("inf"),
+                    "f": 31, "g": 1000, "h": 0.0025}
+    with pytest.raises(ServetuneError, match=r"job.yaml: requests"):
+        from servetune.schemas.job import OptimizeJob
+
+        document_from_data(load_yaml("apiVersion: servetune/v1\nkind: OptimizeJob\n"
+                                     "workload: w.yaml\nprofile: p\nslo: s.yaml\n"
+                                     "requests: 50:00\n"), OptimizeJob, "job.yaml")
+
+
 def test_optimize_requests_zero_is_refused(tmp_path):
     res = runner.invoke(app, [
         "optimize", "--workload", str(REPO / "configs/workloads/azure-conv-2023.yaml"),

@@ -11,6 +11,7 @@ the same object always gives the same bytes.
 from __future__ import annotations
 
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -262,6 +263,26 @@ class UniqueKeyLoader(yaml.SafeLoader):
                     )
                 seen[key] = key_node
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1 reads 50:00 as the number 3000 (base 60) and 1:30.5 as 90.5: a typo or a time
+# of day would become a count without a word. The loader resolves numbers without that
+# form (as YAML 1.2 does), so such a value stays text and its field's check names it.
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+UniqueKeyLoader.add_implicit_resolver(_FLOAT, re.compile(r"""^(?:
+    [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?
+    |\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+UniqueKeyLoader.add_implicit_resolver(_INT, re.compile(r"""^(?:
+    [-+]?0b[0-1_]+
+    |[-+]?0[0-7_]+
+    |[-+]?(?:0|[1-9][0-9_]*)
+    |[-+]?0x[0-9a-fA-F_]+)$""", re.X), list("-+0123456789"))
 
 
 def load_yaml(text: str) -> Any:
