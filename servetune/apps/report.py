@@ -45,6 +45,7 @@ from servetune.io import commit_files, finite_or_none, plain_data
 from servetune.schemas.policy import ClassPolicy, Policy
 from servetune.schemas.slo import ClassSLO, SLOSet
 from servetune.sim import goodput, simulate
+from servetune.workloads.reuse import hit_rate_curve
 from servetune.workloads.trace import Trace
 
 if TYPE_CHECKING:  # matplotlib loads lazily (see pyplot)
@@ -267,25 +268,25 @@ def pyplot() -> ModuleType:
     return plt
 
 
-def hit_rate_plot(curves: dict[str, dict[str, Any]], title: str,
-                  pool_blocks: int | None = None) -> bytes:
-    """PNG: LRU prefix-cache hit rate against cache size (blocks, log scale), one line per
-    curve (:func:`servetune.workloads.reuse.hit_rate_curve`, a fine grid), each one's
-    infinite-cache bound dotted, and a KV pool's size marked when given."""
+def hit_rate_figure(traces: dict[str, Trace], title: str) -> bytes:
+    """PNG: the LRU prefix-cache hit rate of each trace's blocks against cache size
+    (blocks, log scale; :func:`servetune.workloads.reuse.hit_rate_curve` on a fine grid),
+    each one's infinite-cache bound dotted."""
+    grid = tuple(float(f) for f in np.geomspace(0.002, 1.0, 40))
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, curve in curves.items():
+    block_tokens = 0
+    for name, trace in traces.items():
+        curve = hit_rate_curve(trace, grid)
+        block_tokens = curve["block_tokens"]
         points = curve["points"]
         line = ax.plot([p["blocks"] for p in points], [100 * p["hit_rate"] for p in points],
                        "-", label=name)[0]
         ax.axhline(100 * curve["bound"], color=line.get_color(), linestyle=":", linewidth=0.8)
-    if pool_blocks is not None:
-        ax.axvline(pool_blocks, color="grey", linestyle="--", label="KV pool")
     _plain_log_axis(ax)
-    ax.set_xlabel(f"cache size (blocks of {next(iter(curves.values()))['block_tokens']} "
-                  "tokens)")
+    ax.set_xlabel(f"cache size (blocks of {block_tokens} tokens)")
     ax.set_ylabel("block references hit (%)")
-    ax.set_title(title)
+    ax.set_title(f"LRU prefix-cache hit rate: {title}")
     ax.legend(loc="upper left")
     fig.tight_layout()
     return figure_bytes(fig)

@@ -113,20 +113,6 @@ def stats_table(stats: dict[str, Any], title: str) -> Table:
     return table
 
 
-def curve_plot(traces: dict[str, Trace], title: str, pool_blocks: int | None = None
-               ) -> bytes:
-    """PNG of the traces' LRU hit-rate curves on a fine grid of cache sizes."""
-    # lazy: numpy and matplotlib are for the commands that draw
-    import numpy as np
-
-    from servetune.apps.report import hit_rate_plot
-    from servetune.workloads.reuse import hit_rate_curve
-
-    grid = tuple(float(f) for f in np.geomspace(0.002, 1.0, 40))
-    return hit_rate_plot({name: hit_rate_curve(t, grid) for name, t in traces.items()},
-                         f"LRU prefix-cache hit rate: {title}", pool_blocks)
-
-
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the top-level app."""
     group = new_group("Inspect request traces (Azure, BurstGPT, Mooncake, vllm bench, CSV/JSONL).")
@@ -168,7 +154,9 @@ def register(app: typer.Typer) -> None:
             result["prefix_reuse"] = reuse_stats(trace).summary()
             result["prefix_reuse"]["hit_rate_curve"] = hit_rate_curve(trace)
             if plot is not None:
-                write_bytes_atomic(plot, [curve_plot({"trace": trace}, file.name)])
+                from servetune.apps.report import hit_rate_figure
+
+                write_bytes_atomic(plot, [hit_rate_figure({"trace": trace}, file.name)])
         if as_json:
             print_json(json.dumps(result) + "\n")
             return

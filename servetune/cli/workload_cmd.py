@@ -178,7 +178,7 @@ def register(app: typer.Typer) -> None:
         # lazy: as in class_table
         from rich.console import Console
 
-        from servetune.cli.trace_cmd import curve_plot
+        from servetune.apps.report import hit_rate_figure
         from servetune.io import check_outputs, write_bytes_atomic
         from servetune.sim.evaluator import default_requests
         from servetune.workloads.fitting import class_stats_json, load_workload, sample_trace
@@ -207,7 +207,7 @@ def register(app: typer.Typer) -> None:
         n_sampled = len(sampled) if sampled is not None else 0
         title = f"{workload.name}: {n_sampled:,} sampled, seed {seed}"
         if plot is not None:
-            write_bytes_atomic(plot, [curve_plot({"sample": sampled}, title)])
+            write_bytes_atomic(plot, [hit_rate_figure({"sample": sampled}, title)])
         if sample is None:
             if as_json:
                 data = class_stats_json(workload)
