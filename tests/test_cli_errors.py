@@ -137,3 +137,53 @@ def test_a_reader_that_goes_away_gets_no_traceback():
     err = proc.stderr.read().decode()
     assert proc.wait() in (0, 1)
     assert "Traceback" not in err
+
+
+# ------------------------------------------------------- stdout that cannot be written
+# (issue 33): a reader that went away ends the command quietly with its own exit code
+# and files; a full device or a closed descriptor is one line and exit 2.
+
+SCRIPT = [sys.executable, "-c", "from servetune.cli import run; run()"]
+EXAMPLE = Path(__file__).resolve().parents[1] / "configs" / "examples" / "azure-conv-synthetic.csv"
+
+
+def test_a_closed_pipe_ends_quietly_and_the_files_stand(tmp_path):
+    import os
+
+    policy = Path(__file__).resolve().parents[1] / "configs/policies/vllm-serve-defaults.yaml"
+    for args in (["trace", "stats", str(EXAMPLE), "--json"],
+                 ["export", "--policy", str(policy), "--engine", "vllm", "-o",
+                  str(tmp_path / "v.yaml"), "--json"]):
+        read, write = os.pipe()
+        os.close(read)  # the reader is gone before the first line
+        try:
+            proc = subprocess.run([*SCRIPT, *args], stdout=write, stderr=subprocess.PIPE,
+                                  text=True, timeout=120)
+        finally:
+            os.close(write)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr == ""
+    assert (tmp_path / "v.yaml").read_text().startswith("#")  # the config was written
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
+def test_a_full_stdout_is_one_line_and_exit_2():
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([*SCRIPT, "trace", "stats", str(EXAMPLE), "--json"],
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "servetune: error: stdout: No space left on device; what the command printed there "
+        "is lost"]
+
+
+def test_a_closed_stdout_is_one_line_and_exit_2():
+    import os
+
+    proc = subprocess.run([*SCRIPT, "trace", "stats", str(EXAMPLE)],
+                          stderr=subprocess.PIPE, text=True, timeout=120,
+                          preexec_fn=lambda: os.close(1))  # noqa: PLW1509 - the point
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "servetune: error: stdout: Bad file descriptor; what the command printed there is "
+        "lost"]

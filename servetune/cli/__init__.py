@@ -12,10 +12,11 @@ The console script is :func:`run`: :func:`main`, then :func:`exit_quickly`.
 from __future__ import annotations
 
 import atexit
+import io
 import os
 import sys
 import threading
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 
@@ -40,7 +41,7 @@ from servetune.cli.root import (
     error_line,
     new_group,
 )
-from servetune.errors import EXIT_INTERRUPTED, ServetuneError
+from servetune.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, ServetuneError
 
 __all__ = ["ARGUMENT_FLAGS", "COMMAND_FLAGS", "app", "error_line", "exit_quickly", "main",
            "new_group", "run"]
@@ -102,12 +103,76 @@ def exit_quickly(code: object = 0) -> NoReturn:
     os._exit(status)
 
 
+class StdoutSink(io.RawIOBase):
+    """File descriptor 1 for writing, where a write that fails (the reader of a pipe went
+    away, a full device such as /dev/full, a closed descriptor) is recorded in
+    :attr:`failed` and the rest of the output dropped, instead of raising in the middle
+    of a command: what the command did (its files, its exit code) stands."""
+
+    def __init__(self, fd: int = 1) -> None:
+        super().__init__()
+        self.fd = fd
+        self.failed: OSError | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:  # a terminal's size and colours are read from it
+        return self.fd
+
+    def isatty(self) -> bool:
+        try:
+            return os.isatty(self.fd)
+        except OSError:
+            return False
+
+    def write(self, data: Any) -> int:
+        if self.failed is None:
+            try:
+                return os.write(self.fd, data)
+            except OSError as exc:
+                self.failed = exc
+        return len(data)
+
+
+def guard_stdout() -> StdoutSink:
+    """Make ``sys.stdout`` a text stream over a :class:`StdoutSink` (the encoding and
+    line buffering as they were), and return the sink."""
+    sink = StdoutSink(1)
+    old = sys.stdout
+    sys.stdout = io.TextIOWrapper(
+        io.BufferedWriter(sink), encoding=getattr(old, "encoding", None) or "utf-8",
+        errors=getattr(old, "errors", None) or "strict",
+        line_buffering=bool(getattr(old, "line_buffering", False)))
+    return sink
+
+
+def stdout_verdict(sink: StdoutSink, code: object) -> object:
+    """The exit code once the command is done, given what happened to stdout: a closed
+    pipe (``servetune ... | head``) ends quietly with the command's own code; another
+    failure (a full device, a closed descriptor) is one error line, and exit 2 unless the
+    command already failed."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    failed = sink.failed
+    if failed is None or isinstance(failed, BrokenPipeError):
+        return code
+    reason = failed.strerror or type(failed).__name__
+    typer.echo(f"servetune: error: stdout: {reason}; what the command printed there is lost",
+               err=True)
+    return code if code not in (0, None) else EXIT_USER_ERROR
+
+
 def run() -> NoReturn:
     """The ``servetune`` console script: :func:`main` in a process of its own, which it
     ends with :func:`exit_quickly` (``main`` itself raises SystemExit, for callers that
-    stay)."""
+    stay). Its stdout is guarded (:func:`guard_stdout`), so a closed pipe or a full device
+    cannot end a command half way."""
+    sink = guard_stdout()
     try:
         main()
     except SystemExit as done:
-        exit_quickly(done.code)
-    exit_quickly(0)
+        exit_quickly(stdout_verdict(sink, done.code))
+    exit_quickly(stdout_verdict(sink, 0))
