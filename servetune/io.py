@@ -231,7 +231,8 @@ def _file_in_the_way(p: Path) -> Path | None:
 
 def check_out_dir(path: str | os.PathLike[str], option: str) -> None:
     """Fail early, before any work, when ``path`` cannot become an output folder: it is a
-    file, or a file stands where one of its parent folders would go."""
+    file, a file stands where one of its parent folders would go, or it (or the nearest
+    folder above it that exists) cannot be written."""
     p = Path(path)
     blocker = _file_in_the_way(p)
     if blocker is not None:
@@ -239,11 +240,13 @@ def check_out_dir(path: str | os.PathLike[str], option: str) -> None:
         raise ServetuneError(
             f"{option} {p}: not a folder{where}; give a folder path (it is created when missing)"
         )
+    _refuse_unwritable(p, f"{option} {p}")
 
 
 def check_out_file(path: str | os.PathLike[str], option: str) -> None:
-    """Fail early when ``path`` cannot be written as a file: it is a folder, or a file
-    stands where one of its parent folders would go."""
+    """Fail early when ``path`` cannot be written as a file: it is a folder, a file
+    stands where one of its parent folders would go, or the folder it goes in (or the
+    nearest one above that exists) cannot be written."""
     p = Path(path)
     if p.is_dir():
         raise ServetuneError(f"{option} {p}: is a folder; give a file path")
@@ -252,6 +255,18 @@ def check_out_file(path: str | os.PathLike[str], option: str) -> None:
         raise ServetuneError(
             f"{option} {p}: {blocker} is a file, not a folder; choose another path"
         )
+    _refuse_unwritable(p.parent, f"{option} {p}")
+
+
+def _refuse_unwritable(folder: Path, what: str) -> None:
+    """Refuse, before any work, an output whose nearest existing folder cannot be written
+    (a read-only file system, no permission): the file is staged there."""
+    for existing in (folder, *folder.parents):
+        if existing.exists():
+            if not os.access(existing, os.W_OK | os.X_OK):
+                raise ServetuneError(f"{what}: {existing} cannot be written (read-only or no "
+                                     "permission); choose another path")
+            return
 
 
 def check_out_files(outputs: Mapping[str, Path | None]) -> None:
@@ -447,12 +462,17 @@ def write_all_or_none(writers: Sequence[tuple[Path, Callable[[], None]]]) -> Non
             write()
     except BaseException:
         for target, backup in reversed(backups):
-            if backup is not None:
-                os.replace(backup, target)
-                # a rename between two links to one inode does nothing: drop the backup
-                backup.unlink(missing_ok=True)
-            elif not target.is_dir():
-                target.unlink(missing_ok=True)
+            # best effort: the error that stopped the writes is the one to report (on a
+            # read-only file system even removing a file never made fails, with EROFS)
+            try:
+                if backup is not None:
+                    os.replace(backup, target)
+                    # a rename between two links to one inode does nothing: drop the backup
+                    backup.unlink(missing_ok=True)
+                elif target.exists() and not target.is_dir():
+                    target.unlink()
+            except OSError:
+                pass
         raise
     for _, backup in backups:
         if backup is not None:

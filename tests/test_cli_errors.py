@@ -187,3 +187,35 @@ def test_a_closed_stdout_is_one_line_and_exit_2():
     assert proc.stderr.splitlines() == [
         "servetune: error: stdout: Bad file descriptor; what the command printed there is "
         "lost"]
+
+
+def test_an_output_where_nothing_can_be_written_is_refused_before_the_work(tmp_path,
+                                                                            monkeypatch):
+    """A read-only file system (or a folder without write permission) gave a traceback
+    after the work, from the rollback of the files written so far (issue 33). Now the
+    output's folder is checked first. Root may write anywhere on a writable file system,
+    so the test makes os.access say no for that folder, as a read-only mount does."""
+    from typer.testing import CliRunner
+
+    import servetune.io as io_mod
+    from servetune.cli import app
+
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    real_access = io_mod.os.access
+    monkeypatch.setattr(io_mod.os, "access",
+                        lambda path, mode: Path(path) != locked and real_access(path, mode))
+    policy = Path(__file__).resolve().parents[1] / "configs/policies/vllm-serve-defaults.yaml"
+    runner = CliRunner()
+    for args in (["simulate", "--trace", str(EXAMPLE), "--profile", "h200-llama-3.1-8b",
+                  "--policy", str(policy), "--records", str(locked / "r.csv")],
+                 ["export", "--policy", str(policy), "--engine", "vllm", "-o",
+                  str(locked / "sub" / "v.yaml")],
+                 ["report", "--trace", str(EXAMPLE), "--profile", "h200-llama-3.1-8b",
+                  "--slo", str(policy.parents[1] / "slos/mlperf-llama-3.1-8b-server.yaml"),
+                  "--current", str(policy), "--new", str(policy), "--out-dir",
+                  str(locked / "rep")]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, res.output
+        assert f"{locked} cannot be written (read-only or no permission)" in res.output
+    assert list(locked.iterdir()) == []

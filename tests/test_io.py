@@ -177,6 +177,24 @@ def test_write_all_or_none_removes_what_it_wrote_when_a_writer_fails(tmp_path):
     assert first.read_text() == "x"
 
 
+def test_a_rollback_that_fails_leaves_the_writers_error(tmp_path, monkeypatch):
+    """On a read-only file system even removing a file that was never made fails (EROFS);
+    the error that stopped the writes is still the one reported, not the rollback's."""
+    import errno
+
+    target = tmp_path / "summary.json"
+
+    def refuse(*_args, **_kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    def write() -> None:
+        monkeypatch.setattr(type(target), "unlink", refuse)
+        raise ServetuneError(f"{target}: cannot write (Read-only file system)")
+
+    with pytest.raises(ServetuneError, match="cannot write"):
+        write_all_or_none([(target, write)])
+
+
 def test_reading_names_the_file_and_what_was_expected(tmp_path):
     with pytest.raises(ServetuneError) as err:
         read_bytes(tmp_path / "none.yaml", "YAML")
