@@ -578,8 +578,15 @@ def _take_lock(out: Path) -> _Hold:
             except FileNotFoundError:
                 pass
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError as exc:  # a full disk (ENOSPC) makes the file but not its line
+            os.close(fd)
+            lock.unlink(missing_ok=True)
+            raise ServetuneError(
+                f"{out}: cannot write the lock file {LOCK} ({exc.strerror}); free some space "
+                "or choose another folder") from None
     except BaseException:
         _remove_empty(created)
         raise

@@ -210,3 +210,26 @@ def test_reading_names_the_file_and_what_was_expected(tmp_path):
     crlf.write_bytes("\ufeffa,b\r\n1,2\r3\n".encode())
     # universal newlines, as a file opened in text mode reads; utf-8-sig drops the BOM
     assert decode_text(read_bytes(crlf, "CSV"), crlf, "CSV", "utf-8-sig") == "a,b\n1,2\n3\n"
+
+
+def test_a_full_disk_at_the_lock_is_one_error_and_leaves_nothing(tmp_path, monkeypatch):
+    """The lock file is made, but its pid line does not fit (ENOSPC): one error naming the
+    folder, and neither the lock nor the folder the lock made is left (issue 33)."""
+    import errno
+
+    import servetune.io as io_mod
+
+    real_write = io_mod.os.write
+
+    def full(fd, data):
+        if data.endswith(b"\n") and data[:-1].isdigit():  # the lock's pid line
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(io_mod.os, "write", full)
+    out = tmp_path / "new" / "out"
+    with pytest.raises(ServetuneError, match=r"cannot write the lock file \.lock \(No space"):
+        with io_mod.output_folder_lock(out):
+            pass
+    assert not (tmp_path / "new").exists()
+
