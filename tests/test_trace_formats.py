@@ -385,6 +385,28 @@ def test_detection_from_header_or_first_record():
     assert detect_format(b"a,b,c\n1,2,3\n") == "csv"
 
 
+def test_a_mooncake_line_longer_than_the_detection_head_loads(tmp_path):
+    """A request with 12,000 hash_ids makes a first line of over 64 KB: it was detected as
+    a vllm bench result ("not valid JSON"); it is Mooncake (issue 33)."""
+    import json
+
+    ids = list(range(12_000))
+    lines = [json.dumps({"timestamp": 0, "input_length": 512 * len(ids),
+                         "output_length": 7, "hash_ids": ids}),
+             json.dumps({"timestamp": 1000, "input_length": 1024, "output_length": 3,
+                         "hash_ids": [0, 1]})]
+    assert len(lines[0]) > 1 << 16
+    path = write(tmp_path, "long.jsonl", "\n".join(lines) + "\n")
+    assert detect_format(path.read_bytes()[: 1 << 16]) == "mooncake"
+    trace = load_trace(path)
+    assert trace.prompt_tokens.tolist() == [512 * 12_000, 1024]
+    assert trace.prefix_block_ids[:3].tolist() == [0, 1, 2]
+    # a one-line vllm bench result as long is still that, any other long object JSON Lines
+    long_bench = b'{"input_lens": [' + b"1, " * 40_000
+    assert detect_format(long_bench[: 1 << 16]) == "vllm-bench"
+    assert detect_format((b'{"ts": 1, "blob": "' + b"x" * 70_000)[: 1 << 16]) == "jsonl"
+
+
 def test_trace_format_override(tmp_path):
     # an Azure-shaped file forced through the generic path with the same columns
     path = write(tmp_path, "x.txt", AZURE)

@@ -1122,7 +1122,13 @@ def detect_format(head: bytes, path: str = "trace") -> str:
         try:
             record = json.loads(first_line)
         except (ValueError, RecursionError):
-            return "vllm-bench"  # a JSON document spread over several lines
+            if b"\n" in text:
+                return "vllm-bench"  # a JSON document spread over several lines
+            # one line longer than the head (a Mooncake request with thousands of
+            # hash_ids): tell it by the keys it starts with
+            if all(f'"{k}"'.encode() in text for k in MOONCAKE_KEYS.values()):
+                return "mooncake"
+            return "vllm-bench" if b'"input_lens"' in text else "jsonl"
         if isinstance(record, dict):
             if "input_lens" in record and "output_lens" in record:
                 return "vllm-bench"
