@@ -41,6 +41,10 @@ from typing import Any
 GIB = 1 << 30
 
 
+# Engine replicas one cluster simulation holds, from a topology file or the flags (about
+# 2.5 MB of simulator state each: 1,024 stay well under 4 GB).
+MAX_REPLICAS = 1024
+
 @dataclass(frozen=True)
 class GpuFacts:
     """What an engine's defaults depend on: the GPU's name and memory as the driver

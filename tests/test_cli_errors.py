@@ -219,3 +219,50 @@ def test_an_output_where_nothing_can_be_written_is_refused_before_the_work(tmp_p
         assert res.exit_code == 2, res.output
         assert f"{locked} cannot be written (read-only or no permission)" in res.output
     assert list(locked.iterdir()) == []
+
+
+# ------------------------------------------------- sizes past what a machine holds (issue 33)
+
+ROOT = Path(__file__).resolve().parents[1]
+SIM = ["simulate", "--workload", str(ROOT / "configs/workloads/azure-conv-2023.yaml"),
+       "--profile", "h200-llama-3.1-8b", "--policy",
+       str(ROOT / "configs/policies/vllm-serve-defaults.yaml")]
+
+
+@pytest.mark.parametrize("args, message", [
+    ([*SIM, "--requests", "100000000"], "would draw about 1e+08 requests (more than "
+     "10,000,000)"),
+    (["workload", "show", str(ROOT / "configs/workloads/azure-conv-2023.yaml"), "--sample",
+      "100000000", "--json"], "more than 10,000,000"),
+    (["goodput", *SIM[1:], "--slo", str(ROOT / "configs/slos/mlperf-llama-3.1-8b-server.yaml"),
+      "--requests", "100000000"], "more than 10,000,000"),
+    ([*SIM, "--requests", "100", "--replicas", "5000"], "less than or equal to 1024"),
+    ([*SIM, "--requests", "100", "--disagg", "50000:50000"], "100,000 replicas; at most 1,024"),
+])
+def test_sizes_past_the_bound_are_refused_up_front(args, message):
+    """Each ran for minutes and took 9-13 GB; now one line and exit 2, at once."""
+    from typer.testing import CliRunner
+
+    from servetune.cli import app
+
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert message in res.output and "Traceback" not in res.output
+
+
+def test_a_sweep_past_ten_thousand_jobs_is_refused_before_any_job(tmp_path):
+    from typer.testing import CliRunner
+
+    from servetune.cli import app
+
+    sweep = tmp_path / "big.yaml"
+    sweep.write_text(
+        "apiVersion: servetune/v1\nkind: Sweep\nname: big\nproducts:\n  - command: optimize\n"
+        f"    profiles: [h200-llama-3.1-8b]\n"
+        f"    workloads: [{ROOT / 'configs/workloads/azure-conv-2023.yaml'}]\n"
+        f"    slos: [{ROOT / 'configs/slos/mlperf-llama-3.1-8b-server.yaml'}]\n"
+        f"    seeds: [{', '.join(str(i) for i in range(10_001))}]\n")
+    res = CliRunner().invoke(app, ["sweep", str(sweep), "--out-dir", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    assert "expands to 10,001 jobs, more than 10,000" in res.output
+    assert not (tmp_path / "out").exists()

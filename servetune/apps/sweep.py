@@ -28,6 +28,7 @@ import csv
 import io
 import itertools
 import json
+import math
 import re
 import tempfile
 import time
@@ -105,6 +106,10 @@ class LoadedSweep:
 # ---------------------------------------------------------------------- expansion
 
 
+# A sweep expands to at most this many jobs (each is a whole optimize, nightly or plan).
+MAX_SWEEP_JOBS = 10_000
+
+
 def load_sweep(path: str | Path) -> LoadedSweep:
     """Read and expand a sweep file; every error is one line naming the file and field."""
     src = Path(path)
@@ -114,6 +119,12 @@ def load_sweep(path: str | Path) -> LoadedSweep:
     # each input file hashed once, however many jobs read it (a trace may be gigabytes)
     hashes: dict[Path, str] = {}
     jobs: list[Job] = []
+    total = sum(math.prod(len(vs) for vs in prod.axes().values()) for prod in doc.products)
+    total += len(doc.jobs)
+    if total > MAX_SWEEP_JOBS:
+        raise ServetuneError(
+            f"{src}: expands to {total:,} jobs, more than {MAX_SWEEP_JOBS:,}; split it into "
+            "several sweeps or give fewer values per axis")
     for i, prod in enumerate(doc.products):
         where = f"products.{i}"
         fixed = {k: (v, f"{where}.{k}") for k, v in prod.fixed().items()}

@@ -36,7 +36,7 @@ from servetune.cli.options import (
     print_json,
 )
 from servetune.cli.trace_cmd import load_trace_cli
-from servetune.engines import ENGINE_NAMES
+from servetune.engines import ENGINE_NAMES, MAX_REPLICAS
 from servetune.errors import InfeasibleError, ServetuneError
 from servetune.io import check_outputs, require_file, write_all_or_none, write_text_atomic
 
@@ -361,7 +361,8 @@ def register(app: typer.Typer) -> None:
             None, "--prefix-caching", help="on | off (default: the policy's "
             "caching.enable_prefix_caching, else the engine's own)"),
         replicas: int = typer.Option(
-            1, "--replicas", min=1, help="engine replicas behind a router (same profile "
+            1, "--replicas", min=1, max=MAX_REPLICAS, help="engine replicas behind a router "
+            f"(at most {MAX_REPLICAS}; same profile "
             "and policy)"),
         router: str = typer.Option(
             "round_robin", "--router", help="round_robin | least_loaded | least_kv | "

@@ -69,6 +69,8 @@ def register(app: typer.Typer) -> None:
 
         loaded = load_sweep(sweep)  # a bad sweep file fails before Ray or a pool starts
         check_out(out_dir, loaded)
+        if not quiet:
+            note_line(f"{loaded.doc.name}: {len(loaded.jobs):,} jobs")
         with compile_notice(quiet), executor_for(workers, ray) as executor:
             run = run_sweep(loaded, out_dir, executor=executor,
                             progress=None if quiet else note_line)

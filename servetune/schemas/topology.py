@@ -13,7 +13,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from servetune.engines import ENGINE_NAMES
+from servetune.engines import ENGINE_NAMES, MAX_REPLICAS
 from servetune.schemas.base import Document, Strict
 
 ROUTERS: tuple[str, ...] = ("round_robin", "least_loaded", "least_kv", "prefix_aware", "session")
@@ -31,7 +31,7 @@ class ReplicaGroup(Strict):
         "vllm", description="engine model (decode replicas: vllm)")
     role: Literal[ROLES] = Field(  # type: ignore[valid-type]
         "both", description="both (whole requests), prefill or decode")
-    count: int = Field(1, ge=1, le=1024, description="replicas in this group")
+    count: int = Field(1, ge=1, le=MAX_REPLICAS, description="replicas in this group")
 
 
 class Topology(Document):
@@ -54,6 +54,6 @@ class Topology(Document):
         if "both" not in roles and {"prefill", "decode"} - set(roles):
             raise ValueError("replicas: a disaggregated cluster needs prefill and decode groups")
         total = sum(g.count for g in self.replicas)
-        if total > 1024:
-            raise ValueError(f"replicas: {total} in all; at most 1024")
+        if total > MAX_REPLICAS:
+            raise ValueError(f"replicas: {total} in all; at most {MAX_REPLICAS}")
         return self

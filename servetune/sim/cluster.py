@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from servetune.engines import MAX_REPLICAS
 from servetune.errors import ServetuneError
 from servetune.executor import default_workers
 from servetune.schemas.policy import Policy
@@ -520,4 +521,7 @@ def parse_disagg(spec: str) -> tuple[int, int]:
     if prefill < 1 or decode < 1:
         raise ServetuneError(f"argument `--disagg` {spec!r}: need at least one prefill and "
                              "one decode replica")
+    if prefill + decode > MAX_REPLICAS:
+        raise ServetuneError(f"argument `--disagg` {spec!r}: {prefill + decode:,} replicas; "
+                             f"at most {MAX_REPLICAS:,} in one simulation")
     return prefill, decode

@@ -247,7 +247,9 @@ MAX_RATE_WINDOWS = 100_000
 # any horizon); goodput's search stays within 1/1024 .. 1024.
 MIN_RATE_SCALE, MAX_RATE_SCALE = 1e-6, 1e6
 MAX_BANDS = 64  # prompt-length bands (classes) --split-by prompt-quantiles may make
-MAX_SAMPLE_REQUESTS = 100_000_000  # beyond this a sample does not fit a workstation's memory
+# Beyond this a sample, and the simulation of it, outgrows a workstation's memory (about 90
+# bytes a request to sample, more to simulate: 10 million stay within a few GB).
+MAX_SAMPLE_REQUESTS = 10_000_000
 
 
 def _grid() -> np.ndarray:
