@@ -103,6 +103,15 @@ def test_base_60_numbers_are_text_not_counts():
                      "h: 2.5e-3\n")
     assert data == {"a": "50:00", "b": "1:30.5", "c": 12, "d": -1.5, "e": float("inf"),
                     "f": 31, "g": 1000, "h": 0.0025}
+    # YAML 1.2's numbers: an exponent without a point is a number too
+    assert load_yaml("a: 1e5\nb: -2.5E-3\nc: .5\n") == {"a": 1e5, "b": -0.0025, "c": 0.5}
+    with pytest.raises(ServetuneError, match=r"job.yaml: requests: text where a number "
+                       r"belongs \(quoted, or not a number\)"):
+        from servetune.schemas.job import OptimizeJob
+
+        document_from_data(load_yaml("apiVersion: servetune/v1\nkind: OptimizeJob\n"
+                                     "workload: w.yaml\nprofile: p\nslo: s.yaml\n"
+                                     'requests: "3000"\n'), OptimizeJob, "job.yaml")
     with pytest.raises(ServetuneError, match=r"job.yaml: requests"):
         from servetune.schemas.job import OptimizeJob
 

@@ -58,6 +58,17 @@ def _accepts_bool(annotation: Any) -> bool:
     return True  # an unfamiliar generic: let pydantic decide
 
 
+def _numbers_only(annotation: Any) -> bool:
+    """Whether a field's type is a number (``int``, ``float``, optionally ``None``):
+    pydantic's lax mode would read the text "3000" there as 3000."""
+    if annotation in (int, float):
+        return True
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    origin = typing.get_origin(annotation)
+    return (origin in (typing.Union, types.UnionType) and bool(args)
+            and all(a in (int, float) for a in args))
+
+
 def _find_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return True
@@ -92,8 +103,8 @@ def _find_huge_int(value: Any) -> bool:
 
 class Strict(BaseModel):
     """A nested section: unknown keys are errors, values are validated on assignment, a
-    boolean is never taken for a number (pydantic's lax mode reads ``true`` as 1), and no
-    whole number in a file lies outside int64."""
+    boolean is never taken for a number (pydantic's lax mode reads ``true`` as 1), nor is
+    text in a file ("3000" in quotes), and no whole number in a file lies outside int64."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
@@ -108,6 +119,10 @@ class Strict(BaseModel):
         if from_file(info) and not holds_model and _find_huge_int(value):
             raise ValueError(f"a whole number beyond +-{INT64_MAX:,} (int64) is out of range; "
                              "check the value")
+        if (isinstance(value, str) and from_file(info) and field is not None
+                and _numbers_only(field.annotation)):
+            raise ValueError("text where a number belongs (quoted, or not a number); give "
+                             "the number itself, without quotes")
         if not _find_bool(value):
             return value
         if field is not None and not _accepts_bool(field.annotation):
@@ -266,16 +281,18 @@ class UniqueKeyLoader(yaml.SafeLoader):
 
 
 # YAML 1.1 reads 50:00 as the number 3000 (base 60) and 1:30.5 as 90.5: a typo or a time
-# of day would become a count without a word. The loader resolves numbers without that
-# form (as YAML 1.2 does), so such a value stays text and its field's check names it.
+# of day would become a count without a word. The loader resolves numbers as YAML 1.2
+# does: no base 60, and an exponent without a point (1e5) is a number too, so any text
+# left in a numeric field was quoted, and the field's check names it (Strict).
 _INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 UniqueKeyLoader.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 UniqueKeyLoader.add_implicit_resolver(_FLOAT, re.compile(r"""^(?:
-    [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?
-    |\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?
+    [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+    |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
     |[-+]?\.(?:inf|Inf|INF)
     |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
 UniqueKeyLoader.add_implicit_resolver(_INT, re.compile(r"""^(?:
