@@ -142,13 +142,12 @@ def random_search(sim, axes, make_policy, n_points: int, seed: int, full_points:
 
 
 def run_case(name: str, random_points: int, polish_budget: int, full_points: int) -> dict:
-    from servetune.apps.optimize import optimize
+    from servetune.apps.optimize import default_space, descent_axes, optimize
     from servetune.models.fluid import Knobs
     from servetune.profiles.shipped import load_profile, shipped_or_path
     from servetune.schemas.policy import Policy
     from servetune.schemas.slo import SLOSet
     from servetune.schemas.space import apply_knobs
-    from servetune.sim.engine import lane_footprint
     from servetune.sim.evaluator import Evaluator
     from servetune.solvers import coordinate
     from servetune.solvers.loop import Evaluated
@@ -177,13 +176,9 @@ def run_case(name: str, random_points: int, polish_budget: int, full_points: int
                                                    "long_requests.threshold",
                                                    "long_requests.max_seqs"))}}
     chosen = result.policy
-    # The axes optimize searched: the default space and the lane's.
-    from servetune.apps.optimize import default_space
-
-    space = default_space()
     judge = Evaluator.of(trace, profile, slo)
-    axes = {p: list(v) for p, v in space.knobs.items() if len(v) > 1}
-    axes.update(coordinate.lane_axes(lane_footprint(judge.trace)))
+    # the axes optimize's descent searched (no widening happened in these cases)
+    axes = descent_axes(default_space(), judge.trace)
 
     def make_policy(point: dict) -> Policy:
         return apply_knobs(base, coordinate.dotted_of(point))

@@ -292,7 +292,7 @@ class SimPoint:
 @dataclass
 class SimTally:
     """What a forked simulator did: its simulations and their time, and the cache entries
-    it added (``TraceSimulator``'s ``_seen`` points and ``_longer`` samples; empty for a
+    it added (``Evaluator``'s ``_seen`` points and ``_longer`` samples; empty for a
     simulator without caches)."""
 
     simulations: int = 0

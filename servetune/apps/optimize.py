@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -862,25 +862,33 @@ def _try_lanes(
     return (ev if better else best), info, lanes_s
 
 
-def _descend(
-    run: SearchInputs, best: Evaluated, evaluated: list[Evaluated], base: Policy,
-    gpu: GpuFacts, *, budget: int, widened: list[dict] = (),
-) -> tuple[Evaluated, dict[str, Any]]:
-    """Coordinate descent by simulation (:mod:`servetune.solvers.coordinate`) from the
-    best so far, the engine's defaults and a space-filling design, over the space's knobs
-    and, unless the space pins them, the lane's threshold (the sample's quantiles) and
-    seats; ``widened``: the edge records of :func:`_search_beyond_edges`, whose values
-    beyond the space join it where it widened. Adds what it simulated to ``evaluated``;
-    returns the best and a record."""
+def descent_axes(space: SearchSpace, sample: Trace, widened: Sequence[dict] = ()
+                 ) -> dict[str, list[Any]]:
+    """What coordinate descent searches: the space's knobs, with the values beyond its
+    edges where :func:`_search_beyond_edges` widened it (``widened``: its records), and,
+    unless the space pins them, the long-request lane at ``sample``'s quantiles
+    (:func:`servetune.solvers.coordinate.lane_axes`)."""
     # lazy: the engine module imports numba, which importing the optimizer should not pay
     from servetune.sim.engine import lane_footprint
 
-    axes = {p: list(v) for p, v in run.space.knobs.items()}
+    axes = {p: list(v) for p, v in space.knobs.items()}
     for edge in widened:
         if edge["widened"] and edge["beyond"] not in axes[edge["knob"]]:
             axes[edge["knob"]].append(edge["beyond"])
-    if not any(p.startswith("long_requests.") for p in run.space.knobs):
-        axes.update(coordinate.lane_axes(lane_footprint(run.sim.trace)))
+    if not any(p.startswith("long_requests.") for p in space.knobs):
+        axes.update(coordinate.lane_axes(lane_footprint(sample)))
+    return axes
+
+
+def _descend(
+    run: SearchInputs, best: Evaluated, evaluated: list[Evaluated], base: Policy,
+    gpu: GpuFacts, *, budget: int, widened: Sequence[dict] = (),
+) -> tuple[Evaluated, dict[str, Any]]:
+    """Coordinate descent by simulation (:mod:`servetune.solvers.coordinate`) from the
+    best so far, the engine's defaults and a space-filling design, over
+    :func:`descent_axes`. Adds what it simulated to ``evaluated``; returns the best and a
+    record."""
+    axes = descent_axes(run.space, run.sim.trace, widened)
 
     def make_policy(point: dict[str, Any]) -> Policy:
         return apply_knobs(base, coordinate.dotted_of(point))
@@ -898,7 +906,7 @@ def _descend(
     info = {"simulations": result.simulations, "moves": result.moves,
             "starts": result.starts, "stopped_by": result.stopped_by,
             "from_rate_per_s": best.goodput.rate_per_s, "to_rate_per_s": top.goodput.rate_per_s,
-            "axes": {p: v for p, v in axes.items()}}
+            "axes": axes}
     run.say(f"coordinate descent: {result.simulations} simulations, {result.moves} moves, "
             f"{best.goodput.rate_per_s:.3f} -> {top.goodput.rate_per_s:.3f} req/s")
     return (top if top.goodput.rate_per_s > best.goodput.rate_per_s else best), info

@@ -432,7 +432,7 @@ def goodput(
     with each seed, the seeds of a scale side by side on ``executor`` (default: in this
     process). Each point records its verdict, per-seed attainment and the summary of
     every run (without wall-clock fields, so the result is deterministic)."""
-    from servetune.sim.evaluator import EVAL_REL_TOL, base_sample
+    from servetune.sim.evaluator import EVAL_REL_TOL, base_sample, judging_window_s
 
     if not seeds:
         raise ServetuneError("goodput: give at least one seed")
@@ -442,7 +442,11 @@ def goodput(
         from servetune.executor import SerialExecutor
 
         executor = SerialExecutor()
-    shared = (source, policy, profile, slo,
+    # Each seed's base sample, drawn once for the whole search (None: --duration cuts
+    # each run instead).
+    samples = None if duration_s is not None else {
+        s: base_sample(source, seed=s, n_requests=n_requests) for s in run_seeds}
+    shared = (source, policy, profile, slo, samples, judging_window_s(slo),
               dict(engine=engine, reference=reference, n_requests=n_requests,
                    duration_s=duration_s))
 
@@ -457,12 +461,12 @@ def goodput(
             on_point({"rate_scale": scale, "meets_slo": ok, **point})
         return ok, point
 
-    if duration_s is not None:
+    if samples is None:
         base = (base_rate_per_s(prepare_trace(source, n_requests=n_requests,
                                               duration_s=duration_s))
                 if isinstance(source, Trace) else base_rate_per_s(source))
     else:
-        base = base_rate_per_s(base_sample(source, seed=run_seeds[0], n_requests=n_requests))
+        base = base_rate_per_s(samples[run_seeds[0]])
     result = goodput_search(
         evaluate, base, start=start, rel_tol=rel_tol,
         min_scale=min_scale, max_scale=max_scale, prune_at=prune_at,
@@ -471,30 +475,21 @@ def goodput(
     return result
 
 
-def judged_run_trace(
-    source: Trace | Workload, slo: SLOSet, *, seed: int, rate_scale: float,
-    n_requests: int | None = None, duration_s: float | None = None,
-) -> tuple[Trace, float]:
-    """The trace one goodput point replays and the rate scale it is replayed at: the one
-    evaluator's sample at ``rate_scale`` (:func:`servetune.sim.evaluator.judged_sample`),
-    or, with ``duration_s``, the first ``n_requests`` arrivals at ``rate_scale`` cut to
-    ``duration_s`` simulated seconds."""
-    from servetune.sim.evaluator import base_sample, judged_sample, judging_window_s
-
-    if duration_s is not None:
-        return prepare_trace(source, seed=seed, n_requests=n_requests, duration_s=duration_s,
-                             rate_scale=rate_scale), 1.0
-    sample = base_sample(source, seed=seed, n_requests=n_requests)
-    return judged_sample(source, sample, rate_scale, judging_window_s(slo), seed=seed)
-
-
 def _seed_run(shared: tuple, job: tuple[int, float]) -> tuple[bool, dict[str, Any], float]:
-    """One seed of one goodput point: (meets the SLOs, summary without wall time, window)."""
-    source, policy, profile, slo, kw = shared
+    """One seed of one goodput point: (meets the SLOs, summary without wall time, window).
+    The trace is the one evaluator's (:func:`servetune.sim.evaluator.judged_sample` of
+    the seed's base sample) or, with ``duration_s``, the first ``n_requests`` arrivals at
+    the scale cut to that many simulated seconds."""
+    from servetune.sim.evaluator import judged_sample
+
+    source, policy, profile, slo, samples, window_s, kw = shared
     seed, scale = job
-    trace, own_scale = judged_run_trace(source, slo, seed=seed, rate_scale=scale,
-                                        n_requests=kw["n_requests"],
-                                        duration_s=kw["duration_s"])
+    if samples is None:
+        trace = prepare_trace(source, seed=seed, n_requests=kw["n_requests"],
+                              duration_s=kw["duration_s"], rate_scale=scale)
+        own_scale = 1.0
+    else:
+        trace, own_scale = judged_sample(source, samples[seed], scale, window_s, seed=seed)
     result = simulate(trace, policy, profile, seed=seed, rate_scale=own_scale,
                       engine=kw["engine"], reference=kw["reference"])
     summary = result.summary(slo)
