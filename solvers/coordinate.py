@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from servetune import knobs as knob_table
 from servetune.executor import Executor
 from servetune.models.fluid import Knobs
 from servetune.search import GoodputResult, SimPoint
@@ -82,14 +83,14 @@ def dotted_of(point: dict[str, Any]) -> dict[str, Any]:
 
 
 def point_key(point: dict[str, Any]) -> str:
-    """Points the simulator cannot tell apart share a key: a chunk cap at or above the
-    token budget caps nothing."""
-    key = dict(point)
-    tokens = key.get("batching.max_num_batched_tokens")
-    chunk = key.get("batching.long_prefill_token_threshold")
-    if tokens is not None and chunk and chunk >= tokens:
-        key["batching.long_prefill_token_threshold"] = 0
-    return json.dumps(key, sort_keys=True, default=str)
+    """Points the simulator cannot tell apart share a key: the knob table's rule
+    (:func:`servetune.knobs.equivalence_key`: a chunk cap at or above the token budget
+    caps nothing), over the point's policy fields; fields the table does not know as
+    they are."""
+    dotted = dotted_of(point)
+    others = {p: v for p, v in dotted.items() if p not in knob_table.BY_PATH}
+    return json.dumps([knob_table.equivalence_key(dotted), others], sort_keys=True,
+                      default=str)
 
 
 def point_of(policy: Any, axes: dict[str, list[Any]]) -> dict[str, Any]:
