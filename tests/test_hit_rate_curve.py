@@ -189,7 +189,8 @@ def test_the_reports_prefix_cache_section_places_the_pool_on_the_curve():
     from servetune.profiles.shipped import load_profile
 
     profile = load_profile("h200-llama-3.1-8b")
-    ((heading, text),) = prefix_cache_section(trace_of([[1, 2], [1, 3], [1, 2]]), profile)
+    kv_tokens = profile.kv_blocks() * profile.block_size
+    ((heading, text),) = prefix_cache_section(trace_of([[1, 2], [1, 3], [1, 2]]), kv_tokens)
     assert heading == PREFIX_CACHE_HEADING
     blocks = profile.kv_blocks() * profile.block_size // 16
     assert f"This KV pool holds {blocks:,} blocks of 16 tokens" in text
@@ -197,4 +198,4 @@ def test_the_reports_prefix_cache_section_places_the_pool_on_the_curve():
         "50.0%" in text
     plain = Trace(arrival_s=np.zeros(1), prompt_tokens=np.ones(1, dtype=np.int64),
                   output_tokens=np.ones(1, dtype=np.int64))
-    assert prefix_cache_section(plain, profile) == []
+    assert prefix_cache_section(plain, kv_tokens) == []

@@ -648,7 +648,6 @@ def run_nightly(
                 if failed else None)
         defaults_text, defaults_rule = defaults_section(current, profile)
         # Yesterday's promise, replayed on today's trace; today's, for tomorrow.
-        main_profile, _note = gate_profile(profile, main.engine, new)
         kept = main.comparison.new if main.passed else main.comparison.current
         assert kept is not None
         promise = promise_record(kept.policy, kept.goodput.rate_per_s, main.engine, trace_path)
@@ -677,7 +676,7 @@ def run_nightly(
                             *_live_policy_section(live, policy_written=bool(passed)),
                             (MODEL_ERROR_HEADING, model_error_section(opt.info.get("model_error"))),
                             (PROMISE_HEADING, promise_section(promise, checked)),
-                            *prefix_cache_section(trace, main_profile),
+                            *prefix_cache_section(trace, main.kv_blocks * profile.block_size),
                             ("Engine defaults on this GPU", defaults_text)],
         )
         _say(progress, f"writing outputs to {out}")
@@ -757,13 +756,14 @@ def promise_section(promise: dict[str, Any], checked: dict[str, Any] | None) -> 
 PREFIX_CACHE_HEADING = "Prefix cache: the trace's reuse and this KV pool"
 
 
-def prefix_cache_section(trace: Trace, profile: Profile) -> list[tuple[str, str]]:
+def prefix_cache_section(trace: Trace, kv_tokens: int) -> list[tuple[str, str]]:
     """For a trace with prefix block ids, the report's section: its LRU hit-rate curve
-    (:func:`servetune.workloads.reuse.hit_rate_curve`) and where the profile's KV pool
-    sits on it; none for a trace without ids."""
+    (:func:`servetune.workloads.reuse.hit_rate_curve`) and where a KV pool of
+    ``kv_tokens`` tokens (the one the report's runs simulated) sits on it; none for a
+    trace without ids."""
     if trace.prefix_offsets is None or trace.prefix_block_ids is None:
         return []
-    pool = pool_blocks(int(profile.kv_blocks()) * int(profile.block_size), trace)
+    pool = pool_blocks(kv_tokens, trace)
     curve = hit_rate_curve(trace, sizes=(pool,))
     at = curve["points"][-1]
     curve["points"] = curve["points"][:-1]
@@ -954,6 +954,7 @@ def run_report(
     reasons = model_reasons(fit_workload(trace, name=trace_path.stem), profile, slo, current,
                             new)
     files = build_report(comp, Verdict(headline), inputs=inputs, reasons=reasons,
-                         extra_sections=prefix_cache_section(trace, profile))
+                         extra_sections=prefix_cache_section(
+                             trace, profile.kv_blocks() * profile.block_size))
     written = write_report(files, out_dir)
     return ReportOutcome(headline=headline, files=written, summary=files.summary)
