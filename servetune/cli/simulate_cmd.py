@@ -616,10 +616,10 @@ def _cache_bounds(trace: Trace, profile: Profile) -> dict[str, float]:
     """What the replayed trace's own reuse allows (:func:`servetune.workloads.reuse.
     hit_rate_curve`): the infinite-cache bound, and the LRU hit rate of a cache as large
     as the profile's KV pool (in the trace's blocks), both shares of block references."""
-    from servetune.workloads.reuse import hit_rate_curve
+    from servetune.workloads.reuse import hit_rate_curve, pool_blocks
 
-    pool = int(profile.kv_blocks()) * int(profile.block_size) // int(trace.prefix_block_tokens)
-    curve = hit_rate_curve(trace, fractions=(), sizes=(max(pool, 1),))
+    pool = pool_blocks(int(profile.kv_blocks()) * int(profile.block_size), trace)
+    curve = hit_rate_curve(trace, fractions=(), sizes=(pool,))
     return {"trace_bound": curve["bound"], "lru_hit_rate_at_pool": curve["points"][0]["hit_rate"]}
 
 
