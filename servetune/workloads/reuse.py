@@ -140,6 +140,13 @@ class ReuseStats:
 CURVE_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
+def _require_ids(trace: Trace) -> None:
+    if trace.prefix_offsets is None or trace.prefix_block_ids is None:
+        raise ServetuneError(
+            f"{trace.source or 'trace'}: has no prefix block ids (Mooncake hash_ids or a "
+            "session column) to measure reuse on")
+
+
 def stack_distances(trace: Trace) -> np.ndarray:
     """Per block reference, the LRU stack distance (Mattson et al., 1970): how many
     distinct blocks were referenced since the last reference to the same block; -1 for a
@@ -150,10 +157,7 @@ def stack_distances(trace: Trace) -> np.ndarray:
     finished request's blocks tail first (vLLM's free-block queue), so a prefix block is
     always at least as recent as the blocks after it, and the LRU hits of a request are
     a prefix of its ids, as a prefix cache's are."""
-    if trace.prefix_offsets is None or trace.prefix_block_ids is None:
-        raise ServetuneError(
-            f"{trace.source or 'trace'}: has no prefix block ids (Mooncake hash_ids or a "
-            "session column) to measure reuse on")
+    _require_ids(trace)
     offsets = trace.prefix_offsets.tolist()
     flat = trace.prefix_block_ids.tolist()
     refs: list[int] = []
@@ -237,10 +241,7 @@ def covers_output(trace: Trace) -> bool:
 def reuse_stats(trace: Trace) -> ReuseStats:
     """The prefix structure of ``trace`` (see the module docstring); an error when the
     trace has no prefix ids."""
-    if trace.prefix_offsets is None or trace.prefix_block_ids is None:
-        raise ServetuneError(
-            f"{trace.source or 'trace'}: has no prefix block ids (Mooncake hash_ids or a "
-            "session column) to measure reuse on")
+    _require_ids(trace)
     b = int(trace.prefix_block_tokens)
     if b < 1:
         raise ServetuneError(f"prefix_block_tokens must be >= 1 (got {b})")
