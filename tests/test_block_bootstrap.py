@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import math
 
 import numpy as np
 import pytest
@@ -237,8 +238,10 @@ def test_a_cycle_holds_each_request_once_and_class_stats_agree():
 
 def test_sample_keeps_each_stratum_exactly():
     boot = BURSTY_FIT.block_bootstrap
-    t, _, prompt, _ = sample_blocks(boot, seed=2, n_requests=None, horizon_s=boot.span_s,
-                                    rate_scale=1.0)  # one cycle, times not re-based
+    t, _, prompt, _, later = sample_blocks(boot, seed=2, n_requests=None,
+                                           horizon_s=boot.span_s,
+                                           rate_scale=1.0)  # one cycle, times not re-based
+    assert not later.any()  # no prefix ids, no sessions
     assert len(t) == len(BURSTY)
     strata = np.minimum(t // 300, 5).astype(int)
     want = np.minimum(BURSTY.arrival_s // 300, 5).astype(int)
@@ -264,13 +267,41 @@ def test_deterministic_and_rate_scale():
 
 
 @settings(max_examples=15, deadline=None)
-@given(short=st.integers(1, 9000), extra=st.integers(1, 30_000), seed=st.integers(0, 2**32))
-def test_shorter_sample_is_a_prefix(short, extra, seed):
+@given(cycles=st.integers(1, 3), extra=st.integers(1, 30_000), seed=st.integers(0, 2**32))
+def test_whole_cycles_are_a_prefix(cycles, extra, seed):
+    short = cycles * len(BURSTY)
     a = sample_trace(BURSTY_FIT, n_requests=short, seed=seed)
     b = sample_trace(BURSTY_FIT, n_requests=short + extra, seed=seed)
     np.testing.assert_array_equal(a.arrival_s, b.arrival_s[:short])
     np.testing.assert_array_equal(a.prompt_tokens, b.prompt_tokens[:short])
     np.testing.assert_array_equal(a.output_tokens, b.output_tokens[:short])
+
+
+def test_a_part_cycle_takes_every_stratum():
+    # half the hand case's requests: the first-ranked block of each stratum (b0 or b1,
+    # then b2 or b3), never the first stratum only; laid out in stratum order
+    for seed in range(8):
+        s = sample_trace(_hand(), n_requests=3, seed=seed)
+        first, second = s.prompt_tokens[s.prompt_tokens <= 300], s.prompt_tokens[
+            s.prompt_tokens > 300]
+        assert len(first) >= 1 and len(second) >= 1, s.prompt_tokens
+        assert s.prompt_tokens.tolist() == first.tolist() + second.tolist()
+    # and by time: 20 s of the 35 s hand case is one block of each stratum
+    for seed in range(8):
+        s = sample_trace(_hand(), duration_s=20.0, seed=seed)
+        assert (s.prompt_tokens <= 300).any() and (s.prompt_tokens > 300).any()
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_a_part_cycle_keeps_the_mix(fraction):
+    boot = BURSTY_FIT.block_bootstrap
+    n = int(fraction * len(BURSTY))
+    t, _, prompt, _, _ = sample_blocks(boot, seed=5, n_requests=n, horizon_s=math.inf,
+                                       rate_scale=1.0)
+    assert len(t) == n
+    assert np.mean(prompt) == pytest.approx(np.mean(BURSTY.prompt_tokens), rel=0.05)
+    # the rate: a few bursty blocks of each stratum, so only roughly the trace's
+    assert n / t[-1] == pytest.approx(len(BURSTY) / BURSTY.duration_s, rel=0.25)
 
 
 def test_cap_keeps_whole_strata_at_the_trace_rate():

@@ -14,13 +14,11 @@ from hypothesis import strategies as st
 from servetune.errors import ServetuneError
 from servetune.schemas.base import document_from_data
 from servetune.schemas.workload import Workload
+from servetune.workloads.copula import fit_length_correlation, mid_ranks, rank_correlation
 from servetune.workloads.fitting import (
-    _mid_ranks,
     class_stats,
-    fit_length_correlation,
     fit_workload,
     load_workload,
-    rank_correlation,
     sample_trace,
     save_workload,
 )
@@ -50,7 +48,7 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def test_mid_ranks_share_ties_and_the_fit_inverts_spearman():
-    np.testing.assert_array_equal(_mid_ranks(np.array([30, 10, 20, 20])), [4, 1, 2.5, 2.5])
+    np.testing.assert_array_equal(mid_ranks(np.array([30, 10, 20, 20])), [4, 1, 2.5, 2.5])
     x = np.arange(1, 101)
     # perfectly monotone: rho_S = 1 -> r = 2 sin(pi / 6) = 1, kept inside (-1, 1)
     assert fit_length_correlation(x, x * 3) == 0.9999

@@ -535,6 +535,10 @@ def register(app: typer.Typer) -> None:
         requests: RequestsOption = None,
         duration: DurationOption = None,
         reference: bool = typer.Option(False, "--reference", help="step-by-step reference mode"),
+        scale_by: str | None = typer.Option(
+            None, "--scale-by", help="workloads with sessions: what the rate scale "
+            "compresses, time (think times too) or sessions (more sessions at once); "
+            "default: the workload's sessions.scale_by (time unless fitted otherwise)"),
         rel_tol: float = typer.Option(
             0.01, "--tolerance", help="relative bisection tolerance (optimize prints its "
             "goodput at 0.01)"),
@@ -570,6 +574,13 @@ def register(app: typer.Typer) -> None:
             trace, workload, profile, policy, slo, engine, options
         )
         assert slo_set is not None
+        if scale_by is not None:
+            if trace is not None:
+                raise ServetuneError("--scale-by applies to --workload (a trace replays its "
+                                     "own sessions, scaled by time)")
+            from servetune.workloads.fitting import workload_scaled_by
+
+            source = workload_scaled_by(source, scale_by)
         console = Console(stderr=True, soft_wrap=True)  # one line per message, piped or not
 
         def on_point(point: dict[str, Any]) -> None:

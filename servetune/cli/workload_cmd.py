@@ -103,6 +103,13 @@ def register(app: typer.Typer) -> None:
             "sustained bursts, else renewal), renewal (empirical gaps when the gap CV is over "
             "2, else gamma or poisson), modulated, poisson, gamma or empirical."
         ),
+        scale_by: str = typer.Option(
+            "time", "--scale-by", help="Traces with sessions (prefix ids): what a rate "
+            "scale compresses. time (the default: every gap, think times too; the same "
+            "sessions faster, so the hit-rate curve is the trace's at every load) or "
+            "sessions (more sessions at once, each with the trace's think times; fewer cache "
+            "hits at high load)."
+        ),
         quiet: QuietOption = False,
         trace_format: TraceFormatOption = None,
         columns: ColumnsOption = None,
@@ -113,6 +120,7 @@ def register(app: typer.Typer) -> None:
         # lazy: as in class_table
         from rich.console import Console
 
+        from servetune.schemas.workload import SCALE_BY
         from servetune.workloads.fitting import arrival_model, fit_workload, save_workload
         from servetune.workloads.prefixes import describe as describe_prefix_reuse
 
@@ -122,6 +130,9 @@ def register(app: typer.Typer) -> None:
             )
         if bands < 1:
             raise ServetuneError(f"--bands must be >= 1 (got {bands})")
+        if scale_by not in SCALE_BY:
+            raise ServetuneError(
+                f"--scale-by must be one of {', '.join(SCALE_BY)} (got {scale_by!r})")
         windows: float | str = rate_windows
         if rate_windows not in ("auto", "none"):
             try:
@@ -141,6 +152,7 @@ def register(app: typer.Typer) -> None:
             name=name or output.stem,
             source=trace_path.name,
             arrival_process=arrival,
+            scale_by=scale_by,
         )
         header = (
             f"Fitted by servetune from {trace_path.name}: {len(trace)} requests over "

@@ -65,34 +65,41 @@ own fields stay: the optimizer's models read them. While the section is there, a
 comes from it alone (a rate scale still compresses its times): to sample edited class
 rates or lengths, remove it.
 
-Optional ``prefix_reuse`` (workload level, written by ``servetune workload fit`` when
-the trace has prefix block ids: Mooncake ``hash_ids`` or a session column): how requests
+Optional ``prefix_reuse`` (workload level, written by ``servetune workload fit`` when the
+trace has prefix block ids: Mooncake ``hash_ids`` or a session column): how requests
 share prompt prefixes, so a sample carries chain-hash block ids
 (``Trace.prefix_block_ids``: block ``m`` names a request's first ``(m + 1) *
-block_tokens`` tokens) whose reuse is the trace's. It adds ids to the requests the
-classes (or the bootstrap) make and changes none of their arrivals or lengths. Requests
-fall into bands of prompt length (``prompt_band_edges``); per band,
-``sessions.continue_share`` of the ids belong to requests that are a later turn of a
-session, and ``system_prompts.share`` of the other requests (first turns) start with a
-shared system prompt. A later turn continues an open session whose context (its last
-turn's covered tokens) its prompt extends by a growth drawn from
-``sessions.growth_tokens`` (contexts near that target, in windows that widen until one
-holds a session: :mod:`servetune.workloads.prefixes`), choosing among those the one
-whose think time, drawn from ``sessions.think_time_s`` after its last turn, ends nearest
-the arrival; it shares the session's blocks up to its own prompt. A session idle longer
-than the longest think time ends. A first turn with a system prompt takes one of
-``system_prompts.tokens`` (weights ``system_prompts.sessions``) that leaves it
-``system_prompts.own_tokens`` prompt tokens (between their 1% and 99% quantiles) and
+block_tokens`` tokens) whose reuse, and how soon it comes, is the trace's. Requests fall
+into bands of prompt length (``prompt_band_edges``). With ``sessions``, a sample is made
+of sessions: the classes (or the bootstrap) give the first turns (a request of band ``b``
+is a later turn, and left out, with probability ``sessions.later_turn_share[b]``; the
+bootstrap knows which of its requests were later turns, ``later_turns``), and a first
+turn of band ``b`` has a next turn with probability ``sessions.next_after_first[b]``, a
+later turn with ``sessions.next_after_later``, ``sessions.think_time_s`` later, whose
+prompt is the turn's covered tokens plus ``sessions.growth_tokens`` and whose output is
+drawn from ``sessions.output_tokens`` (coupled to that prompt by
+``sessions.prompt_output_correlation``, a Gaussian copula as a class's, the prompt's
+normal score read from ``sessions.prompt_tokens``). A later turn shares its session's
+blocks up to its own prompt. The arrivals of later turns thus come from the session
+structure, and the reuse distances with them (:mod:`servetune.workloads.prefixes`).
+``sessions.scale_by`` says what a rate scale compresses: ``time`` (every gap, think times
+too: the same sessions, faster; the hit-rate curve against cache size stays the trace's)
+or ``sessions`` (more sessions at once, each as slow as in the trace).
+``system_prompts.share[b]`` of first turns start with a shared system prompt: one of
+``system_prompts.tokens`` that leaves it ``system_prompts.own_tokens`` prompt tokens
+(between their 1% and 99% quantiles), weighted by the uses it has left in the cycle
+(``system_prompts.sessions`` at the cycle's start; when those that fit are used up, by
+``system_prompts.sessions`` again), so uses spread over the cycle as in the trace; it
 shares its blocks with every other user of that prompt (new ids for each prompt in each
 ``duration_s``-long cycle of a longer sample, as a longer trace would show new prompts).
-Everything else gets new ids. Turns per session follow from the shares and the matching
-(there is no separate cap).
+Everything else gets new ids. No sample re-sends more than ``trace_reuse_ratio`` of its
+block references (the fitted trace's infinite-cache bound), at any point.
 """
 
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, get_args
 
 import numpy as np
 from pydantic import Field, field_validator, model_validator
@@ -527,6 +534,10 @@ class BlockBootstrap(Strict):
         "may be left out when there is one class")
     prompt_tokens: list[int] = Field(description="per request: prompt tokens, >= 1")
     output_tokens: list[int] = Field(description="per request: output tokens, >= 1")
+    later_turns: list[int] | None = Field(
+        None, description="positions (0-based, in block order, increasing) of the requests "
+        "that were later turns of a session; with prefix_reuse.sessions a sample replays the "
+        "others as first turns and makes the later turns from the sessions")
 
     @field_validator("block_s", "stratum_s", "span_s")
     @classmethod
@@ -581,6 +592,13 @@ class BlockBootstrap(Strict):
                 raise ValueError(
                     f"{what} has {len(got)} entries but block_counts add up "
                     f"to {n} requests; give one entry per request")
+        if self.later_turns:
+            later = np.asarray(self.later_turns)
+            bad = _first((later < 0) | (later >= n) | np.r_[False, np.diff(later) <= 0])
+            if bad is not None:
+                raise ValueError(
+                    f"later_turns[{bad}] is {self.later_turns[bad]}; give increasing request "
+                    f"positions from 0 to {n - 1}")
         length = self.block_lengths()
         block = np.repeat(np.arange(nb), self.block_counts)
         over = _first(np.asarray(self.offset_s, dtype=np.float64) > length[block] + 1e-6)
@@ -630,23 +648,69 @@ def _shares(v: list[float]) -> list[float]:
     return v
 
 
+ScaleBy = Literal["time", "sessions"]
+SCALE_BY: tuple[str, ...] = get_args(ScaleBy)
+
+
 class PrefixSessions(Strict):
     """Sessions: later turns that extend an earlier turn's context."""
 
-    continue_share: list[float] = Field(
-        min_length=1, description="per prompt band: share of the band's block ids that belong "
-        "to requests continuing a session (0..1)")
+    later_turn_share: list[float] = Field(
+        min_length=1, description="per prompt band: share of the band's requests that are "
+        "later turns of a session (0..1); the classes' requests of the band are first turns "
+        "with the rest")
+    next_after_first: list[float] = Field(
+        min_length=1, description="per prompt band (of a first turn's prompt): the "
+        "probability that a first turn has a next turn (0..1), corrected for the turns whose "
+        "next turn would fall after the fitted trace's end")
+    next_after_later: float = Field(
+        ge=0, le=1, description="the probability that a later turn has a next turn (one for "
+        "all bands: a session that went on once tends to go on whatever its length; Mooncake: "
+        "16% of first turns and 64-83% of later turns have a next one)")
     think_time_s: NonNegativeKnots = Field(
         description="seconds from a session's turn to its next turn's arrival (quantile knots)")
     growth_tokens: SignedKnots = Field(
         description="a later turn's prompt tokens minus its previous turn's covered tokens "
         "(quantile knots; the new user text, or the change in prompt length when ids cover "
         "the prompt only)")
+    output_tokens: NonNegativeKnots = Field(
+        description="a later turn's output tokens (quantile knots)")
+    context_tokens: NonNegativeKnots | None = Field(
+        None, description="the covered tokens of a turn that has a next turn (quantile "
+        "knots): where a turn's context stands, for the two correlations below")
+    think_context_correlation: float | None = Field(
+        None, ge=-1, le=1, description="Gaussian-copula correlation of the think time with "
+        "the previous turn's covered tokens (needs context_tokens); absent: independent")
+    growth_context_correlation: float | None = Field(
+        None, ge=-1, le=1, description="Gaussian-copula correlation of the growth with the "
+        "previous turn's covered tokens (needs context_tokens); absent: independent")
+    prompt_tokens: NonNegativeKnots | None = Field(
+        None, description="a later turn's prompt tokens (quantile knots): where its prompt "
+        "stands among later turns', for prompt_output_correlation")
+    prompt_output_correlation: float | None = Field(
+        None, ge=-1, le=1, description="Gaussian-copula correlation of a later turn's output "
+        "with its prompt (as a class's prompt_output_correlation; needs prompt_tokens); "
+        "absent: independent")
+    scale_by: ScaleBy = Field(
+        "time", description="what a rate scale s does: time (divides think times by s "
+        "too: the same sessions, faster) or sessions (s times as many sessions at once, "
+        "think times as fitted)")
 
-    @field_validator("continue_share")
+    @field_validator("later_turn_share", "next_after_first")
     @classmethod
     def _in_unit(cls, v: list[float]) -> list[float]:
         return _shares(v)
+
+    @model_validator(mode="after")
+    def _copula(self) -> PrefixSessions:
+        if self.prompt_output_correlation is not None and self.prompt_tokens is None:
+            raise ValueError("prompt_output_correlation needs prompt_tokens (the later turns' "
+                             "prompt knots)")
+        for what in ("think_context_correlation", "growth_context_correlation"):
+            if getattr(self, what) is not None and self.context_tokens is None:
+                raise ValueError(f"{what} needs context_tokens (the previous turns' "
+                                 "covered-token knots)")
+        return self
 
 
 class SystemPrompts(Strict):
@@ -712,7 +776,8 @@ class PrefixReuse(Strict):
     def _bands(self) -> PrefixReuse:
         k = len(self.prompt_band_edges) + 1
         for what, shares in (
-            ("sessions.continue_share", self.sessions and self.sessions.continue_share),
+            ("sessions.later_turn_share", self.sessions and self.sessions.later_turn_share),
+            ("sessions.next_after_first", self.sessions and self.sessions.next_after_first),
             ("system_prompts.share", self.system_prompts and self.system_prompts.share),
         ):
             if shares and len(shares) != k:

@@ -9,7 +9,9 @@ prints, another reproduces:
   with ``seed``, ``n_requests`` requests at its own rates (default: one whole cycle of a
   block bootstrap, which holds every request of the trace it was fitted to, up to
   ``MAX_TRACE_REQUESTS``; else :data:`DEFAULT_REQUESTS`). A rate scale then compresses
-  the sample's time;
+  the sample's time; for a workload whose sessions scale by ``sessions``
+  (:mod:`servetune.workloads.prefixes`) it samples the same number of requests again at
+  that scale instead (more sessions at once, think times kept);
 - **window** (:func:`judged_sample`): a run whose sample would span less than
   ``window_s`` seconds at the rate judged replays a longer sample of the same source
   instead (whole multiples of the base sample's size, at most
@@ -92,8 +94,22 @@ def judged_sample(
 ) -> tuple[Trace, float]:
     """The trace a run at ``rate_scale`` (times ``sample``'s rate) replays, and the rate
     scale that gives it the same arrival rate: ``sample`` itself, or a longer sample of
-    ``source`` when ``sample`` would span less than ``window_s`` (module docstring).
-    ``longer`` caches the longer samples by size."""
+    ``source`` when ``sample`` would span less than ``window_s``; for a workload that
+    scales by sessions, as many requests sampled at that scale, replayed at scale 1
+    (module docstring). ``longer`` caches the longer samples by size."""
+    trace, own_scale = _windowed(source, sample, rate_scale, window_s, seed=seed,
+                                 max_requests=max_requests, longer=longer)
+    if scales_sessions(source) and own_scale != 1.0:
+        return prepare_trace(source, seed=seed, n_requests=len(trace),
+                             rate_scale=own_scale), 1.0
+    return trace, own_scale
+
+
+def _windowed(
+    source: Trace | Workload | None, sample: Trace, rate_scale: float, window_s: float, *,
+    seed: int, max_requests: int, longer: dict[int, tuple[Trace, float]] | None,
+) -> tuple[Trace, float]:
+    """:func:`judged_sample` by time: ``sample`` or a longer one, and its own scale."""
     base = float(base_rate_per_s(sample))
     rate = rate_scale * base
     need = arrivals_in(rate, window_s) + 1  # n arrivals span n - 1 gaps
@@ -111,6 +127,14 @@ def judged_sample(
     if len(grown) <= size or grown_base <= 0:
         return sample, rate_scale
     return grown, rate / grown_base
+
+
+def scales_sessions(source: Trace | Workload | None) -> bool:
+    """Whether a rate scale of ``source`` makes more sessions rather than compressing
+    time (a workload whose ``prefix_reuse.sessions.scale_by`` is ``sessions``)."""
+    return (isinstance(source, Workload) and source.prefix_reuse is not None
+            and source.prefix_reuse.sessions is not None
+            and source.prefix_reuse.sessions.scale_by == "sessions")
 
 
 class Evaluator:

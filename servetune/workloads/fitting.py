@@ -138,7 +138,9 @@ by prompt-length quantile bands). Per class:
 - prefix reuse (``Workload.prefix_reuse``, when the trace has prefix block ids: Mooncake
   hashes or a session column): sessions and shared system prompts, fitted over all
   classes (:mod:`servetune.workloads.prefixes`, statistics in
-  :mod:`servetune.workloads.reuse`).
+  :mod:`servetune.workloads.reuse`). Its chances of a next turn are calibrated on the
+  first turns that samples of this workload's own classes (or bootstrap) give over the
+  trace's span, so a sample holds the trace's later turns.
 
 Sampling (``sample_trace``): each class is an independent stream, generated in fixed
 chunks of ``CHUNK`` requests from its own seeded generators: unit-mean exponential,
@@ -164,10 +166,15 @@ A workload with a ``block_bootstrap`` is sampled from it instead (all classes at
 cycle c (``span_s`` seconds) lays out the strata in order, each stratum's blocks in an
 order drawn from a generator seeded by (seed, c), each block taking its own length with
 its requests at their offsets and keeping their class and lengths; ``rate_scale`` s
-divides the times by s. Cycles do not depend on how many are drawn: the prefix property
-holds. With a ``prefix_reuse`` section the merged requests then get block ids, in arrival
-order from a generator of their own (:func:`servetune.workloads.prefixes.assign_prefix_ids`):
-arrivals and lengths stay as drawn, and the prefix property holds for the ids too.
+divides the times by s. Whole cycles do not depend on how many are drawn (a sample that
+ends inside a cycle takes blocks from every stratum: :mod:`servetune.workloads.bootstrap`).
+With ``prefix_reuse.sessions`` the stream gives first turns only (its requests that stand
+for later turns are left out) and each grows its session's later turns
+(:func:`servetune.workloads.prefixes.grow_sessions`); the stream is drawn to a length
+whose sessions hold the requests asked for (doubling), everything up to its last arrival
+being complete. The requests then get block ids, in arrival order, from generators of
+their own (:func:`servetune.workloads.prefixes.assign_prefix_ids`). Over a parametric
+stream the prefix property holds for sessions and ids too.
 """
 
 from __future__ import annotations
@@ -175,7 +182,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,11 +193,13 @@ from servetune.errors import ServetuneError
 from servetune.io import write_text_atomic
 from servetune.schemas.base import format_validation_error, load_document
 from servetune.schemas.workload import (
+    SCALE_BY,
     Arrival,
     BlockBootstrap,
     GapDistribution,
     LengthDistribution,
     LengthShift,
+    PrefixReuse,
     RateModulation,
     RateWindows,
     Workload,
@@ -200,8 +208,21 @@ from servetune.schemas.workload import (
 )
 from servetune.workloads import bootstrap
 from servetune.workloads.bootstrap import BLOCK_S
-from servetune.workloads.prefixes import assign_prefix_ids, fit_prefix_reuse
+from servetune.workloads.copula import (
+    COPULA_MIN_REQUESTS,
+    fit_length_correlation,
+    normal_cdf,
+    normal_scores,
+)
+from servetune.workloads.prefixes import (
+    CALIBRATION_SEEDS,
+    assign_prefix_ids,
+    fit_prefix_reuse,
+    grow_sessions,
+    later_turn_mask,
+)
 from servetune.workloads.prefixes import summary as prefix_summary
+from servetune.workloads.reuse import reuse_stats
 from servetune.workloads.stats import gap_cv
 from servetune.workloads.trace import Trace, from_arrays
 
@@ -222,8 +243,6 @@ MOD_MIN_LAG1 = 0.1
 MOD_SHUFFLES = 8
 GAP_SIGNIFICANT_DIGITS = 6
 # Prompt/output dependence (Gaussian copula, see the module docstring)
-COPULA_MIN_REQUESTS = 30
-COPULA_SIGMAS = 3.0  # fitted when |r| exceeds this many standard errors (1/sqrt(n)) of 0
 # Slow rate profile and length drift (two-timescale model, see the module docstring)
 SLOW_WINDOW_S = 300.0  # the slow windows are at most 5 minutes long ...
 SLOW_MIN_WINDOWS = 6  # ... and at least this many cover the trace ...
@@ -385,36 +404,6 @@ def _fit_lengths(tokens: np.ndarray) -> LengthDistribution:
     return LengthDistribution(
         quantiles=[float(q) for q in QUANTILE_GRID], values=[float(v) for v in values]
     )
-
-
-def _mid_ranks(x: np.ndarray) -> np.ndarray:
-    """Ranks 1..n of ``x``, ties sharing their mean rank (so ties add no order of their own)."""
-    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
-    upper = np.cumsum(counts)
-    return ((upper - (counts - 1) / 2.0)[inverse]).astype(np.float64)
-
-
-def rank_correlation(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman's rank correlation (mid-ranks for ties); 0 when either is constant."""
-    ra, rb = _mid_ranks(np.asarray(a)), _mid_ranks(np.asarray(b))
-    if not (ra.std() > 0 and rb.std() > 0):
-        return 0.0
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
-def fit_length_correlation(prompt: np.ndarray, output: np.ndarray) -> float | None:
-    """The Gaussian-copula correlation r whose Spearman rank correlation equals the
-    lengths' own rho_S: r = 2 sin(pi rho_S / 6), 4 decimals. None when there are fewer
-    than COPULA_MIN_REQUESTS requests or |rho_S| <= COPULA_SIGMAS / sqrt(n - 1) (its
-    standard error under independence: independence explains it)."""
-    n = len(prompt)
-    if n < COPULA_MIN_REQUESTS:
-        return None
-    rho = rank_correlation(prompt, output)
-    if not abs(rho) > COPULA_SIGMAS / math.sqrt(n - 1):
-        return None
-    r = 2.0 * math.sin(math.pi * rho / 6.0)
-    return float(min(max(round(r, 4), -0.9999), 0.9999))
 
 
 def _window_multipliers(arrival_s: np.ndarray, span: float, window_s: float) -> np.ndarray:
@@ -605,6 +594,10 @@ def _fit_modulated(arrival_s: np.ndarray, rate: float, *, force: bool,
     marginal = np.bincount(label, minlength=k) / len(label)
     rows = trans.sum(axis=1)
     trans = np.where(rows[:, None] > 0, trans / np.where(rows > 0, rows, 1)[:, None], marginal)
+    # a silent level seen only at the trace's end would never be left: leave it as the
+    # windows do on average
+    stuck = (raw == 0) & (trans[:, raw > 0].sum(axis=1) == 0)
+    trans[stuck] = marginal
     trans = np.round(trans, 6)
     trans = trans / trans.sum(axis=1, keepdims=True)
     modulation = RateModulation(
@@ -656,17 +649,6 @@ def _slow_rate_significant(ev: dict[str, float]) -> bool:
     return ev["windows"] >= SLOW_MIN_WINDOWS - 1 and ev["dispersion"] > ev["poisson_limit"]
 
 
-_INV_PHI = np.frompyfunc(statistics.NormalDist().inv_cdf, 1, 1)
-
-
-def normal_scores(x: np.ndarray) -> np.ndarray:
-    """Phi^-1((mid-rank - 1/2) / n) of each value, scaled to unit variance."""
-    x = np.asarray(x)
-    z = _INV_PHI((_mid_ranks(x) - 0.5) / len(x)).astype(np.float64)
-    sd = float(z.std())
-    return z / sd if sd > 0 else z
-
-
 def fit_length_shift(tokens: np.ndarray, window: np.ndarray, k: int) -> list[float] | None:
     """Per window (index ``window`` of each request, 0..k-1) the normal-score shift d_i
     whose lengths Q(Phi(d_i + a e)) have the window's mean length (a = sqrt(1 - the
@@ -714,7 +696,7 @@ def _shift_for_mean(knots: tuple[np.ndarray, np.ndarray], mean: float, a: float)
     lo, hi = -3.0, 3.0
     for _ in range(40):
         mid = (lo + hi) / 2.0
-        m = float(_GH_W @ np.interp(_normal_cdf(mid + a * _GH_X), q, v))
+        m = float(_GH_W @ np.interp(normal_cdf(mid + a * _GH_X), q, v))
         lo, hi = (mid, hi) if m < mean else (lo, mid)
     return (lo + hi) / 2.0
 
@@ -835,6 +817,7 @@ def fit_workload(
     source: str = "",
     arrival_process: str = "auto",
     block_s: float = BLOCK_S,
+    scale_by: str = "time",
 ) -> Workload:
     """Fit a Workload to ``trace`` (see the module docstring for the method).
     ``rate_windows_s``: "auto" (a slow rate profile and length drift where significant),
@@ -842,12 +825,17 @@ def fit_workload(
     ``arrival_process``: auto (the block bootstrap when the parametric fit misses the
     trace's bursts or long-prompt placement, else parametric), bootstrap, parametric
     (modulated when bursty, else renewal), renewal, modulated, poisson, gamma or
-    empirical. ``block_s``: the bootstrap's block length, seconds."""
+    empirical. ``block_s``: the bootstrap's block length, seconds. ``scale_by``: what a
+    rate scale compresses when the trace has sessions (time or sessions, see
+    :mod:`servetune.workloads.prefixes`)."""
     if arrival_process not in ARRIVAL_PROCESSES:
         raise ServetuneError(
             f"argument `arrival_process` must be one of {', '.join(ARRIVAL_PROCESSES)} "
             f"(got {arrival_process!r})"
         )
+    if scale_by not in SCALE_BY:
+        raise ServetuneError(
+            f"argument `scale_by` must be one of {', '.join(SCALE_BY)} (got {scale_by!r})")
     if not (isinstance(block_s, int | float) and 0 < block_s < math.inf):
         raise ServetuneError(f"argument `block_s` must be > 0 seconds (got {block_s})")
     if isinstance(rate_windows_s, str) and rate_windows_s not in RATE_WINDOWS:
@@ -901,23 +889,63 @@ def fit_workload(
                 output_tokens=_fit_lengths(output),
                 prompt_output_correlation=r,
             )
-        workload = Workload(name=name, source=source, duration_s=round(span, 6),
-                            classes=classes)
+        parametric = Workload(name=name, source=source, duration_s=round(span, 6),
+                              classes=classes)
+        stats = (reuse_stats(trace) if trace.prefix_block_ids is not None
+                 and len(trace.prefix_block_ids) else None)
         boot = None
         if arrival_process in ("auto", "bootstrap"):
-            boot = _block_bootstrap(trace, workload, class_index if len(classes) > 1 else None,
+            boot = _block_bootstrap(trace, parametric,
+                                    class_index if len(classes) > 1 else None,
                                     rate_windows_s, float(block_s),
-                                    force=arrival_process == "bootstrap")
-        prefix = fit_prefix_reuse(trace)
-        if boot is None and prefix is None:
+                                    force=arrival_process == "bootstrap",
+                                    later_turn=None if stats is None else stats.continues)
+        workload = Workload(name=name, source=source, duration_s=round(span, 6),
+                            classes=classes, block_bootstrap=boot)
+
+        def first_turns(model: PrefixReuse) -> list[tuple[np.ndarray, ...]]:
+            """The first turns of samples over the span (calibration: see prefixes)."""
+            out = []
+            for seed in range(CALIBRATION_SEEDS):
+                t, _, p, o, later = _sample_stream(workload, n_requests=None,
+                                                   horizon=span, seed=seed, rate_scale=1.0)
+                if later is None:
+                    later = later_turn_mask(model, p, seed=seed)
+                out.append((t[~later], p[~later], o[~later]))
+            return out
+
+        prefix = fit_prefix_reuse(trace, stats, first_turns)
+        if prefix is None:
             return workload
-        return Workload(name=name, source=source, duration_s=round(span, 6),
-                        classes=classes, block_bootstrap=boot, prefix_reuse=prefix)
+        if prefix.sessions is not None:
+            prefix = with_scale_by(prefix, scale_by)
+        return workload.model_copy(update={"prefix_reuse": prefix})
     except ValidationError as err:
         where = trace.source or "trace"
         raise ServetuneError(
             format_validation_error(err, f"{where}: cannot fit a workload")
         ) from None
+
+
+def with_scale_by(model: PrefixReuse, scale_by: str) -> PrefixReuse:
+    """``model`` whose sessions scale by ``scale_by`` (time or sessions)."""
+    assert model.sessions is not None
+    return model.model_copy(update={"sessions": model.sessions.model_copy(
+        update={"scale_by": scale_by})})
+
+
+def workload_scaled_by(workload: Workload, scale_by: str) -> Workload:
+    """``workload`` with its sessions scaling by ``scale_by`` (``--scale-by``); an error
+    when it has no sessions or the value is not one of SCALE_BY."""
+    if scale_by not in SCALE_BY:
+        raise ServetuneError(
+            f"--scale-by must be one of {', '.join(SCALE_BY)} (got {scale_by!r})")
+    model = workload.prefix_reuse
+    if model is None or model.sessions is None:
+        raise ServetuneError(
+            "--scale-by applies to a workload with sessions (prefix_reuse.sessions, fitted from "
+            f"a trace with prefix ids); workload {workload.name!r} has none")
+    return workload.model_copy(update={"prefix_reuse": with_scale_by(model, scale_by)})
 
 
 # ----------------------------------------------------------------------------- bootstrap
@@ -1004,7 +1032,7 @@ def _bootstrap_chosen(ev: dict[str, Any]) -> bool:
 
 def _block_bootstrap(trace: Trace, parametric: Workload, class_index: np.ndarray | None,
                      rate_windows_s: float | str | None, block_s: float,
-                     force: bool) -> BlockBootstrap | None:
+                     force: bool, later_turn: np.ndarray | None = None) -> BlockBootstrap | None:
     """The bootstrap section when ``auto`` chooses it (or ``force``), else None."""
     span = trace.duration_s
     stratum_s = bootstrap_stratum_s(span, block_s, rate_windows_s)
@@ -1025,7 +1053,8 @@ def _block_bootstrap(trace: Trace, parametric: Workload, class_index: np.ndarray
     if not force and not _bootstrap_chosen(
             bootstrap_evidence(trace, parametric, block_s, stratum_s)):
         return None
-    boot = bootstrap.fit_block_bootstrap(trace, class_index, block_s, stratum_s)
+    boot = bootstrap.fit_block_bootstrap(trace, class_index, block_s, stratum_s,
+                                         later_turn=later_turn)
     if boot is None and force:
         raise ServetuneError(
             f"{trace.source or 'trace'}: one stratum of {stratum_s:g} s holds more than "
@@ -1105,14 +1134,6 @@ class _LevelPath:
         inside = np.where(rate_m[i] > 0, (tau - ends[i]) / np.where(rate_m[i] > 0, rate_m[i], 1),
                           0.0)
         return first_window[i] * self.w + np.minimum(inside, windows[i] * self.w)
-
-
-_ERF = np.frompyfunc(math.erf, 1, 1)
-
-
-def _normal_cdf(z: np.ndarray) -> np.ndarray:
-    """Phi(z), elementwise (math.erf: exact to double precision, no scipy)."""
-    return 0.5 * (1.0 + _ERF(z / math.sqrt(2.0)).astype(np.float64))
 
 
 class _ClassStream:
@@ -1196,7 +1217,7 @@ class _ClassStream:
         zp = self.gen_prompt.standard_normal(CHUNK)
         zo = self.rho * zp + math.sqrt(1.0 - self.rho * self.rho) * self.gen_output.standard_normal(
             CHUNK)
-        return _normal_cdf(zp), _normal_cdf(zo)
+        return normal_cdf(zp), normal_cdf(zo)
 
     def _shifted_uniforms(self, t1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(prompt, output) probabilities with the slow window's normal-score shifts:
@@ -1209,7 +1230,7 @@ class _ClassStream:
         eo = self.gen_output.standard_normal(len(t1))
         if self.rho is not None:
             eo = self.rho * ep + math.sqrt(1.0 - self.rho * self.rho) * eo
-        return _normal_cdf(dp[i] + ap * ep), _normal_cdf(do[i] + ao * eo)
+        return normal_cdf(dp[i] + ap * ep), normal_cdf(do[i] + ao * eo)
 
     def extend(self) -> None:
         if self.process == "poisson":
@@ -1267,14 +1288,16 @@ def sample_trace(
             f"(more than {MAX_SAMPLE_REQUESTS:,}); sample fewer requests or a shorter duration"
         )
     horizon = math.inf if duration_s is None else float(duration_s)
-    if workload.block_bootstrap is not None:
-        arrival, class_id, prompt, output = bootstrap.sample_blocks(
-            workload.block_bootstrap, seed=seed, n_requests=n_requests, horizon_s=horizon,
+    model = workload.prefix_reuse
+    if model is not None and model.sessions is not None:
+        arrival, class_id, prompt, output, parent = _sample_sessions(
+            workload, model, n_requests=n_requests, horizon=horizon, seed=seed,
             rate_scale=rate_scale)
     else:
-        arrival, class_id, prompt, output = _sample_classes(
+        arrival, class_id, prompt, output, _ = _sample_stream(
             workload, n_requests=n_requests, horizon=horizon, seed=seed,
             rate_scale=rate_scale)
+        parent = None
     if len(arrival) == 0:
         raise ServetuneError(
             f"sampling {duration_s:g} s of workload {workload.name!r} produced no requests; "
@@ -1290,14 +1313,59 @@ def sample_trace(
         priority=priorities[class_id],
         source=f"workload:{workload.name} seed={seed}",
     )
-    model = workload.prefix_reuse
     if model is None:
         return trace
     offsets, ids = assign_prefix_ids(model, trace.arrival_s, trace.prompt_tokens,
-                                     trace.output_tokens, seed=seed, rate_scale=rate_scale,
-                                     cycle_s=workload.duration_s)
+                                     trace.output_tokens, parent, seed=seed,
+                                     rate_scale=rate_scale, cycle_s=workload.duration_s)
     return dataclasses.replace(trace, prefix_offsets=offsets, prefix_block_ids=ids,
                                prefix_block_tokens=model.block_tokens)
+
+
+def _sample_stream(
+    workload: Workload, *, n_requests: int | None, horizon: float, seed: int,
+    rate_scale: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """(arrival, class index, prompt, output, later-turn mask or None) from the bootstrap
+    or the classes: the first ``n_requests`` (None: all) up to ``horizon`` seconds."""
+    if workload.block_bootstrap is not None:
+        return bootstrap.sample_blocks(
+            workload.block_bootstrap, seed=seed, n_requests=n_requests, horizon_s=horizon,
+            rate_scale=rate_scale)
+    return *_sample_classes(workload, n_requests=n_requests, horizon=horizon, seed=seed,
+                            rate_scale=rate_scale), None
+
+
+def _sample_sessions(
+    workload: Workload, model: PrefixReuse, *, n_requests: int | None, horizon: float,
+    seed: int, rate_scale: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(arrival, class index, prompt, output, parent) of a sample made of sessions
+    (:mod:`servetune.workloads.prefixes`): the stream's first turns and their later turns,
+    the first ``n_requests`` up to ``horizon``. The stream is drawn to a length whose
+    sessions hold ``n_requests`` (doubling); everything up to the stream's last arrival
+    is complete, since a later turn comes after its first turn."""
+    want = n_requests
+    max_prompt = int(max(distribution_quantile(c.prompt_tokens, 1.0)
+                         for c in workload.classes.values()))
+    while True:
+        arrival, class_id, prompt, output, later = _sample_stream(
+            workload, n_requests=want, horizon=horizon, seed=seed, rate_scale=rate_scale)
+        complete = want is None or len(arrival) < want
+        end = horizon if complete else float(arrival[-1])
+        if later is None:
+            later = later_turn_mask(model, prompt, seed=seed)
+        first = ~later
+        out = grow_sessions(model, arrival[first], class_id[first], prompt[first],
+                            output[first], seed=seed, rate_scale=rate_scale, end_s=end,
+                            max_prompt_tokens=max(max_prompt, int(prompt.max(initial=1))),
+                            cycle_s=workload.duration_s)
+        if complete or len(out[0]) >= n_requests:
+            if n_requests is None or len(out[0]) <= n_requests:
+                return out
+            parent = out[4][:n_requests]
+            return (*(x[:n_requests] for x in out[:4]), parent)
+        want = max(2 * want, want + 16)
 
 
 def _sample_classes(
