@@ -409,10 +409,12 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes | Iterable[byte
     be held in memory)."""
     p = _write_target(Path(path))
     parent = p.parent if str(p.parent) else Path(".")
+    made = [d for d in (*reversed(parent.parents), parent) if not d.exists()]  # outermost first
     try:
         parent.mkdir(parents=True, exist_ok=True)
         tmp = _stage(parent, p.name, data)
     except OSError as exc:
+        _remove_empty(made)
         blocker = _file_in_the_way(parent)
         if blocker is not None:
             raise ServetuneError(
@@ -423,6 +425,7 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes | Iterable[byte
         os.replace(tmp, p)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
+        _remove_empty(made)
         raise ServetuneError(f"{p}: cannot write ({exc.strerror})") from None
 
 

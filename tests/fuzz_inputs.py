@@ -20,15 +20,26 @@ answer within the time limit. Expensive work (the optimizer's search in optimize
 nightly, the planner's capacity runs, the placement's spare-capacity runs and solver) is
 replaced by a stub that raises :class:`ReachedWork`: an input that gets there passed every
 input check.
+
+**Output faults** (:data:`FAULTS`, :func:`fault_cases`): valid inputs whose output folder
+fails, in-process, as a read-only file system (``os.access`` says no, and creating a
+file or folder there raises EROFS) or a full one (a file can still be made, but every
+byte written to it goes to ``/dev/full``: ENOSPC). Each command that writes into ``out/``
+must then fail with one line (or reach its stubbed work first) and leave ``out/`` empty.
+The faults on standard output (``/dev/full``, closed, a pipe closed early) need the
+console script, so :func:`stdout_fault_run` runs it as a subprocess.
 """
 
 from __future__ import annotations
 
 import base64
+import builtins
 import contextlib
 import copy
+import errno
 import gzip
 import hashlib
+import io
 import json
 import logging
 import math
@@ -36,6 +47,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -98,12 +111,14 @@ class Case:
     files: tuple[tuple[str, bytes], ...]
     argv: tuple[str, ...]
     writes: str | None = None
+    fault: str | None = None  # one of FAULTS: the output folder fails so
 
     def digest(self) -> str:
         h = hashlib.sha256()
         for name, data in self.files:
             h.update(name.encode() + b"\0" + data + b"\0")
         h.update("\0".join(self.argv).encode())
+        h.update((self.fault or "").encode())
         return h.hexdigest()
 
     def preview(self, fuzzed: str) -> dict[str, Any]:
@@ -186,6 +201,95 @@ def stubbed_work() -> Iterator[None]:
             setattr(mod, name, value)
 
 
+FAULTS = ("read-only", "full")
+_WRITING = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+
+
+@contextlib.contextmanager
+def output_fault(kind: str | None, folder: Path) -> Iterator[None]:
+    """While inside, ``folder`` (and everything under it) fails as a read-only or a full
+    file system for this process (module docstring); ``kind`` None: no fault.
+
+    Full: files and folders can still be made, as on a real full disk, and keep their
+    identity (a lock file's inode); their bytes fail with ENOSPC, written through
+    ``os.write``, a file object made on their descriptor by ``os.fdopen`` or ``open`` (the
+    descriptor then points at ``/dev/full``) or by ``open`` of their path."""
+    if kind is None:
+        yield
+        return
+    assert kind in FAULTS, kind
+    root = os.path.realpath(folder)
+    real = {"access": os.access, "open": os.open, "mkdir": os.mkdir, "write": os.write,
+            "fdopen": os.fdopen, "builtin_open": builtins.open}
+    tracked: set[int] = set()  # descriptors of files made under the folder
+
+    def inside(path: Any) -> bool:
+        if isinstance(path, int):
+            return False
+        p = os.path.realpath(os.fspath(path))
+        return p == root or p.startswith(root + os.sep)
+
+    def error(code: int, path: Any = None) -> OSError:
+        return OSError(code, os.strerror(code), *(() if path is None else (os.fspath(path),)))
+
+    def access(path: Any, mode: int, *args: Any, **kwargs: Any) -> bool:
+        if kind == "read-only" and mode & os.W_OK and inside(path):
+            return False
+        return real["access"](path, mode, *args, **kwargs)
+
+    def os_open(path: Any, flags: int, mode: int = 0o777, *args: Any, **kwargs: Any) -> int:
+        writing = flags & _WRITING and not args and not kwargs and inside(path)
+        if writing and kind == "read-only":
+            raise error(errno.EROFS, path)
+        fd = real["open"](path, flags, mode, *args, **kwargs)
+        (tracked.add if writing else tracked.discard)(fd)
+        return fd
+
+    def os_write(fd: int, data: Any) -> int:
+        if fd in tracked:
+            raise error(errno.ENOSPC)
+        return real["write"](fd, data)
+
+    def to_full(fd: int, mode: str) -> None:
+        if fd in tracked and any(c in mode for c in "wax+"):
+            full = real["open"]("/dev/full", os.O_WRONLY)
+            os.dup2(full, fd)
+            os.close(full)
+
+    def fdopen(fd: int, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        to_full(fd, mode)
+        return real["fdopen"](fd, mode, *args, **kwargs)
+
+    def mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
+        if kind == "read-only" and inside(path):
+            raise error(errno.EROFS, path)
+        real["mkdir"](path, *args, **kwargs)
+
+    def builtin_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if isinstance(file, int) and kind == "full":  # a descriptor made under the folder
+            to_full(file, mode)
+        elif any(c in mode for c in "wax+") and inside(file):
+            if kind == "read-only":
+                raise error(errno.EROFS, file)
+            real["builtin_open"](file, mode, *args, **kwargs).close()
+            return real["builtin_open"]("/dev/full", mode.replace("x", "w").replace("a", "w"),
+                                        *args, **kwargs)
+        return real["builtin_open"](file, mode, *args, **kwargs)
+
+    patches = [(os, "access", access), (os, "open", os_open), (os, "mkdir", mkdir),
+               (builtins, "open", builtin_open), (io, "open", builtin_open)]
+    if kind == "full":
+        patches += [(os, "write", os_write), (os, "fdopen", fdopen)]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+    try:
+        for mod, name, value in patches:
+            setattr(mod, name, value)
+        yield
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+
+
 def run_case(case: Case, timeout_s: float = CASE_TIMEOUT_S) -> Outcome:
     """Run ``case`` through the CLI in-process and judge it (see the module doc). Call
     inside :func:`stubbed_work`."""
@@ -203,7 +307,8 @@ def run_case(case: Case, timeout_s: float = CASE_TIMEOUT_S) -> Outcome:
         logging.getLogger().addHandler(logs)
         start = time.perf_counter()
         try:
-            with warnings.catch_warnings(record=True) as caught, _time_limit(timeout_s):
+            with warnings.catch_warnings(record=True) as caught, _time_limit(timeout_s), \
+                    output_fault(case.fault, out_dir):
                 warnings.simplefilter("always")
                 result = CliRunner().invoke(app, argv)
         finally:
@@ -247,6 +352,8 @@ def _judge(case: Case, result: Any, caught: list, records: list, in_dir: Path, o
         if any(out_dir.iterdir()):
             return failed("wrote output before the work started")
         return Outcome("reached", code, output)
+    if code == 0 and case.fault is not None:
+        return failed(f"exit 0 although its output folder is {case.fault}")
     if code == 0:
         if case.writes is not None and not (out_dir / case.writes).is_file():
             return failed(f"exit 0 but {case.writes} was not written")
@@ -1127,3 +1234,89 @@ def measurement_targets() -> list[Target]:
 
 def all_targets() -> list[Target]:
     return [*document_targets(), *trace_targets(), *bench_targets(), *measurement_targets()]
+
+
+# ----------------------------------------------------------------------------- output faults
+
+def _bench_result() -> bytes:
+    return bench_seeds()["vllm-bench"]
+
+
+# Valid runs of every command that writes into out/: (files, argv). Under each fault each
+# must fail in one line, or reach its (stubbed) work before writing, and leave out/ empty.
+WRITERS: list[tuple[tuple[tuple[str, bytes], ...], tuple[str, ...]]] = [
+    ((("policy.yaml", POLICY),),
+     ("export", "--policy", "{in}/policy.yaml", "--engine", "vllm", "-o", "{out}/vllm.yaml")),
+    ((("policy.yaml", POLICY),),
+     ("export", "--policy", "{in}/policy.yaml", "--engine", "sglang", "-o",
+      "{out}/deep/er/sglang.yaml")),
+    ((("policy.yaml", POLICY),),
+     ("export", "--policy", "{in}/policy.yaml", "--engine", "trtllm", "--profile",
+      PROFILE_NAME, "-o", "{out}/trtllm.yaml", "--gateway-rules", "{out}/rules.yaml")),
+    ((("trace.csv", TINY_TRACE), ("policy.yaml", POLICY)),
+     (*SIM, "--trace", "{in}/trace.csv", "--policy", "{in}/policy.yaml", "--json-out",
+      "{out}/summary.json", "--records", "{out}/records.csv", "--steps", "{out}/steps.jsonl",
+      "--timeline", "{out}/timeline.json", "-q")),
+    ((("trace.csv", TINY_TRACE), ("policy.yaml", POLICY), ("slo.yaml", SLO)),
+     ("goodput", "--profile", PROFILE_NAME, "--requests", "20", "--trace", "{in}/trace.csv",
+      "--policy", "{in}/policy.yaml", "--slo", "{in}/slo.yaml", "--json-out",
+      "{out}/goodput.json", "-q")),
+    ((("trace.csv", TINY_TRACE),), ("workload", "fit", "{in}/trace.csv", "-o", "{out}/w.yaml")),
+    ((("result.json", _bench_result()), ("policy.yaml", POLICY)),
+     ("validate", "--bench-result", "{in}/result.json", "--profile", PROFILE_NAME, "--policy",
+      "{in}/policy.yaml", "--calibrate", "-o", "{out}/mine.yaml")),
+    ((("workload.yaml", SMALL_WORKLOAD), ("slo.yaml", SLO)),
+     (*OPTIMIZE, "--workload", "{in}/workload.yaml")),
+    (NIGHTLY_FILES, NIGHTLY),
+    (PLACE_FILES, PLAN),
+    (PLACE_FILES, PLACE_CMD),
+]
+
+
+def fault_cases() -> list[Case]:
+    """Each writer of WRITERS under each of FAULTS."""
+    return [Case(f"fault:{fault}", files, argv, None, fault)
+            for files, argv in WRITERS for fault in FAULTS]
+
+
+# Commands that print to standard output, for the stdout faults (a subprocess each).
+PRINTERS: list[tuple[tuple[tuple[str, bytes], ...], tuple[str, ...]]] = [
+    ((), ("profile", "show", PROFILE_NAME)),
+    ((("trace.csv", TINY_TRACE),), ("trace", "stats", "{in}/trace.csv", "--json")),
+    ((("workload.yaml", SMALL_WORKLOAD),),
+     ("workload", "show", "{in}/workload.yaml", "--sample", "30", "--json")),
+    ((("trace.csv", TINY_TRACE), ("policy.yaml", POLICY)),
+     (*SIM, "--trace", "{in}/trace.csv", "--policy", "{in}/policy.yaml")),
+    ((("policy.yaml", POLICY),), ("export", "--policy", "{in}/policy.yaml", "--engine", "tgi",
+                                  "--json")),
+]
+STDOUT_FAULTS = ("full", "closed", "pipe closed early")
+
+
+def stdout_fault_run(files: tuple[tuple[str, bytes], ...], argv: tuple[str, ...],
+                     fault: str, timeout_s: float = CASE_TIMEOUT_S) -> tuple[int, str]:
+    """Run the console script's entry point in a subprocess with standard output on
+    ``/dev/full``, closed, or a pipe whose reader left before the first byte: (exit
+    code, stderr)."""
+    with tempfile.TemporaryDirectory(prefix="servetune-fuzz-") as tmp:
+        in_dir = Path(tmp) / "in"
+        in_dir.mkdir()
+        for name, data in files:
+            (in_dir / name).write_bytes(data)
+        cmd = [sys.executable, "-c", "from servetune.cli import run; run()",
+               *(a.replace("{in}", str(in_dir)).replace("{out}", tmp) for a in argv)]
+        run = {"stderr": subprocess.PIPE, "timeout": timeout_s, "check": False}
+        if fault == "full":
+            with open("/dev/full", "wb") as full:
+                done = subprocess.run(cmd, stdout=full, **run)
+        elif fault == "closed":
+            done = subprocess.run(cmd, preexec_fn=lambda: os.close(1), **run)  # noqa: PLW1509
+        else:
+            assert fault == "pipe closed early", fault
+            read, write = os.pipe()
+            os.close(read)
+            try:
+                done = subprocess.run(cmd, stdout=write, **run)
+            finally:
+                os.close(write)
+        return done.returncode, done.stderr.decode(errors="replace")

@@ -28,17 +28,22 @@ from pathlib import Path
 
 import pytest
 from fuzz_inputs import (
+    FAULTS,
     PLACE_FILES,
     POLICY,
+    PRINTERS,
     PROFILE_NAME,
     REPO,
     SIM,
+    STDOUT_FAULTS,
     TINY_TRACE,
     Case,
     Tally,
     alias_bomb,
     all_targets,
+    fault_cases,
     run_case,
+    stdout_fault_run,
     stubbed_work,
 )
 from hypothesis import HealthCheck, Phase, given, seed, settings
@@ -108,6 +113,41 @@ def test_bad_inputs_fail_in_one_line(target):
     finally:
         _write_report()
     assert TALLY.failed(target.name) == 0, TALLY.failures.get(target.name)
+
+
+# ----------------------------------------------------------------------------- output faults
+
+
+FAULT_CASES = fault_cases()
+
+
+@pytest.mark.parametrize("case", FAULT_CASES,
+                         ids=[f"{c.fault}:{' '.join(c.argv[:2])}:{i // len(FAULTS)}"
+                              for i, c in enumerate(FAULT_CASES)])
+def test_a_failing_output_folder_is_one_line_and_leaves_nothing(case):
+    """Every command that writes into its output folder, with that folder read-only or
+    full: one error line (or its stubbed work reached before a byte is written), exit 2,
+    nothing left there, no traceback."""
+    with stubbed_work():
+        outcome = run_case(case)
+    TALLY.record(case.kind, case, case.files[0][0] if case.files else "", outcome)
+    assert outcome.status in ("error", "reached"), (outcome.problem, outcome.output,
+                                                   outcome.detail)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
+@pytest.mark.parametrize("fault", STDOUT_FAULTS)
+@pytest.mark.parametrize("files,argv", PRINTERS, ids=[" ".join(a[:2]) for _, a in PRINTERS])
+def test_a_failing_stdout_is_one_line_or_a_quiet_end(files, argv, fault):
+    """Every printing command with standard output full or closed: one `stdout:` error
+    line and exit 2; with a reader that left: a quiet end with the command's own exit 0."""
+    code, err = stdout_fault_run(files, argv, fault)
+    assert "Traceback" not in err, err
+    if fault == "pipe closed early":
+        assert (code, err) == (0, "")
+    else:
+        assert code == 2, err
+        assert len(err.splitlines()) == 1 and err.startswith("servetune: error: stdout: "), err
 
 
 # ----------------------------------------------------------------------------- the judge

@@ -115,7 +115,12 @@ class StepsSpool:
         self.file = tempfile.TemporaryFile(dir=folder if folder.is_dir() else None)
 
     def add(self, chunk: StepChunk) -> None:
-        self.file.write(step_lines(chunk.records(0, len(chunk.start_s))).encode())
+        try:
+            self.file.write(step_lines(chunk.records(0, len(chunk.start_s))).encode())
+        except OSError as exc:  # a full disk: the spool shares the output's
+            raise ServetuneError(
+                f"{self.path}: cannot write the step log ({exc.strerror}); free some space "
+                "or choose another folder") from None
 
     def chunks(self, size: int = 1 << 20) -> Iterator[bytes]:
         self.file.seek(0)
