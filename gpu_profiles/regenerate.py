@@ -25,6 +25,7 @@ MEASURED = [  # (file stem, model, tp)
 DERIVED = [  # (file stem, model, gpu, tp)
     ("h100-80gb-llama-3.1-8b", "llama-3.1-8b", "h100-80gb", 1),
     ("a100-80gb-llama-3.1-8b", "llama-3.1-8b", "a100-80gb", 1),
+    ("a100-40gb-llama-3.1-8b", "llama-3.1-8b", "a100-40gb", 1),
     ("l40s-llama-3.1-8b", "llama-3.1-8b", "l40s", 1),
     ("h100-80gb-llama-3.1-70b-tp4", "llama-3.1-70b", "h100-80gb", 4),
     ("h100-80gb-llama-3.1-70b-tp8", "llama-3.1-70b", "h100-80gb", 8),

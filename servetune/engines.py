@@ -41,6 +41,10 @@ from typing import Any
 GIB = 1 << 30
 
 
+# vLLM's host seconds per sampled sequence (VLLM_HOST below): benchmarks/published_vllm.py
+# --fit-host fits it; RESULTS.md "Published vLLM end to end" records the fit.
+VLLM_HOST_S_PER_SEQ = 170.7e-6
+
 # Engine replicas one cluster simulation holds, from a topology file or the flags (about
 # 2.5 MB of simulator state each: 1,024 stay well under 4 GB).
 MAX_REPLICAS = 1024
@@ -98,26 +102,48 @@ def _sglang_default_batching(gpu: GpuFacts) -> DefaultBatching:
 
 @dataclass(frozen=True)
 class HostOverhead:
-    """An engine's host seconds per step and per sequence that produces a token, and where
-    the numbers come from (reports and profile docs quote it)."""
+    """An engine's host seconds per step and per sequence that produces a token, whether
+    it overlaps the per-step part with the GPU, and where the numbers come from (reports
+    and profile docs quote it).
+
+    ``overlap``: the engine prepares step n+1 (scheduling, input preparation, processing
+    step n-1's outputs) while the GPU runs step n, so a step pays only the per-step host
+    time the GPU step does not cover; servetune charges ``max(0, per_step_s - the
+    profile's smallest GPU step)``. The per-sequence part is charged in full either way:
+    it is the work on each sampled row that sits between two forward passes (sampling
+    and logits processing outside the CUDA graph, and the per-request bookkeeping before
+    the next step's inputs are final)."""
 
     per_step_s: float
     per_seq_s: float
     source: str
+    overlap: bool = False
 
 
-# The engines' host cost is not yet known well enough to charge by default, so it is 0 for
-# every engine: the profiles' GPU time alone, as before the host terms existed. Why: no
-# published end-to-end vLLM measurement could be admitted to fit it (two searches on
-# 2026-12-02, benchmarks/RESULTS.md "Published vLLM measurements"), and the one near miss
-# (an H100 sweep, vLLM 0.21, p50 only) puts batch-1 TPOT at the GPU-only step time, which a
-# guessed 1 ms per step would make 16% slow. `servetune validate --calibrate` fits both
-# terms for a deployment from its own `vllm bench serve` run and pins them in the profile;
-# a profile may also pin them by hand (step_time.host_s_per_step / host_s_per_seq).
+# Engines whose host cost no admitted measurement has fitted: 0, the profiles' GPU time
+# alone. `servetune validate --calibrate` fits the terms for a deployment from its own
+# `vllm bench serve` run and pins them in the profile; a profile may also pin them by
+# hand (step_time.host_s_per_step / host_s_per_seq / host_overlap).
 UNMEASURED_HOST = HostOverhead(
     per_step_s=0.0, per_seq_s=0.0,
-    source="none charged: no admitted published measurement to fit it to (2026-12-02); "
-           "calibrate with `servetune validate --calibrate` or pin it in the profile",
+    source="none charged: no admitted published measurement to fit it to; calibrate with "
+           "`servetune validate --calibrate` or pin it in the profile",
+)
+
+# vLLM V1 as released since async scheduling became its default (vLLM PR #27614, late
+# 2025; 0.19.1 and 0.23.0 are the versions of the admitted points): the per-step work is
+# overlapped with the GPU, and the per-sequence figure is fitted to one published point,
+# the median inter-token latency of 8 concurrent ~20k-token requests on an H100 with vLLM
+# 0.19.1 (benchmarks/published_vllm.yaml, h100-8b-8x20k; RESULTS.md "Published vLLM end
+# to end" gives the fit and the points it is checked on). Older builds (V0, or V1
+# without async scheduling) do not overlap: a profile for them sets
+# step_time.host_overlap false and its own figures (`validate --calibrate` fits them).
+VLLM_HOST = HostOverhead(
+    per_step_s=0.0, per_seq_s=VLLM_HOST_S_PER_SEQ, overlap=True,
+    source="vLLM V1 with async scheduling: per-step host work overlapped with the GPU; "
+           f"{VLLM_HOST_S_PER_SEQ * 1e6:.0f} us per sampled sequence, fitted to the "
+           "median ITL of 8 x 20k-token requests on an H100 (vLLM 0.19.1, blog.vllm.ai "
+           "2026-04-22, Table 4)",
 )
 
 
@@ -142,7 +168,7 @@ class Engine:
 
 ENGINES: tuple[Engine, ...] = (
     Engine("vllm", "vLLM", 0, "servetune.export.vllm:export", "vllm.yaml",
-           _vllm_default_batching),
+           _vllm_default_batching, host=VLLM_HOST),
     Engine("sglang", "SGLang", 1, "servetune.export.sglang:export", "sglang.yaml",
            _sglang_default_batching),
     Engine("trtllm", "TensorRT-LLM", 2, "servetune.export.trtllm:export", "trtllm.yaml",
@@ -163,13 +189,13 @@ def engine(name: str) -> Engine:
     return BY_NAME[name]
 
 
-def host_overhead(name: str) -> tuple[float, float]:
-    """(per step, per sequence) host seconds of engine ``name`` (ValueError naming the
-    known engines when there is none)."""
+def host_overhead(name: str) -> HostOverhead:
+    """The host-cost row of engine ``name`` (ValueError naming the known engines when
+    there is none)."""
     row = BY_NAME.get(name)
     if row is None:
         raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINE_NAMES)}")
-    return row.host.per_step_s, row.host.per_seq_s
+    return row.host
 
 
 def kernel_id(name: str) -> int:

@@ -204,10 +204,11 @@ def test_candidates_that_cannot_beat_the_leader_cost_one_simulation_each() -> No
 
 
 def test_capacity_is_measured_at_steady_state(tmp_path: Path, monkeypatch) -> None:
-    """500 Azure-conversation requests with long outputs arrive in about 4 s at 112 req/s,
-    too fast for one H100's KV cache to fill, so that short burst "met" the SLOs at 4x the
-    rate a replica sustains (26-29 req/s on runs of 100 s and longer). The measurement now
-    lengthens the trace until its arrivals span MIN_WINDOW_S."""
+    """500 Azure-conversation requests with long outputs arrive in a few seconds, too
+    fast for one H100's KV cache to fill, so that short burst "met" the SLOs at 2.4x the
+    rate a replica sustains (8.9 req/s with vLLM's host time per sequence charged; 26-29
+    req/s on GPU time alone, before issue 32). The measurement lengthens the trace until
+    its arrivals span MIN_WINDOW_S."""
     from servetune.profiles.shipped import load_profile
     from servetune.workloads.fitting import load_workload
 
@@ -224,8 +225,8 @@ def test_capacity_is_measured_at_steady_state(tmp_path: Path, monkeypatch) -> No
     kw = dict(method="candidates", n_requests=500)
     steady = C.replica_capacity(profile, slices, "p0-1024/o256-inf", slo,
                                 cache_dir=tmp_path / "a", **kw)
-    assert 20.0 < steady.rate_per_s < 35.0
+    assert 6.0 < steady.rate_per_s < 12.0
     monkeypatch.setattr(C, "MIN_WINDOW_S", 0.0)  # the burst measurement of before
     burst = C.replica_capacity(profile, slices, "p0-1024/o256-inf", slo,
                                cache_dir=tmp_path / "b", **kw)
-    assert burst.rate_per_s > 2.5 * steady.rate_per_s
+    assert burst.rate_per_s > 2.0 * steady.rate_per_s

@@ -145,7 +145,7 @@ def test_simulate_json_prints_what_json_out_writes(tmp_path) -> None:
 def test_goodput_json_prints_the_result_only(tmp_path) -> None:
     slo = tmp_path / "slo.yaml"
     slo.write_text("apiVersion: servetune/v1\nkind: SLOSet\nname: loose\nclasses:\n"
-                   "  default: {ttft_s: 5.0, tpot_s: 0.2, attainment: 0.9}\n")
+                   "  default: {ttft_s: 10.0, tpot_s: 0.2, attainment: 0.9}\n")
     out = tmp_path / "g.json"
     args = ["goodput", "--trace", str(TRACE), "--profile", PROFILE, "--policy", str(POLICY),
             "--slo", str(slo), "--requests", "100", "--tolerance", "0.2"]

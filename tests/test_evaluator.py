@@ -117,8 +117,9 @@ def test_every_method_prints_the_goodput_goodput_reproduces(method):
                       budget=12, descent_simulations=40)
     again = goodput(trace, result.policy, profile, slo)
     assert result.summary["goodput_rate_per_s"] == again.rate_per_s > 0
+    # the policy file keeps 6 significant digits: within half a unit of the last one
     assert result.policy.metadata["simulated"]["goodput_rate_per_s"] == pytest.approx(
-        again.rate_per_s, rel=1e-6)
+        again.rate_per_s, rel=5e-6)
     evaluation = result.summary["evaluation"]
     assert evaluation["requests"] == 400 and evaluation["tolerance"] == 0.01
 

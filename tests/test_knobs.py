@@ -342,6 +342,7 @@ def test_unmodelled_engine_defaults():
     ("h200-llama-3.1-8b.yaml", "vllm-serve-defaults.yaml"),
     ("h100-80gb-llama-3.1-8b.yaml", "vllm-serve-defaults.yaml"),
     ("a100-80gb-llama-3.1-8b.yaml", "vllm-serve-defaults-small-gpu.yaml"),
+    ("a100-40gb-llama-3.1-8b.yaml", "vllm-serve-defaults-small-gpu.yaml"),
     ("l40s-llama-3.1-8b.yaml", "vllm-serve-defaults-small-gpu.yaml"),
 ])
 def test_shipped_default_policies_are_the_rule_for_their_gpus(profile_file, policy_file):

@@ -254,6 +254,44 @@ def test_derived_profiles_scale_with_datasheets():
     assert tp8.seconds(*decode) < tp4.seconds(*decode)
 
 
+@pytest.mark.parametrize("gpu", ["h100-80gb", "a100-80gb", "a100-40gb", "l40s"])
+def test_derived_small_batch_decode_is_a_weight_read(gpu):
+    """Batch-1 decode of a derived profile costs about what reading the weights at the
+    GPU's bandwidth does: at least weights / datasheet bandwidth (the roofline), and under
+    1.5x it (the H200 measured profile is at 1.49x: launch and per-layer overheads). Scaling
+    whole small-batch GEMM rows by FLOP/s put the A100 80GB at 1.78x (14.0 ms)."""
+    from servetune.profiles import catalog
+
+    src = SHIPPED_H200 if SHIPPED_H200.is_dir() else _h200()
+    profile = derive_profile(src, "llama-3.1-8b", gpu)
+    weight_bytes = profile.memory_summary()["weight_bytes_per_gpu"]
+    weights_s = weight_bytes / catalog.GPUS[gpu].hbm_bandwidth_Bps
+    step = profile.step_time.gpu_only().seconds(1, 1, 1, 1024, 0)
+    assert weights_s < step < 1.5 * weights_s
+
+
+def test_derived_decode_attention_is_the_published_vllm_slope():
+    """An H100 profile's decode attention per context token is the slope of the vLLM
+    blog's single-request ITL line (4.37e-5 ms per input token, Llama-3.1-8B bf16)."""
+    from servetune.profiles.build import VLLM_KV_FRACTION
+
+    src = SHIPPED_H200 if SHIPPED_H200.is_dir() else _h200()
+    h100 = derive_profile(src, "llama-3.1-8b", "h100-80gb")
+    assert h100.step_time.decode_attn_s_per_context_token == pytest.approx(4.37e-8, rel=1e-3)
+    assert h100.calibration.fit["kv_bandwidth_fraction"] == pytest.approx(VLLM_KV_FRACTION)
+
+
+@pytest.mark.parametrize("name,key", [
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-PCIE-40GB", "a100-40gb"),
+    ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA A100 80GB PCIe", "a100-80gb"),
+    ("NVIDIA H100 80GB HBM3", "h100-80gb"), ("NVIDIA GeForce RTX 4090", None),
+])
+def test_gpu_key_tells_the_a100s_apart(name, key):
+    from servetune.profiles.catalog import gpu_key
+
+    assert gpu_key(name) == key
+
+
 # ---- bad input ----------------------------------------------------------------------
 def _copy(tmp_path: Path) -> Path:
     src = SHIPPED_H200 if SHIPPED_H200.is_dir() else _h200()

@@ -104,7 +104,7 @@ def test_utilization_what_if():
 def test_shipped_profiles_load_and_state_their_pool():
     names = shipped_profiles()
     for required in ("h200-llama-3.1-8b", "h200-qwen2.5-32b", "h100-80gb-llama-3.1-8b",
-                     "a100-80gb-llama-3.1-8b", "l40s-llama-3.1-8b",
+                     "a100-80gb-llama-3.1-8b", "a100-40gb-llama-3.1-8b", "l40s-llama-3.1-8b",
                      "h100-80gb-llama-3.1-70b-tp4", "h100-80gb-llama-3.1-70b-tp8",
                      "h200-llama-3.1-70b-tp4", "h200-llama-3.1-70b-tp8"):
         assert required in names

@@ -67,7 +67,7 @@ def test_negative_piece_rejected():
 HOSTED = StepTimeModel(
     fixed_s=0.0005, gemm_pieces=[(0.004, 1e-5)], decode_attn_s_per_context_token=3e-8,
     decode_attn_s_per_seq=1e-6, lm_head_s_per_row=1.5e-6,
-    host_s_per_step=0.0012, host_s_per_seq=2e-5,
+    host_s_per_step=0.0012, host_s_per_seq=2e-5, host_overlap=False,
 )
 
 
@@ -86,10 +86,13 @@ def test_step_with_host_cost_worked_by_hand():
 def test_unset_host_cost_takes_the_engines_default():
     from servetune.engines import ENGINES
 
-    gpu = HOSTED.model_copy(update={"host_s_per_step": None, "host_s_per_seq": None})
+    gpu = HOSTED.model_copy(update={"host_s_per_step": None, "host_s_per_seq": None,
+                                    "host_overlap": None})
     base = gpu.gpu_only().seconds(8, 8, 8, 8000, 0)
+    floor = gpu.gpu_only().seconds(1, 1, 1, 1, 0)
     for eng in ENGINES:
-        want = base + eng.host.per_step_s + 8 * eng.host.per_seq_s
+        step = max(0.0, eng.host.per_step_s - floor) if eng.host.overlap else eng.host.per_step_s
+        want = base + step + 8 * eng.host.per_seq_s
         assert gpu.seconds(8, 8, 8, 8000, 0, engine=eng.name) == pytest.approx(want)
         assert eng.host.source
     # a profile's own figure wins over the engine's
@@ -118,8 +121,9 @@ def test_numba_and_python_step_time_agree_with_host_cost():
     gpu = profile.model_copy(update={"step_time": profile.step_time.gpu_only()})
     bare = simulate(from_arrays(np.zeros(1), np.array([100]), np.array([50])), Policy(),
                     gpu).metrics
-    host_step, host_seq = profile.step_time.host_seconds("vllm")
-    assert alone.e2e_s[0] - bare.e2e_s[0] == pytest.approx(50 * (host_step + host_seq))
+    host_step, host_seq, overlap = profile.step_time.host_seconds("vllm")
+    assert overlap and host_step == 0.0 and host_seq > 0  # vLLM V1: per sequence only
+    assert alone.e2e_s[0] - bare.e2e_s[0] == pytest.approx(50 * host_seq)
 
 
 def test_host_fields_round_trip_through_profile_yaml(tmp_path):
@@ -137,7 +141,7 @@ def test_host_fields_round_trip_through_profile_yaml(tmp_path):
 
     back = Profile.model_validate(yaml.safe_load(path.read_text(encoding="utf-8")))
     assert back.step_time == pinned.step_time
-    assert back.step_time.host_seconds("trtllm") == (0.0015, 1.2e-5)
+    assert back.step_time.host_seconds("trtllm") == (0.0015, 1.2e-5, False)
 
 
 @pytest.mark.parametrize("field,value", [
@@ -150,6 +154,34 @@ def test_bad_host_cost_is_rejected_naming_the_field(field, value):
     with pytest.raises(ValidationError) as err:
         StepTimeModel(**{field: value})
     assert field in str(err.value)
+
+
+def test_an_overlapped_per_step_cost_shows_only_above_the_smallest_gpu_step():
+    # the smallest GPU step (1 sequence, 1 token, 1 context token) of HOSTED:
+    #   0.5 ms + (4 ms + 10 us) + 30 ns + 1 us + 1.5 us = 4.51253 ms
+    floor = HOSTED.gpu_only().seconds(1, 1, 1, 1, 0)
+    assert floor == pytest.approx(4.51253e-3, rel=1e-12)
+    gpu = HOSTED.gpu_only().seconds(8, 8, 8, 8000, 0)
+    for per_step, exposed in ((0.0012, 0.0), (floor, 0.0), (0.006, 0.006 - floor)):
+        over = HOSTED.model_copy(update={"host_s_per_step": per_step, "host_overlap": True})
+        assert over.seconds(8, 8, 8, 8000, 0) == pytest.approx(gpu + exposed + 8 * 2e-5)
+        serial = over.model_copy(update={"host_overlap": False})
+        assert serial.seconds(8, 8, 8, 8000, 0) == pytest.approx(gpu + per_step + 8 * 2e-5)
+    # the GPU scale moves the floor with the GPU time it hides under
+    slow = HOSTED.model_copy(update={"host_s_per_step": 0.006, "host_overlap": True,
+                                     "gpu_time_scale": 2.0})
+    assert slow.seconds(8, 8, 8, 8000, 0) == pytest.approx(2 * gpu + 8 * 2e-5)
+
+
+def test_engine_host_rows():
+    from servetune.engines import VLLM_HOST_S_PER_SEQ, engine
+
+    vllm = engine("vllm").host
+    assert vllm.overlap and vllm.per_step_s == 0.0 and vllm.per_seq_s == VLLM_HOST_S_PER_SEQ
+    assert 50e-6 < VLLM_HOST_S_PER_SEQ < 500e-6  # a fit, in microseconds, not a unit slip
+    for name in ("sglang", "trtllm", "tgi"):  # no admitted measurement: nothing charged
+        row = engine(name).host
+        assert (row.per_step_s, row.per_seq_s) == (0.0, 0.0) and "calibrate" in row.source
 
 
 def test_unknown_engine_is_named():

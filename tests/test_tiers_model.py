@@ -62,7 +62,9 @@ def test_erlang_wait_worked_by_hand():
 
 
 def test_priority_shortens_the_high_class_wait(model):
-    t = model.terms(2.0, SMALL_GRID[1], {n: SMALL_OPTIONS for n in model.names})
+    # at the trace's own rate (5 req/s of chat): at 2x the one H200 no longer keeps up
+    # once the engine's host time per sequence is charged, and no ordering is stable
+    t = model.terms(1.0, SMALL_GRID[1], {n: SMALL_OPTIONS for n in model.names})
     fcfs = t.wait_factor[("chat", (0, 0))]
     assert fcfs > 0
     assert t.wait_factor[("chat", (0, 1))] < fcfs < t.wait_factor[("chat", (1, 0))]
@@ -224,11 +226,11 @@ def test_single_class_recalibration_sees_an_attainment_tier_bind():
 
 
 def test_optimize_runs_the_tiered_search_and_keeps_it_only_when_better():
-    """The tiered stage of ``optimize`` on a small two-tier trace: the policy it returns
-    is the best simulated round when that beats the single-class policy, else the
-    single-class one; ``per_class=False`` skips the stage. Either way the goodput printed
-    is the evaluator's for the policy returned, and never below the single-class
-    answer's (beyond the evaluator's 1%)."""
+    """The tiered stage of ``optimize`` on a small two-tier trace: a stage keeps its best
+    simulated round only when that beats the single-class policy, and a per-class policy
+    is returned only from its rounds; ``per_class=False`` skips the stage. Either way the
+    goodput printed is the evaluator's for the policy returned, and never below the
+    single-class answer's (beyond the evaluator's 1%)."""
     from servetune.apps.optimize import optimize
     from servetune.sim.evaluator import Evaluator
 
@@ -236,15 +238,17 @@ def test_optimize_runs_the_tiered_search_and_keeps_it_only_when_better():
     profile = load_profile("h200-llama-3.1-8b")
     res = optimize(trace, profile, SLO, compare_defaults=False, max_iterations=2,
                    n_requests=len(trace))
-    info = next(i["tiers"] for i in res.summary["iterations"] if "tiers" in i)
-    best_round = max(r["simulated_rate_per_s"] for r in info["rounds"])
-    single = info["single_class_goodput_rate_per_s"]
-    if info["kept"]:
-        assert best_round > single and res.policy.classes
+    infos = [i["tiers"] for i in res.summary["iterations"] if "tiers" in i]
+    assert infos
+    for info in infos:  # a stage keeps its rounds only when one beat the single class
+        best_round = max(r["simulated_rate_per_s"] for r in info["rounds"])
+        if info["kept"]:
+            assert best_round > info["single_class_goodput_rate_per_s"]
+        assert "ttft[chat]" in info.get("what_binds", {"ttft[chat]": None})
+    if res.policy.classes:  # a per-class round won: kept by its stage, or by the final
+        # judging of the leaders, which sees every simulated candidate within 1%
+        assert any(info["rounds"] for info in infos)
         assert set(res.summary["classes"]) == {"chat", "longctx"}
-    else:
-        assert not res.policy.classes
-    assert "ttft[chat]" in info.get("what_binds", {"ttft[chat]": None})
     judge = Evaluator.of(trace, profile, SLO)
     assert res.summary["goodput_rate_per_s"] == judge.goodput(res.policy).rate_per_s
     flat = optimize(trace, profile, SLO, compare_defaults=False, max_iterations=2,

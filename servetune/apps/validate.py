@@ -4,25 +4,34 @@
 times, prompt and output tokens). An open-loop run is replayed at its send times. A
 closed-loop run (``max_concurrency`` C) is replayed as a closed loop: request ``i`` is
 sent when it was meant to be (at once for ``--request-rate inf``) or, if C requests are
-still in flight, when the earliest of them finishes. Which requests are in flight depends
-on the latencies the simulator predicts, so the send times are found by a fixed-point
-iteration: simulate, recompute the send times from the simulated latencies (damped when a
-round does not bring them closer), repeat until no send time moves by more than
-``CLOSED_LOOP_TOL_S`` (2 ms, under one step: a request sent exactly at a step's end may join
-either step). The report says how many rounds it took and whether it converged; a run that
-does not converge in ``CLOSED_LOOP_MAX_ROUNDS`` is reported with its last shift.
+still in flight, ``CLIENT_GAP_S`` after the earliest of them finishes (the client reads the
+last token, then sends: the step that starts as the other one ends has already been
+scheduled, so the new request joins the one after). Which requests are in flight depends
+on the latencies the simulator predicts, so the send times are found by iterating:
+simulate, recompute the send times from the simulated latencies, repeat until none
+moves. The load is causal (a send depends only on finishes before it, which depend only
+on sends before them), so each round fixes at least the earliest send still wrong, and the
+iteration ends exactly, in at most one round per request (``CLOSED_LOOP_MAX_ROUNDS``
+bounds it for very long runs; the report says how many rounds it took and whether it
+converged).
 
 :func:`compare` sets predicted against measured TTFT, TPOT (= the request's mean
 inter-token latency) and end-to-end latency (mean, p50, p90, p99, and per-request errors)
-and output throughput. :func:`calibrate` fits three numbers of the profile's step time so
-the replay matches the measurement: the host seconds per step and per sequence
-(``host_s_per_step``, ``host_s_per_seq``) and ``gpu_time_scale``, a factor on the GPU
+and output throughput. :func:`calibrate` fits the four terms of the profile's step time
+that a real engine run shows and a GPU timing does not (:data:`PARAMS`): the host seconds
+per step and per sequence (``host_s_per_step``, ``host_s_per_seq``; the per-step one as
+the run exposes it, so the corrected profile pins ``host_overlap: false``), the decode
+attention per context token (``decode_attn_s_per_context_token``: the KV bandwidth the
+engine's paged, split-KV kernel reaches) and ``gpu_time_scale``, a factor on the whole GPU
 part. It minimises the squared per-request TTFT and E2E errors, each normalised by the
 measured mean, with a damped Gauss-Newton (Levenberg-Marquardt) search whose Jacobian
-comes from finite differences of the replay (for a fixed schedule the latencies are
-linear in the three numbers, so it converges in a few rounds). The corrected profile
-records the fit in its ``calibration`` block: the benchmark file's SHA-256, what was fitted
-and the error before and after.
+comes from finite differences of whole replays, from three starts (:data:`_STARTS`). (The
+exact derivatives of a fixed schedule are no good here: a slower step batches more
+requests into the next ones, so the real latencies move far less than a frozen schedule
+says.) A run tells the terms apart when its batches vary (a sweep of concurrencies, or a
+load that rises and falls) and its contexts do (short and long prompts). The corrected
+profile records the fit in its ``calibration`` block: the benchmark file's SHA-256, what
+was fitted and the error before and after.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from servetune.apps.report import summary_json_text
 from servetune.errors import ServetuneError
 from servetune.executor import Executor, SerialExecutor
 from servetune.io import commit_files, plain_data
+from servetune.profiles.steptime import COEF_HOST_SEQ, COEF_HOST_STEP
 from servetune.schemas.policy import Policy
 from servetune.schemas.profile import CalibrationFile, Profile
 from servetune.sim import simulate
@@ -51,15 +61,17 @@ from servetune.workloads.trace import Trace
 if TYPE_CHECKING:
     from servetune.sim.api import SimResult
 
-CLOSED_LOOP_TOL_S = 2e-3  # below one decode step: ties at step ends flip either way
-CLOSED_LOOP_MAX_ROUNDS = 60
+CLIENT_GAP_S = 1e-6  # a request sent as another finishes joins the step after the next
+CLOSED_LOOP_TOL_S = 1e-9  # sends equal up to rounding: the fixed point is exact
+CLOSED_LOOP_MAX_ROUNDS = 2000
 METRICS = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E"))
-PARAMS = ("host_s_per_step", "host_s_per_seq", "gpu_time_scale")
-# Search units (ms, us, factor) and finite-difference steps in them.
-_UNIT = np.array([1e-3, 1e-6, 1.0])
-_STEP = np.array([0.25, 5.0, 0.03])
-_LOW = np.array([0.0, 0.0, 0.05])
-_HIGH = np.array([999.0, 999_000.0, 100.0])
+PARAMS = ("host_s_per_step", "host_s_per_seq", "gpu_time_scale",
+          "decode_attn_s_per_context_token")
+# Search units (ms, us, factor, ns per token) and finite-difference steps in them.
+_UNIT = np.array([1e-3, 1e-6, 1.0, 1e-9])
+_STEP = np.array([0.25, 20.0, 0.03, 5.0])
+_LOW = np.array([0.0, 0.0, 0.05, 0.0])
+_HIGH = np.array([999.0, 999_000.0, 100.0, 1e6])
 
 
 # ----------------------------------------------------------------------------- replay
@@ -84,33 +96,51 @@ class Replay:
 def closed_loop_sends(intended_s: np.ndarray, latency_s: np.ndarray, concurrency: int
                       ) -> np.ndarray:
     """Send times of a client that keeps at most ``concurrency`` requests in flight and
-    sends them in order: each at its intended time, or when a slot frees."""
+    sends them in order: each at its intended time, or ``CLIENT_GAP_S`` after a slot
+    frees."""
+    return _closed_loop(intended_s, latency_s, concurrency)[0]
+
+
+def _closed_loop(intended_s: np.ndarray, latency_s: np.ndarray, concurrency: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`closed_loop_sends`, and what set each send: -1 its intended time, -2 the
+    send before it, ``j >= 0`` the finish of request ``j`` that freed the slot."""
     n = len(intended_s)
     out = np.empty(n, dtype=np.float64)
-    flight: list[float] = []
+    source = np.full(n, -1, dtype=np.int64)
+    flight: list[tuple[float, int]] = []
     last = 0.0
     for i in range(n):
-        t = max(float(intended_s[i]), last)
+        t = float(intended_s[i])
+        if i > 0 and last > t:
+            t, source[i] = last, -2
         if len(flight) >= concurrency:
-            t = max(t, heapq.heappop(flight))
+            freed, j = heapq.heappop(flight)
+            if freed + CLIENT_GAP_S >= t:
+                t, source[i] = freed + CLIENT_GAP_S, j
         out[i] = t
         last = t
-        heapq.heappush(flight, t + float(latency_s[i]))
-    return out
+        heapq.heappush(flight, (t + float(latency_s[i]), i))
+    return out, source
 
 
-def _trace(run: BenchRun, send_s: np.ndarray) -> Trace:
+def _trace(run: BenchRun, send_s: np.ndarray) -> tuple[Trace, int]:
     return Trace(arrival_s=send_s - send_s[0], prompt_tokens=run.prompt_tokens,
-                 output_tokens=run.output_tokens, source=run.path)
+                 output_tokens=run.output_tokens, source=run.path), 0
 
 
-def _predictions(run: BenchRun, send_s: np.ndarray, res: SimResult
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    base = send_s[0]
-    first = np.asarray(res.output.first_token_s, dtype=np.float64) + base
-    finish = np.asarray(res.output.finish_s, dtype=np.float64) + base
-    done = np.isfinite(finish) & np.isfinite(first)
-    ttft = np.where(done, first - send_s, np.nan)
+TraceOf = Callable[[np.ndarray], tuple[Trace, int]]
+
+
+def _predictions(run: BenchRun, send_s: np.ndarray, res: SimResult, trace: Trace,
+                 first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    # the run's requests are trace rows first.., the first of them sent at send_s[0]
+    rows = slice(first, first + len(run))
+    base = send_s[0] - trace.arrival_s[first]
+    first_s = np.asarray(res.output.first_token_s, dtype=np.float64)[rows] + base
+    finish = np.asarray(res.output.finish_s, dtype=np.float64)[rows] + base
+    done = np.isfinite(finish) & np.isfinite(first_s)
+    ttft = np.where(done, first_s - send_s, np.nan)
     e2e = np.where(done, finish - send_s, np.nan)
     steps = (run.output_tokens - 1).astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -118,35 +148,40 @@ def _predictions(run: BenchRun, send_s: np.ndarray, res: SimResult
     return ttft, e2e, tpot, int((~done).sum())
 
 
-def replay(run: BenchRun, policy: Policy, profile: Profile, *, engine: str = "vllm"
-           ) -> Replay:
-    """Simulate the run's requests as its client sent them (see the module doc)."""
+def replay(run: BenchRun, policy: Policy, profile: Profile, *, engine: str = "vllm",
+           trace_of: TraceOf | None = None) -> Replay:
+    """Simulate the run's requests as its client sent them (see the module doc).
+
+    ``trace_of(send_s)`` builds the simulated trace for the run's send times and says at
+    which row the run's requests start in it (default: the run's requests alone, from
+    row 0). A caller can so put requests before the run (a server that served an earlier
+    run keeps its prefix cache) or give the requests prefix blocks; the result's
+    simulation then holds those rows too, and the predictions are the run's."""
+    build = trace_of or (lambda send_s: _trace(run, send_s))
+
+    def simulated(send: np.ndarray) -> tuple[SimResult, tuple]:
+        trace, first = build(send)
+        res = simulate(trace, policy, profile, engine=engine)
+        return res, _predictions(run, send, res, trace, first)
+
     send = run.send_s.copy()
     if not run.closed_loop:
-        res = simulate(_trace(run, send), policy, profile, engine=engine)
-        ttft, e2e, tpot, missing = _predictions(run, send, res)
+        res, (ttft, e2e, tpot, missing) = simulated(send)
         return Replay(res, send, ttft, e2e, tpot, not_completed=missing)
     assert run.max_concurrency is not None
     intended = run.intended_s if run.intended_s is not None else run.send_s
+    send = closed_loop_sends(intended, np.zeros(len(run)), run.max_concurrency)
     shift = math.inf
-    best = math.inf
     rounds = 0
-    weight = 1.0  # damping: halved whenever a round does not bring the sends closer
     while True:
         rounds += 1
-        res = simulate(_trace(run, send), policy, profile, engine=engine)
-        ttft, e2e, tpot, missing = _predictions(run, send, res)
+        res, (ttft, e2e, tpot, missing) = simulated(send)
         latency = np.where(np.isfinite(e2e), e2e, 0.0)  # turned away: frees its slot
         new = closed_loop_sends(intended, latency, run.max_concurrency)
         shift = float(np.max(np.abs(new - send)))
         if shift <= CLOSED_LOOP_TOL_S or rounds >= CLOSED_LOOP_MAX_ROUNDS:
             break
-        if shift >= best:
-            weight = max(weight / 2.0, 0.05)
-        best = min(best, shift)
-        # a convex mix of two nondecreasing send sequences stays nondecreasing
-        send = send + weight * (new - send)
-        send[0] = new[0]
+        send = new
     return Replay(res, send, ttft, e2e, tpot, rounds=rounds,
                   converged=shift <= CLOSED_LOOP_TOL_S, max_shift_s=shift,
                   not_completed=missing)
@@ -250,19 +285,28 @@ def fit_error(run: BenchRun, rep: Replay) -> dict[str, float]:
 # ----------------------------------------------------------------------------- calibrate
 
 
-def with_step_params(profile: Profile, host_step: float, host_seq: float, scale: float
-                     ) -> Profile:
-    """``profile`` with its host costs pinned and its GPU time scaled."""
+def with_step_params(profile: Profile, host_step: float, host_seq: float, scale: float,
+                     decode_attn: float | None = None) -> Profile:
+    """``profile`` with its host costs pinned (the per-step one as it shows, not
+    overlapped: what a measured run can see), its GPU time scaled and, if given, its
+    decode attention per context token set."""
     st = profile.step_time.model_dump()
-    st.update(host_s_per_step=host_step, host_s_per_seq=host_seq, gpu_time_scale=scale)
+    st.update(host_s_per_step=host_step, host_s_per_seq=host_seq, host_overlap=False,
+              gpu_time_scale=scale)
+    if decode_attn is not None:
+        st["decode_attn_s_per_context_token"] = decode_attn
     data = profile.model_dump()
     data["step_time"] = st
     return Profile.model_validate(data)
 
 
-def step_params(profile: Profile, engine: str) -> tuple[float, float, float]:
-    step, seq = profile.step_time.host_seconds(engine)
-    return step, seq, profile.step_time.gpu_time_scale
+def step_params(profile: Profile, engine: str) -> tuple[float, float, float, float]:
+    """The fitted terms' values in ``profile`` for ``engine`` (:data:`PARAMS`); the
+    per-step host time as a step exposes it (after any overlap with the GPU)."""
+    st = profile.step_time
+    coef, _ = st.as_arrays(engine)
+    return (float(coef[COEF_HOST_STEP]), float(coef[COEF_HOST_SEQ]), st.gpu_time_scale,
+            st.decode_attn_s_per_context_token)
 
 
 @dataclass
@@ -292,57 +336,47 @@ class Calibration:
 def _replay_at(shared: tuple, x: np.ndarray) -> Replay:
     """The replay of the run with the step parameters ``x`` (in ``_UNIT``s)."""
     run, policy, profile, engine = shared
-    a, b, g = (x * _UNIT).tolist()
-    return replay(run, policy, with_step_params(profile, a, b, g), engine=engine)
+    return replay(run, policy, with_step_params(profile, *(x * _UNIT).tolist()),
+                  engine=engine)
+
+
+def _evaluate(shared: tuple, x: np.ndarray) -> tuple[np.ndarray, Replay]:
+    """One point of the fit: the residuals there, and its replay."""
+    rep = _replay_at(shared, x)
+    return residuals(shared[0], rep), rep
 
 
 def _residuals_at(shared: tuple, x: np.ndarray) -> tuple[np.ndarray, int]:
-    """A finite-difference point of the fit: the residuals there, and its simulations."""
-    rep = _replay_at(shared, x)
-    return residuals(shared[0], rep), rep.rounds
+    """A finite-difference point of the fit: the residuals there, and its simulations
+    (what a worker process sends back; the replay stays there)."""
+    r, rep = _evaluate(shared, x)
+    return r, rep.rounds
 
 
-def calibrate(
-    run: BenchRun, policy: Policy, profile: Profile, *, engine: str = "vllm",
-    max_rounds: int = 30, progress: Callable[[int, float], None] | None = None,
-    baseline: Replay | None = None, executor: Executor | None = None,
-) -> Calibration:
-    """Fit host seconds per step and per sequence and ``gpu_time_scale`` so the replay of
-    ``run`` matches it (see the module doc); the corrected profile carries the fit in its
-    calibration block. The three finite-difference replays of a round do not depend on
-    each other: they run on ``executor`` (default: in this process); the fit is the same
-    on any executor."""
-    if profile.step_time.constant_s is not None:
-        raise ServetuneError(
-            f"profile {profile.name!r}: step_time.constant_s fixes every step's time; there "
-            "is nothing to calibrate (use a profile with a fitted step-time model)"
-        )
+# Where the search starts, besides the profile's own values: the host time per sequence
+# and the attention per context token trade against each other on runs whose contexts
+# vary little, and the error surface of a replay is bumpy (a schedule changes a step at a
+# time), so one descent can stop on a bump. Each start is a multiple of (per step, per
+# sequence, GPU scale, attention); the lowest error found wins.
+_STARTS = ((1.0, 1.0, 1.0, 1.0), (1.0, 0.25, 1.0, 1.5), (1.0, 2.0, 1.0, 0.5))
+
+
+def _descend(shared: tuple, x: np.ndarray, r: np.ndarray, rep: Replay, ex: Executor,
+             max_rounds: int, progress: Callable[[int, float], None] | None
+             ) -> tuple[np.ndarray, np.ndarray, Replay, list[dict[str, float]], int]:
+    """Levenberg-Marquardt from ``x`` (residuals ``r``, replay ``rep``) with a
+    finite-difference Jacobian; returns the best point, its residuals and replay, the
+    cost history and the simulations run."""
     sims = 0
-    shared = (run, policy, profile, engine)
-    ex = executor or SerialExecutor()
-
-    def evaluate(x: np.ndarray) -> tuple[np.ndarray, Replay]:
-        nonlocal sims
-        rep = _replay_at(shared, x)
-        sims += rep.rounds
-        return residuals(run, rep), rep
-
-    x = np.asarray(step_params(profile, engine)) / _UNIT
-    x = np.clip(x, _LOW, _HIGH)
-    if baseline is None:
-        r, rep = evaluate(x)
-    else:
-        r, rep = residuals(run, baseline), baseline
-    first_rep = rep
     cost = float(r @ r)
     history = [{"round": 0, "cost": cost}]
     lam = 1e-3
-    rounds = 0
     fine = 1.0  # finite-difference steps shrink when a round cannot improve
+    gain = 0.0
     for rounds in range(1, max_rounds + 1):
-        jac = np.empty((len(r), 3))
+        jac = np.empty((len(r), len(PARAMS)))
         steps, moved = [], []
-        for k in range(3):
+        for k in range(len(PARAMS)):
             step = _STEP[k] * fine
             h = step if x[k] + step <= _HIGH[k] else -step
             xk = x.copy()
@@ -362,7 +396,8 @@ def calibrate(
             except np.linalg.LinAlgError:
                 dx = -grad * 1e-3
             xn = np.clip(x + dx, _LOW, _HIGH)
-            rn, repn = evaluate(xn)
+            rn, repn = _evaluate(shared, xn)
+            sims += repn.rounds
             cn = float(rn @ rn)
             if cn < cost:
                 improved = True
@@ -381,16 +416,57 @@ def calibrate(
                 break
             fine /= 4.0
             lam = 1e-3
-    a, b, g = (x * _UNIT).tolist()
-    fitted = {"host_s_per_step": a, "host_s_per_seq": b, "gpu_time_scale": g}
-    start = dict(zip(PARAMS, step_params(profile, engine), strict=True))
+    return x, r, rep, history, sims
+
+
+def calibrate(
+    run: BenchRun, policy: Policy, profile: Profile, *, engine: str = "vllm",
+    max_rounds: int = 30, progress: Callable[[int, float], None] | None = None,
+    baseline: Replay | None = None, executor: Executor | None = None,
+) -> Calibration:
+    """Fit :data:`PARAMS` so the replay of ``run`` matches it (see the module doc): a
+    Levenberg-Marquardt descent from each of :data:`_STARTS`, the lowest error kept; the
+    corrected profile carries the fit in its calibration block. The finite-difference
+    replays of a round do not depend on each other: they run on ``executor`` (default: in
+    this process); the fit is the same on any executor."""
+    if profile.step_time.constant_s is not None:
+        raise ServetuneError(
+            f"profile {profile.name!r}: step_time.constant_s fixes every step's time; there "
+            "is nothing to calibrate (use a profile with a fitted step-time model)"
+        )
+    shared = (run, policy, profile, engine)
+    ex = executor or SerialExecutor()
+    origin = np.clip(np.asarray(step_params(profile, engine)) / _UNIT, _LOW, _HIGH)
+    if baseline is None:
+        r0, first_rep = _evaluate(shared, origin)
+    else:
+        r0, first_rep = residuals(run, baseline), baseline
+    sims = first_rep.rounds
+    best = None
+    history: list[dict[str, float]] = []
+    tried: list[np.ndarray] = []
+    for start in _STARTS:
+        x = np.clip(origin * np.asarray(start), _LOW, _HIGH)
+        if any(np.array_equal(x, t) for t in tried):  # a term at 0 makes starts alike
+            continue
+        tried.append(x)
+        r, rep = (r0, first_rep) if start == _STARTS[0] else _evaluate(shared, x)
+        found = _descend(shared, x, r, rep, ex, max_rounds, progress)
+        sims += found[4] + (0 if start == _STARTS[0] else rep.rounds)
+        history += [{"start": _STARTS.index(start), **h} for h in found[3]]
+        if best is None or float(found[1] @ found[1]) < float(best[1] @ best[1]):
+            best = found
+    assert best is not None
+    x, _, rep, _, _ = best
+    fitted = dict(zip(PARAMS, (x * _UNIT).tolist(), strict=True))
+    start_values = dict(zip(PARAMS, step_params(profile, engine), strict=True))
     err_before, err_after = fit_error(run, first_rep), fit_error(run, rep)
-    corrected = _recorded(with_step_params(profile, a, b, g), run, engine, policy, start,
-                          fitted, err_before, err_after)
+    corrected = _recorded(with_step_params(profile, *fitted.values()), run, engine, policy,
+                          start_values, fitted, err_before, err_after)
     return Calibration(
-        before=start, after=fitted, start=start, fitted=fitted, error_before=err_before,
-        error_after=err_after, profile=corrected, replay=rep, simulations=sims,
-        rounds=rounds, history=history,
+        before=start_values, after=fitted, start=start_values, fitted=fitted,
+        error_before=err_before, error_after=err_after, profile=corrected, replay=rep,
+        simulations=sims, rounds=len(history) - len(tried), history=history,
     )
 
 
@@ -414,7 +490,7 @@ def _recorded(profile: Profile, run: BenchRun, engine: str, policy: Policy,
     was = ", ".join(f"{k} {v:.6g}" for k, v in start.items())
     cal.assumptions = [a for a in cal.assumptions if not a.startswith("validate --calibrate")]
     cal.assumptions.append(
-        f"validate --calibrate: host_s_per_step, host_s_per_seq and gpu_time_scale fitted "
+        f"validate --calibrate: {', '.join(PARAMS)} fitted (host_overlap pinned false) "
         f"(were {was}) by least squares on the per-request TTFT and E2E (each over its "
         f"measured mean) of {len(run)} requests of {name} ({run.fmt}, sha256 "
         f"{run.sha256[:12]}), replayed {loop} with engine {engine} and policy "

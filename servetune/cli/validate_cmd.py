@@ -95,7 +95,8 @@ def register(app: typer.Typer) -> None:
         quiet: QuietOption = False,
         calibrate: bool = typer.Option(
             False, "--calibrate",
-            help="fit host_s_per_step, host_s_per_seq and gpu_time_scale to the run",
+            help="fit host_s_per_step, host_s_per_seq, gpu_time_scale and "
+                 "decode_attn_s_per_context_token to the run",
         ),
         out: Path | None = typer.Option(
             None, "-o", "--out", help="with --calibrate: the corrected profile YAML"

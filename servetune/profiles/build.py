@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from servetune.errors import ServetuneError
@@ -233,9 +233,10 @@ def fit_profile(
 
 
 HOST_ASSUMPTION = (
-    "GPU time only: the engine's host work per step (scheduling, input preparation, "
-    "sampling, output processing) is added when a step is simulated, from the engine's "
-    "defaults in servetune.engines (host_s_per_step and host_s_per_seq are null here)"
+    "GPU time only: the engine's host work per step and per sampled sequence (scheduling, "
+    "input preparation, sampling, output processing) is added when a step is simulated, "
+    "from the engine's defaults in servetune.engines (host_s_per_step, host_s_per_seq and "
+    "host_overlap are null here)"
 )
 
 
@@ -262,6 +263,18 @@ def _allreduce_assumption(hw: Hardware) -> str:
 def _gpu_slug(hw: Hardware) -> str:
     key = catalog.gpu_key(hw.name)
     return key or re.sub(r"[^a-z0-9]+", "-", hw.name.lower()).strip("-")
+
+
+# vLLM's paged decode attention on an H100 80GB reads KV at this fraction of the 3.35 TB/s
+# datasheet bandwidth: the vLLM blog's single-request fit for Llama-3.1-8B bf16 (vLLM
+# 0.19.1, FlashAttention 3; blog.vllm.ai/2026/04/22/fp8-kvcache.html, "Single Request
+# Benchmarking") is ITL = 6.44 ms + 4.37e-5 ms per input token, and each token of context
+# is 131,072 bytes of KV read per step (32 layers x 8 KV heads x 128 x 2 x 2 bytes), so
+# 131,072 B / 43.7 ns = 3.00 TB/s. The contiguous kernel of attn_decode.csv reaches 95.7%
+# of the H200's bandwidth; a serving engine's paged kernel, which splits the KV of a few
+# long sequences across the SMs and merges the parts, less. Derived profiles charge this.
+VLLM_KV_FRACTION = round(memory.kv_bytes_per_token(32, 8, 128, 2.0, 1) / 4.37e-8
+                         / catalog.GPUS["h100-80gb"].hbm_bandwidth_Bps, 4)
 
 
 def derive_profile(
@@ -305,6 +318,9 @@ def derive_profile(
     perop = build_perop(meas, rows_name, base_arch, base_tp, corr.launch_floor_s)
     ratios = shape_ratios(base_arch, base_tp, arch, tp)
     scaled = scale_perop(perop, base_hw=base_hw, target_hw=target_hw, **ratios)
+    kv_Bps = target_hw.hbm_bandwidth_Bps * VLLM_KV_FRACTION
+    scaled = replace(scaled, kv_read_Bps=kv_Bps, decode_s_per_context_token=(
+        scaled.decode_s_per_context_token * scaled.kv_read_Bps / kv_Bps))
     target_corr = scaled_correction(corr, base_hw, target_hw)
     ar = allreduce_terms(arch, tp, target_hw.interconnect_bandwidth_Bps)
     step_time = rounded(step_time_from_perop(scaled, target_corr, allreduce=ar))
@@ -315,15 +331,23 @@ def derive_profile(
         f"({_relpath(meas.folder, paths_relative_to)}); "
         f"launch-floor correction learned from {corr.learned_from}",
         "compute-bound GEMM and prefill-attention time scaled by peak bf16 FLOP/s "
-        f"({base_hw.peak_flops / 1e12:.0f} -> {target_hw.peak_flops / 1e12:.0f} TFLOP/s)",
+        f"({base_hw.peak_flops / 1e12:.0f} -> {target_hw.peak_flops / 1e12:.0f} TFLOP/s); a "
+        "GEMM row's compute share is its place on the measured GPU's roofline (FLOP time "
+        "over weight-read time), the rest is a weight read charged at this GPU's bandwidth "
+        "(changed 2026-12-07: whole small-batch rows were scaled by FLOP/s, which made an "
+        "A100's batch-1 decode about 40% slow against a published A100 run; "
+        "servetune.profiles.fit.scale_perop)",
         "weight streaming, KV reads, elementwise work and the small-batch GEMM floor scaled by "
         f"memory bandwidth ({base_hw.hbm_bandwidth_Bps / 1e12:.2f} -> "
         f"{target_hw.hbm_bandwidth_Bps / 1e12:.3f} TB/s)",
         "efficiencies (fraction of peak reached) assumed equal to the measured GPU's",
-        f"decode attention reads KV at {scaled.kv_read_Bps / 1e12:.3f} TB/s: the fraction of "
-        f"datasheet bandwidth measured on {base_hw.name} "
-        f"({perop.kv_read_Bps / base_hw.hbm_bandwidth_Bps:.1%}, median kv_GBps of the "
-        "bandwidth-bound rows of attn_decode.csv) assumed on this GPU too",
+        f"decode attention reads KV at {scaled.kv_read_Bps / 1e12:.3f} TB/s, "
+        f"{VLLM_KV_FRACTION:.1%} of the datasheet bandwidth: what vLLM's paged decode "
+        "attention reaches on an H100 (the published single-request ITL slope, "
+        "servetune.profiles.build.VLLM_KV_FRACTION), assumed on this GPU too (changed "
+        "2026-12-07: was the contiguous kernel timed on "
+        f"{base_hw.name}, {perop.kv_read_Bps / base_hw.hbm_bandwidth_Bps:.1%} of its "
+        "bandwidth in attn_decode.csv, which made batched long-context decode fast)",
         HOST_ASSUMPTION,
         "shape ratios target/measured per GPU: "
         + ", ".join(f"{k}={v:.3g}" for k, v in ratios.items()),

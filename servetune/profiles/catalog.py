@@ -38,6 +38,8 @@ DATASHEETS = {
     "SXM: 80 GB HBM3, 3.35 TB/s, BF16 1,979 TFLOPS with sparsity (989 dense), NVLink 900 GB/s",
     "a100-80gb": "NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/a100), "
     "80GB SXM: HBM2e 2,039 GB/s, BF16 312 TFLOPS dense, NVLink 600 GB/s",
+    "a100-40gb": "NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/a100), "
+    "40GB SXM: HBM2 1,555 GB/s, BF16 312 TFLOPS dense, NVLink 600 GB/s",
     "l40s": "NVIDIA L40S datasheet (nvidia.com/en-us/data-center/l40s): 48 GB GDDR6, "
     "864 GB/s, BF16 362.05 TFLOPS dense (733 with sparsity), PCIe Gen4 x16 64 GB/s, no NVLink",
 }
@@ -58,6 +60,11 @@ GPUS: dict[str, Hardware] = {
         name="NVIDIA A100 SXM4 80GB", memory_bytes=84_987_740_160,
         hbm_bandwidth_Bps=2.039e12, peak_flops=312e12, interconnect_bandwidth_Bps=300e9,
     ),
+    # 39.39 GiB: the total capacity PyTorch reports for an A100-SXM4-40GB
+    "a100-40gb": Hardware(
+        name="NVIDIA A100 SXM4 40GB", memory_bytes=round(39.39 * 2**30),
+        hbm_bandwidth_Bps=1.555e12, peak_flops=312e12, interconnect_bandwidth_Bps=300e9,
+    ),
     # 46,068 MiB: nvidia-smi total for an L40S
     "l40s": Hardware(
         name="NVIDIA L40S 48GB", memory_bytes=48_305_799_168,
@@ -72,6 +79,8 @@ SHARD_ROWS: dict[tuple[str, int], str] = {("llama-3.1-70b", 4): "llama-3.1-70b-t
 def gpu_key(device_name: str) -> str | None:
     """Catalog key for a device name as torch/nvidia-smi prints it (None if unknown)."""
     low = device_name.lower()
+    if "a100" in low and "40gb" in low.replace(" ", ""):
+        return "a100-40gb"
     for key, needle in (("h200", "h200"), ("h100-80gb", "h100"), ("a100-80gb", "a100"),
                         ("l40s", "l40s")):
         if needle in low:

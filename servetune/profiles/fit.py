@@ -623,8 +623,17 @@ def scale_perop(perop: PerOpModel, *, base_hw: Hardware, target_hw: Hardware,
                 lm_ratio: float = 1.0, layers: int | None = None) -> PerOpModel:
     """A per-op model for ``target_hw`` (and optionally a shape ``*_ratio`` times the
     measured one): compute-bound time scales with peak FLOP/s, memory-bound with
-    bandwidth. GEMM tables are time-scaled by FLOPs (they are compute-bound where they
-    rise above the weight-streaming floor, which is recomputed from bytes)."""
+    bandwidth.
+
+    A GEMM row of T tokens is placed on the measured GPU's roofline by
+    ``r = (FLOPs / peak FLOP/s) / (weight bytes / bandwidth)`` (about T over the ridge
+    point). Only its compute share, ``min(1, r)`` of the measured time, is scaled (by the
+    ratio of peak FLOP/s); reading the weights is charged by the weight-streaming floor
+    ``weight bytes / gemv_bandwidth_Bps`` of the target GPU (:meth:`OpCurve.graph_seconds`
+    takes the larger of the two). So a small-batch GEMM, a weight read on every GPU, costs
+    what the target's bandwidth allows, and a prefill-sized one scales with FLOP/s.
+    (Scaling whole rows by FLOP/s charged an A100 compute time for weight reads: its
+    derived batch-1 decode was about 40% slow.)"""
     f = base_hw.peak_flops / target_hw.peak_flops
     m = base_hw.hbm_bandwidth_Bps / target_hw.hbm_bandwidth_Bps
     phi = perop.launch_floor_s
@@ -633,8 +642,14 @@ def scale_perop(perop: PerOpModel, *, base_hw: Hardware, target_hw: Hardware,
         # the launch floor belongs to the timing method, not the kernel: keep it as is
         return phi + np.maximum(seconds - phi, 0.0) * factor
 
+    def gemm_scaled(op: OpCurve) -> np.ndarray:
+        kernel = np.maximum(op.seconds - phi, 0.0)
+        compute_s = op.flops_per_token * op.tokens / base_hw.peak_flops
+        r = compute_s / (op.weight_bytes / base_hw.hbm_bandwidth_Bps)
+        return phi + kernel * np.minimum(1.0, r) * f * flops_ratio
+
     gemm = {
-        name: OpCurve(op.tokens, kernel_scaled(op.seconds, f * flops_ratio),
+        name: OpCurve(op.tokens, gemm_scaled(op),
                       op.weight_bytes * bytes_ratio, op.flops_per_token * flops_ratio)
         for name, op in perop.gemm.items()
     }

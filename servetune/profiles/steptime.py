@@ -17,19 +17,26 @@ The model (all coefficients in seconds)::
                      + decode_attn_s_per_context_token * C + decode_attn_s_per_seq * D
                      + prefill_attn_s_per_token_pair * W
                      + lm_head_s_per_row * S
-                     + host_s_per_step + host_s_per_seq * S
+                     + host_step_exposed + host_s_per_seq * S
 
 The first seven terms are GPU time (what a CUDA-graph replay of the step measures). The
-last two are the serving engine's host-side work per step, which a graph replay does not
-see: scheduling, preparing the inputs, sampling, detokenizing and returning outputs. It is
-a fixed part per step and a part per sequence that produces a token this step (``S``: a
-prefill chunk that does not finish produces no output to process; at most a few of those
-are scheduled per step). The two fields are ``None`` unless a profile pins them (timed on
-its own host, or 0 for a GPU-only what-if); ``None`` takes the engine's default from
+last two are the serving engine's host-side work, which a graph replay does not see: a
+part per sequence that produces a token this step (``S``: sampling and logits processing
+outside the graph and the per-request bookkeeping between two forward passes; a prefill
+chunk that does not finish produces no output) and a part per step (scheduling, input
+preparation, returning outputs). An engine that overlaps the per-step part with the GPU
+(``host_overlap``; vLLM V1 with async scheduling) prepares the next step while this one
+runs, so a step pays only what the GPU does not cover: ``host_step_exposed = max(0,
+host_s_per_step - g_min)``, with ``g_min`` the profile's smallest GPU step (one sequence,
+one token; every step takes at least that long, so this never undercharges); without
+overlap ``host_step_exposed = host_s_per_step``. The three fields are ``None`` unless a
+profile pins them (timed on its own host, fitted by ``servetune validate --calibrate``,
+or 0 for a GPU-only what-if); ``None`` takes the engine's default from
 :data:`servetune.engines.ENGINES` when the step time is evaluated for an engine
-(:meth:`StepTimeModel.as_arrays`), so one GPU profile serves every engine. They are kept
-apart from ``fixed_s`` (GPU launch and in-graph overhead) so the provenance of each stays
-clear.
+(:meth:`StepTimeModel.as_arrays`), so one GPU profile serves every engine and an engine
+build (say, an older vLLM that does not overlap) is selected by pinning them. They are
+kept apart from ``fixed_s`` (GPU launch and in-graph overhead) so the provenance of each
+stays clear.
 
 ``gpu_time_scale`` (1 by default, and then not written to the file) multiplies the seven GPU
 terms: a compute-efficiency correction fitted by ``servetune validate --calibrate`` when a
@@ -93,6 +100,12 @@ class StepTimeModel(Strict):
         description="engine host work per sequence that produces a token in the step, s; "
                     "null = the engine's default (servetune.engines)",
     )
+    host_overlap: bool | None = Field(
+        None,
+        description="whether the engine overlaps its per-step host work with the GPU step "
+                    "(vLLM V1 with async scheduling does; older builds do not); null = the "
+                    "engine's default (servetune.engines)",
+    )
 
     gpu_time_scale: float = Field(
         1.0, gt=0, le=100,
@@ -116,12 +129,13 @@ class StepTimeModel(Strict):
                 raise ValueError(f"gemm_pieces[{i}]: intercept and slope must be >= 0")
         return self
 
-    def host_seconds(self, engine: str = "vllm") -> tuple[float, float]:
-        """(per step, per sequence) host seconds: the profile's own where it pins them,
-        else engine ``engine``'s defaults."""
-        step, seq = host_overhead(engine)
-        return (step if self.host_s_per_step is None else self.host_s_per_step,
-                seq if self.host_s_per_seq is None else self.host_s_per_seq)
+    def host_seconds(self, engine: str = "vllm") -> tuple[float, float, bool]:
+        """(per step, per sequence, overlap) of the host work: the profile's own where it
+        pins them, else engine ``engine``'s defaults."""
+        row = host_overhead(engine)
+        return (row.per_step_s if self.host_s_per_step is None else self.host_s_per_step,
+                row.per_seq_s if self.host_s_per_seq is None else self.host_s_per_seq,
+                row.overlap if self.host_overlap is None else self.host_overlap)
 
     def gpu_only(self) -> StepTimeModel:
         """The same model with no host cost (GPU time only, as graph replays measure)."""
@@ -141,8 +155,11 @@ class StepTimeModel(Strict):
         coef[COEF_PREFILL_PAIR] = g * self.prefill_attn_s_per_token_pair
         coef[COEF_LM_ROW] = g * self.lm_head_s_per_row
         coef[COEF_CONSTANT] = self.constant_s if self.constant_s is not None else -1.0
-        coef[COEF_HOST_STEP], coef[COEF_HOST_SEQ] = self.host_seconds(engine)
         pieces = g * np.asarray(self.gemm_pieces, dtype=np.float64).reshape(-1, 2)
+        host_step, host_seq, overlap = self.host_seconds(engine)
+        if overlap:  # hidden under the GPU step, up to the smallest one (coef: GPU only)
+            host_step = max(0.0, host_step - step_seconds(coef, pieces, 1.0, 1.0, 1.0, 1.0, 0.0))
+        coef[COEF_HOST_STEP], coef[COEF_HOST_SEQ] = host_step, host_seq
         return coef, pieces
 
     def seconds(

@@ -145,7 +145,9 @@ class Profile(Document):
     def _steps_take_time(self, info: ValidationInfo) -> Profile:
         if not from_file(info):  # a profile built in code may leave the step time out
             return self
-        small = self.step_time.seconds(1, 1, 1, 1, 0)
+        # GPU time alone: the engine's host cost is added to any step, even one of a
+        # profile whose step-time model is missing
+        small = self.step_time.gpu_only().seconds(1, 1, 1, 1, 0)
         if not small >= MIN_STEP_S:
             raise ValueError(
                 f"step_time: a one-token step would take {small:.3g} s (under "
