@@ -45,9 +45,25 @@ GIB = 1 << 30
 # --fit-host fits it; RESULTS.md "Published vLLM end to end" records the fit.
 VLLM_HOST_S_PER_SEQ = 170.7e-6
 
-# Engine replicas one cluster simulation holds, from a topology file or the flags (about
-# 2.5 MB of simulator state each: 1,024 stay well under 4 GB).
+# Engine replicas one cluster simulation holds, from a topology file or the flags.
 MAX_REPLICAS = 1024
+# Replicas behind a router that reads their state at every arrival (least_loaded, least_kv,
+# prefix_aware). The compiled loop takes the replicas as a tuple, and numba compiles it
+# once per replica count, in time and memory that grow fast with the count (measured on
+# 2 cores: 12 s for 4, 29 s for 8, about 2 minutes for 16; 64 ran past 10 minutes and 4.9
+# GB). Static routers (round_robin, session) run each replica on its own, to MAX_REPLICAS.
+MAX_ROUTED_REPLICAS = 16
+# What each replica of a cluster simulation holds: arrays over the whole trace (the router
+# may send it any request) and over its KV pool. Measured on the H200 8B profile (56,821
+# blocks; peak RSS over one replica's run): under round_robin, 128 replicas x 200,000
+# requests took 2.49 GB more and 1,024 x 19,531 took 6.63 GB more (72 B per request and
+# 89 B per block per replica); under least_loaded, 16 x 2,725,965 took about 94 B per
+# request. The bound charges 100 B per request and 89 per block, and one simulation's
+# replicas hold at most MAX_CLUSTER_STATE_BYTES (the process then stays under 4 GB;
+# benchmarks/RESULTS.md, "Resource bounds").
+CLUSTER_BYTES_PER_REQUEST = 100
+CLUSTER_BYTES_PER_KV_BLOCK = 89
+MAX_CLUSTER_STATE_BYTES = 5 * GIB // 2
 
 @dataclass(frozen=True)
 class GpuFacts:

@@ -1320,3 +1320,123 @@ def stdout_fault_run(files: tuple[tuple[str, bytes], ...], argv: tuple[str, ...]
             finally:
                 os.close(write)
         return done.returncode, done.stderr.decode(errors="replace")
+
+
+# ----------------------------------------------------------------------------- resource bounds
+# The largest value each size flag accepts must run to completion (or, for a sweep of the
+# most jobs a file may expand to, run its first jobs) in a bounded process: peak RSS under
+# MEMORY_BOUND_BYTES. Each case runs the console script in a subprocess; the rusage of
+# that child gives its peak.
+
+MEMORY_BOUND_BYTES = 4 << 30
+WORKLOAD = str(REPO / "configs/workloads/azure-conv-2023.yaml")
+POLICY_PATH = str(REPO / "configs/policies/vllm-serve-defaults.yaml")
+SLO_PATH = str(REPO / "configs/slos/mlperf-llama-3.1-8b-server.yaml")
+
+
+def _largest_cluster(replicas: int, routed: bool = False) -> int:
+    """The most requests the cluster-state bound admits on ``replicas`` H200 8B replicas
+    (servetune.sim.cluster._check_state_bytes)."""
+    from servetune.engines import (
+        CLUSTER_BYTES_PER_KV_BLOCK,
+        CLUSTER_BYTES_PER_REQUEST,
+        MAX_CLUSTER_STATE_BYTES,
+    )
+    from servetune.profiles.shipped import load_profile
+
+    blocks = load_profile(PROFILE_NAME).kv_blocks()
+    left = MAX_CLUSTER_STATE_BYTES - replicas * blocks * CLUSTER_BYTES_PER_KV_BLOCK
+    return int(left // (replicas * CLUSTER_BYTES_PER_REQUEST))
+
+
+def bound_cases() -> list[tuple[str, list[str], float]]:
+    """(what, argv with {out} for the output folder, seconds to let it run; 0: to the
+    end) for every size flag at its largest accepted value."""
+    from servetune.apps.sweep import MAX_SWEEP_JOBS
+    from servetune.engines import MAX_ROUTED_REPLICAS
+    from servetune.workloads.fitting import MAX_SAMPLE_REQUESTS
+
+    sim = ["--profile", PROFILE_NAME, "--policy", POLICY_PATH]
+    most = str(MAX_SAMPLE_REQUESTS)
+    # the most H200 replicas the state bound admits for the smallest useful run (a few
+    # requests each), and the requests it then admits
+    replicas = 1
+    while _largest_cluster(replicas + 1) >= 20 * (replicas + 1):
+        replicas += 1
+    half = replicas // 2
+    return [
+        ("workload show --sample at its cap", ["workload", "show", WORKLOAD, "--sample", most,
+                                               "--json"], 0.0),
+        ("simulate --requests at its cap", ["simulate", "--workload", WORKLOAD, "--requests",
+                                            most, *sim, "--json-out", "{out}/s.json"], 0.0),
+        (f"simulate --replicas {replicas} (the state bound)",
+         ["simulate", "--workload", WORKLOAD, "--requests", str(_largest_cluster(replicas)),
+          "--rate-scale", "100", "--replicas", str(replicas), *sim,
+          "--json-out", "{out}/s.json"], 0.0),
+        (f"simulate --disagg {half}:{half}",
+         ["simulate", "--workload", WORKLOAD, "--requests",
+          str(_largest_cluster(2 * half)), "--rate-scale", "100", "--disagg", f"{half}:{half}",
+          *sim, "--json-out", "{out}/s.json"], 0.0),
+        (f"simulate --router least_loaded --replicas {MAX_ROUTED_REPLICAS}",
+         ["simulate", "--workload", WORKLOAD, "--requests",
+          str(min(MAX_SAMPLE_REQUESTS, _largest_cluster(MAX_ROUTED_REPLICAS))),
+          "--rate-scale", str(MAX_ROUTED_REPLICAS), "--replicas", str(MAX_ROUTED_REPLICAS),
+          "--router", "least_loaded", *sim, "--json-out", "{out}/s.json"], 0.0),
+        ("goodput --requests at its cap",
+         ["goodput", "--workload", WORKLOAD, "--requests", most, *sim, "--slo", SLO_PATH,
+          "--tolerance", "0.2", "--json-out", "{out}/g.json"], 0.0),
+        (f"sweep of {MAX_SWEEP_JOBS:,} jobs (its first minute)",
+         ["sweep", "{out}/sweep.yaml", "--out-dir", "{out}/sweep", "--workers", "1"], 60.0),
+    ]
+
+
+def write_largest_sweep(folder: Path) -> Path:
+    """A sweep file that expands to exactly MAX_SWEEP_JOBS optimize jobs (seeds)."""
+    from servetune.apps.sweep import MAX_SWEEP_JOBS
+
+    path = folder / "sweep.yaml"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "servetune/v1", "kind": "Sweep", "name": "largest",
+        "defaults": {"requests": 100, "max_simulations": 4},
+        "products": [{"command": "optimize", "method": "random",
+                      "profiles": [PROFILE_NAME], "workloads": [WORKLOAD], "slos": [SLO_PATH],
+                      "seeds": list(range(MAX_SWEEP_JOBS))}],
+    }), encoding="utf-8")
+    return path
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def bounded_run(argv: list[str], stop_after_s: float = 0.0, timeout_s: float = 1800.0
+                ) -> tuple[int, int, float, str]:
+    """Run the console script with ``argv`` ({out}: a fresh folder); stop it with SIGINT
+    after ``stop_after_s`` seconds if given. (exit code, peak RSS in bytes, seconds,
+    stderr)."""
+    with tempfile.TemporaryDirectory(prefix="servetune-bound-") as tmp:
+        out = Path(tmp)
+        if "{out}/sweep.yaml" in argv:
+            write_largest_sweep(out)
+        cmd = [sys.executable, "-c", "from servetune.cli import run; run()",
+               *(a.replace("{out}", tmp) for a in argv)]
+        err_path = out / "stderr.txt"
+        started = time.perf_counter()
+        with open(err_path, "wb") as err:
+            # SIGINT as a terminal sends it (a background shell job starts its children
+            # with it ignored, and Python then never raises KeyboardInterrupt)
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
+                                    preexec_fn=_default_sigint)  # noqa: PLW1509
+            limit = stop_after_s or timeout_s
+            # reaped here, not by Popen, so that the child's rusage (its peak RSS) is read
+            done, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            while not done and time.perf_counter() - started < limit:
+                time.sleep(0.2)
+                done, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if not done:
+                proc.send_signal(signal.SIGINT if stop_after_s else signal.SIGKILL)
+                _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - started
+        code = os.waitstatus_to_exitcode(status)
+        proc.returncode = code  # (reaped above)
+        return code, usage.ru_maxrss * 1024, seconds, err_path.read_text(errors="replace")

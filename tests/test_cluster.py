@@ -249,3 +249,39 @@ def test_records_name_the_replica_and_the_cached_tokens(tmp_path):
     assert {int(r["decode_replica"]) for r in rows} <= {-1, 1, 2}
     assert [int(r["cached_tokens"]) for r in rows] == out.merged.hit_tokens.tolist()
     assert sum(int(r["cached_tokens"]) for r in rows) > 0
+
+
+def test_a_cluster_past_the_state_bound_is_refused_before_it_allocates(monkeypatch):
+    """Every replica holds arrays over all requests and over its KV pool: the bound is on
+    their sum, worked by hand: 3 replicas x 10 requests x 100 B + 3 x 56,821 blocks x 89 B
+    = 3,000 + 15,171,207 B."""
+    from servetune.engines import CLUSTER_BYTES_PER_KV_BLOCK, CLUSTER_BYTES_PER_REQUEST
+
+    trace = _trace(np.arange(10.0), [100] * 10, [5] * 10)
+    need = (3 * 10 * CLUSTER_BYTES_PER_REQUEST
+            + 3 * PROFILE.kv_blocks() * CLUSTER_BYTES_PER_KV_BLOCK)
+    assert need == 3_000 + 15_171_207
+    monkeypatch.setattr(C, "MAX_CLUSTER_STATE_BYTES", need - 1)
+    with pytest.raises(ServetuneError, match=r"3 replicas x 10 requests: .* at most 2 replicas"):
+        C.run_cluster(trace, _specs(3))
+    monkeypatch.setattr(C, "MAX_CLUSTER_STATE_BYTES", need)
+    assert C.run_cluster(trace, _specs(3)).merged.finish_s.size == 10
+    # one replica is the single engine: nothing to bound here (the sample cap holds)
+    monkeypatch.setattr(C, "MAX_CLUSTER_STATE_BYTES", 0)
+    assert C.run_cluster(trace, _specs(1)).merged.finish_s.size == 10
+
+
+def test_a_reading_router_takes_at_most_its_replica_count():
+    from servetune.engines import MAX_ROUTED_REPLICAS
+
+    trace = _trace([0.0, 1.0], [100, 100], [3, 3])
+    many = _specs(MAX_ROUTED_REPLICAS + 1)
+    for router in ("least_loaded", "least_kv", "prefix_aware"):
+        with pytest.raises(ServetuneError,
+                           match=rf"router '{router}' with 17 replicas.*round_robin"):
+            C.run_cluster(trace, many, router=router)
+    # a static router runs each replica on its own: no such limit
+    assert C.run_cluster(trace, many, router="round_robin").merged.finish_s.size == 2
+    # disaggregation routes in Python, not in the compiled loop
+    split = _specs(MAX_ROUTED_REPLICAS, "prefill") + _specs(2, "decode")
+    assert C.run_cluster(trace, split, router="least_kv").merged.finish_s.size == 2

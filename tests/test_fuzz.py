@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 from fuzz_inputs import (
     FAULTS,
+    MEMORY_BOUND_BYTES,
     PLACE_FILES,
     POLICY,
     PRINTERS,
@@ -41,6 +42,8 @@ from fuzz_inputs import (
     Tally,
     alias_bomb,
     all_targets,
+    bound_cases,
+    bounded_run,
     fault_cases,
     run_case,
     stdout_fault_run,
@@ -406,3 +409,22 @@ def test_a_huge_search_space_is_one_line(tmp_path):
     with pytest.raises(ServetuneError, match="120,400 combinations"):
         load_document(grid, SearchSpace)
     assert 400 * 250 <= MAX_SPACE_POINTS
+
+
+# ----------------------------------------------------------------------------- resource bounds
+@pytest.mark.slow
+@pytest.mark.parametrize("case", bound_cases(), ids=lambda c: c[0])
+def test_the_largest_accepted_size_runs_in_bounded_memory(case):
+    """Every size flag at its largest accepted value (and the most replicas the cluster
+    state bound admits) runs to completion under MEMORY_BOUND_BYTES; a sweep of the most
+    jobs a file may hold says how many it runs before the first, and stops cleanly on
+    Ctrl-C (benchmarks/RESULTS.md, "Resource bounds", has the measured peaks)."""
+    what, argv, stop_after_s = case
+    code, peak, _, stderr = bounded_run(argv, stop_after_s)
+    assert peak < MEMORY_BOUND_BYTES, (what, peak)
+    if stop_after_s:
+        assert code == 130, (what, stderr[-2000:])
+        assert stderr.splitlines()[0].endswith("10,000 jobs"), stderr[:500]
+    else:
+        assert code == 0, (what, stderr[-2000:])
+        assert "Traceback" not in stderr

@@ -36,7 +36,12 @@ from servetune.cli.options import (
     print_json,
 )
 from servetune.cli.trace_cmd import load_trace_cli
-from servetune.engines import ENGINE_NAMES, MAX_REPLICAS
+from servetune.engines import (
+    ENGINE_NAMES,
+    MAX_CLUSTER_STATE_BYTES,
+    MAX_REPLICAS,
+    MAX_ROUTED_REPLICAS,
+)
 from servetune.errors import InfeasibleError, ServetuneError
 from servetune.io import check_outputs, require_file, write_all_or_none, write_text_atomic
 
@@ -362,11 +367,13 @@ def register(app: typer.Typer) -> None:
             "caching.enable_prefix_caching, else the engine's own)"),
         replicas: int = typer.Option(
             1, "--replicas", min=1, max=MAX_REPLICAS, help="engine replicas behind a router "
-            f"(at most {MAX_REPLICAS}; same profile "
-            "and policy)"),
+            f"(at most {MAX_REPLICAS}, and as many as fit {MAX_CLUSTER_STATE_BYTES / 2**30:g} "
+            "GiB of replica state: each holds ~100 B per request and ~89 B per KV block; "
+            "same profile and policy)"),
         router: str = typer.Option(
             "round_robin", "--router", help="round_robin | least_loaded | least_kv | "
-            "prefix_aware | session"),
+            f"prefix_aware | session (the three that read the replicas: at most "
+            f"{MAX_ROUTED_REPLICAS} replicas)"),
         disagg: str | None = typer.Option(
             None, "--disagg", help="P:D prefill and decode replicas (disaggregated "
             "serving; replaces --replicas)"),

@@ -44,7 +44,13 @@ from typing import Any
 
 import numpy as np
 
-from servetune.engines import MAX_REPLICAS
+from servetune.engines import (
+    CLUSTER_BYTES_PER_KV_BLOCK,
+    CLUSTER_BYTES_PER_REQUEST,
+    MAX_CLUSTER_STATE_BYTES,
+    MAX_REPLICAS,
+    MAX_ROUTED_REPLICAS,
+)
 from servetune.errors import ServetuneError
 from servetune.executor import default_workers
 from servetune.schemas.policy import Policy
@@ -271,6 +277,14 @@ def _check(specs: Sequence[ReplicaSpec], router: str) -> tuple[list[int], list[i
     prefill = [k for k, s in enumerate(specs) if s.role == "prefill"]
     decode = [k for k, s in enumerate(specs) if s.role == "decode"]
     both = [k for k, s in enumerate(specs) if s.role == "both"]
+    front = len(prefill) if prefill else len(specs)
+    if router not in STATIC_ROUTERS and not prefill and front > MAX_ROUTED_REPLICAS:
+        raise ServetuneError(
+            f"router {router!r} with {front:,} replicas: it reads every replica at every "
+            f"arrival in a compiled loop built per replica count, which takes minutes and "
+            f"gigabytes to build beyond {MAX_ROUTED_REPLICAS}; give at most "
+            f"{MAX_ROUTED_REPLICAS} replicas with it, or a static router "
+            f"({', '.join(STATIC_ROUTERS)}) for up to {MAX_REPLICAS:,}")
     if (prefill or decode) and (both or not prefill or not decode):
         raise ServetuneError(
             "a disaggregated cluster has prefill and decode replicas only (at least one "
@@ -280,6 +294,24 @@ def _check(specs: Sequence[ReplicaSpec], router: str) -> tuple[list[int], list[i
             raise ServetuneError(f"replica {k}: decode replicas are simulated as vLLM's "
                                  f"(got engine {specs[k].engine!r})")
     return prefill, decode
+
+
+def _check_state_bytes(specs: Sequence[ReplicaSpec], n: int) -> None:
+    """Refuse, before allocating, a cluster whose replicas' state would pass
+    MAX_CLUSTER_STATE_BYTES: each holds arrays over all ``n`` requests and its KV pool."""
+    if len(specs) < 2:
+        return
+    blocks = sum(spec.profile.kv_blocks() for spec in specs)
+    need = len(specs) * n * CLUSTER_BYTES_PER_REQUEST + blocks * CLUSTER_BYTES_PER_KV_BLOCK
+    if need > MAX_CLUSTER_STATE_BYTES:
+        per_replica = need / len(specs)
+        fits = int(MAX_CLUSTER_STATE_BYTES // per_replica)
+        raise ServetuneError(
+            f"{len(specs):,} replicas x {n:,} requests: the replicas' state would take about "
+            f"{need / 2**30:.1f} GiB (each holds {CLUSTER_BYTES_PER_REQUEST} bytes per "
+            f"request and {CLUSTER_BYTES_PER_KV_BLOCK} per KV block; at most "
+            f"{MAX_CLUSTER_STATE_BYTES / 2**30:g} GiB in one simulation): give fewer "
+            f"requests or at most {fits:,} replicas")
 
 
 def run_cluster(
@@ -298,6 +330,7 @@ def run_cluster(
     prefill_idx, decode_idx = _check(specs, router)
     disagg = bool(prefill_idx)
     n = len(trace)
+    _check_state_bytes(specs, n)
     horizon = float(trace.arrival_s[-1]) if n else 0.0
     prefix = E.prefix_columns(trace)
     replicas = [_Replica(k, spec, trace, reference=reference, prefix_caching=prefix_caching,
