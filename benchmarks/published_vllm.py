@@ -41,6 +41,8 @@ DATA = HERE / "published_vllm.yaml"
 METRICS = ("ttft_ms", "ttft_median_ms", "tpot_ms", "itl_median_ms", "e2e_ms",
            "output_tok_s", "output_tok_s_ratio")
 TARGET = {"median": 5.0, "max": 10.0}
+
+
 def profile_name(point: dict[str, Any]) -> str:
     tp = int(point.get("tp", 1))
     return f"{point['gpu']}-{point['model']}" + (f"-tp{tp}" if tp > 1 else "")
