@@ -1,4 +1,4 @@
-"""Per-class fluid model of one engine serving several SLO tiers (issue 16).
+"""Per-class fluid model of one engine serving several SLO tiers.
 
 The single-class model (:mod:`servetune.models.fluid`) pools every class into one FCFS
 prefill queue. Here each class ``c`` keeps its own queueing, so that per-class knobs can
@@ -80,10 +80,6 @@ class ClassOption:
     chunk_cap: int = 0  # tokens per step for each of the class's prompts; 0: no cap
     max_seqs: int | None = None  # running requests of the class; None: no cap
     max_kv_fraction: float = 1.0  # share of the KV blocks the class may hold
-
-    @property
-    def capped(self) -> bool:
-        return self.max_seqs is not None or self.max_kv_fraction < 1.0
 
     def cost(self) -> int:
         """How many settings the option adds to the policy (a tie-break: simpler first)."""
@@ -448,10 +444,6 @@ class _Moments:
     ctx_sq: float  # E[(O - 1)(P + O/2)^2]
     output_mean: float
     prompt_mean: float
-
-    def p_min_p(self, chunk: float) -> float:
-        """``E[P min(P, chunk)]``."""
-        return float(np.mean(self.prompts * np.minimum(self.prompts, chunk)))
 
     def demand(self, arrivals: float, chunk: float) -> tuple[float, float, float]:
         """At ``arrivals`` per step and prompts prefilled ``chunk`` tokens a step: the

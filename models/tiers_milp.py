@@ -1,4 +1,4 @@
-"""Tier MILP: per-class priority, chunk cap and seat/KV caps, chosen jointly (issue 16).
+"""Tier MILP: per-class priority, chunk cap and seat/KV caps, chosen jointly.
 
 At a common load scale ``s`` the per-class model (:mod:`servetune.models.tiers`) gives
 every quantity as a constant of the shared knobs, of one class's option, or of the

@@ -43,7 +43,6 @@ class Family(Enum):
 PER_CLASS = frozenset({Family.TTFT, Family.TPOT, Family.E2E, Family.REJECTED})
 # The families that decide whether a load is sustainable at all (the rest are targets).
 STABILITY_FAMILIES = frozenset({Family.BUDGET, Family.SEATS, Family.KV_MEMORY})
-QUEUE_CAPS = frozenset({Family.QUEUE_REQUESTS, Family.QUEUE_PROMPT_TOKENS})
 
 # How a binding condition reads in an explanation (per-class latency families are worded
 # with their class; a family missing here reads as its key).

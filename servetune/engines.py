@@ -96,6 +96,12 @@ def _vllm_default_batching(gpu: GpuFacts) -> DefaultBatching:
                                       "256 sequences, 2048 batched tokens")
 
 
+# SGLang's priority preemption as servetune models and exports it: a running request is
+# preempted for a waiting one more important by more than this (SGLang's default
+# --priority-scheduling-preemption-threshold; docs/engines.md 2.4). One fact, read by the
+# simulator and the exporter.
+SGLANG_PRIORITY_PREEMPTION_THRESHOLD = 10
+
 # SGLang's chunked-prefill size by GPU memory (server_args.py, _handle_gpu_memory_settings;
 # thresholds in GiB, as it compares MiB), and its request-pool bound on running requests.
 SGLANG_CHUNK_BY_MEMORY_GIB = ((20, 2048), (35, 2048), (60, 4096), (90, 8192), (160, 8192))
@@ -195,6 +201,9 @@ ENGINES: tuple[Engine, ...] = (
 ENGINE_NAMES: tuple[str, ...] = tuple(e.name for e in ENGINES)
 BY_NAME: dict[str, Engine] = {e.name: e for e in ENGINES}
 CONFIG_FILES: dict[str, str] = {e.name: e.config_file for e in ENGINES}
+# The engine decode replicas of a disaggregated cluster are simulated as: the kernel's rule
+# for a request whose KV arrives from a prefill replica is vLLM's (KV connector).
+DISAGG_DECODE_ENGINE = "vllm"
 # The instances of a disaggregated prefill/decode pair an export may be for (here, not in
 # servetune.export, so that `servetune export --help` lists them without the exporters).
 DISAGG_ROLES: tuple[str, ...] = ("prefill", "decode")

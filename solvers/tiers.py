@@ -1,4 +1,4 @@
-"""The tiered search: per-class policies for several SLO tiers on one engine (issue 16).
+"""The tiered search: per-class policies for several SLO tiers on one engine.
 
 1. *Model*: bisect on the common load scale ``s`` for the largest one at which the tier
    MILP (:mod:`servetune.models.tiers_milp`, solved by HiGHS) finds every tier within its

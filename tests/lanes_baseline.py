@@ -83,7 +83,7 @@ def digest(out: Any) -> str:
 def run_case(trace: Any, profile: Profile, policy_name: str, engine: str,
              step_log: bool) -> Any:
     # GPU time only, as every engine's host cost was when the baseline was recorded (the
-    # vLLM host term came later, issue 32): the check is about the lanes, not step times
+    # vLLM host term came later): the check is about the lanes, not step times
     step_time = profile.step_time.model_copy(update={"host_s_per_step": 0.0,
                                                      "host_s_per_seq": 0.0})
     return run_engine(trace, Policy(**POLICIES[policy_name]), KV_BLOCKS, profile.block_size,

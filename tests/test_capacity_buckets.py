@@ -207,7 +207,7 @@ def test_capacity_is_measured_at_steady_state(tmp_path: Path, monkeypatch) -> No
     """500 Azure-conversation requests with long outputs arrive in a few seconds, too
     fast for one H100's KV cache to fill, so that short burst "met" the SLOs at 2.4x the
     rate a replica sustains (8.9 req/s with vLLM's host time per sequence charged; 26-29
-    req/s on GPU time alone, before issue 32). The measurement lengthens the trace until
+    req/s on GPU time alone, before the host term). The measurement lengthens the trace until
     its arrivals span MIN_WINDOW_S."""
     from servetune.profiles.shipped import load_profile
     from servetune.workloads.fitting import load_workload

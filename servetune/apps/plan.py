@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from servetune.apps.optimize import optimize
+from servetune.engines import DISAGG_DECODE_ENGINE
 from servetune.errors import InfeasibleError, ServetuneError
 from servetune.executor import Executor, SerialExecutor
 from servetune.io import sha256_file, sha256_json, write_text_atomic
@@ -1404,10 +1405,11 @@ def run_plan(
     topologies = parse_topologies(topologies)
     disagg = any(x != AGG for x in topologies)
     if disagg:
-        if engine != "vllm":
+        if engine != DISAGG_DECODE_ENGINE:
             raise ServetuneError(
-                f"argument `topologies`: disaggregated units are simulated with vLLM decode "
-                f"replicas only; use engine vllm or topologies agg (got engine {engine})")
+                f"argument `topologies`: disaggregated units are simulated with "
+                f"{DISAGG_DECODE_ENGINE} decode replicas only; use engine "
+                f"{DISAGG_DECODE_ENGINE} or topologies agg (got engine {engine})")
         if router not in ROUTERS:
             raise ServetuneError(f"argument `router`: {router!r} is unknown; choose one of "
                                  f"{', '.join(ROUTERS)}")

@@ -66,7 +66,6 @@ from servetune.schemas.sweep import (
 EXIT_SOME_FAILED = 12
 JOBS = "jobs"
 RESULT = "result.json"
-SUMMARY_FILES = ("summary.csv", "summary.md", "summary.parquet")
 DONE, CACHED, FAILED, NOT_RUN = "done", "cached", "failed", "not run"
 PARQUET_MISSING = "summary.parquet not written: pyarrow is not installed (pip install pyarrow)"
 

@@ -55,7 +55,7 @@ from __future__ import annotations
 from typing import Any
 
 from servetune import knobs
-from servetune.engines import engine
+from servetune.engines import SGLANG_PRIORITY_PREEMPTION_THRESHOLD, engine
 from servetune.export import (
     ExportResult,
     Instead,
@@ -101,9 +101,6 @@ CHUNK_KEY, PREFILL_KEY = export_names("sglang", "batching.max_num_batched_tokens
 MODE_KEY = "disaggregation-mode"
 TRANSFER_KEY = "disaggregation-transfer-backend"
 TRANSFER_BACKEND = "nixl"
-# The priority gap the simulated model preempts at (servetune.sim.engine's
-# SGLANG_PRIORITY_PREEMPTION_THRESHOLD; the export layer may not import the simulator).
-SGLANG_PRIORITY_PREEMPTION_THRESHOLD = 10
 
 
 def _watermark_instead(policy: Policy) -> str:

@@ -33,7 +33,7 @@ from servetune.profiles.fit import (
 )
 from servetune.profiles.measurements import Measurements, load_measurements, step_rows
 from servetune.profiles.steptime import StepTimeModel
-from servetune.schemas.base import _read_yaml, format_validation_error
+from servetune.schemas.base import format_validation_error, read_yaml
 from servetune.schemas.profile import (
     Calibration,
     CalibrationFile,
@@ -52,7 +52,7 @@ def resolve_arch(model: str) -> ModelArch:
         return catalog.MODELS[key]
     p = Path(model)
     if p.suffix in (".yaml", ".yml") or p.exists():
-        data = _read_yaml(p)
+        data = read_yaml(p)
         try:
             return ModelArch.model_validate(data)
         except Exception as exc:  # pydantic ValidationError

@@ -188,7 +188,9 @@ def check_nested(data: Any, cls: type[BaseModel]) -> None:
         raise ValueError(f"not a valid {name}: {text}") from None
 
 
-def _read_yaml(path: Path) -> Any:
+def read_yaml(path: Path) -> Any:
+    """The YAML data of ``path``, read as every servetune document is (size limit, text
+    decoding and the strict parser: one error naming the file otherwise)."""
     text = decode_text(read_bytes(path, "YAML"), path, "YAML")
     return parse_yaml_text(text, str(path))
 
@@ -346,7 +348,7 @@ def document_from_data(data: Any, cls: type[D], source: str) -> D:
 def load_document(path: str | os.PathLike[str], cls: type[D]) -> D:
     """Load and validate a YAML document of type ``cls`` from ``path``."""
     p = Path(path)
-    return document_from_data(_read_yaml(p), cls, str(p))
+    return document_from_data(read_yaml(p), cls, str(p))
 
 
 def dump_yaml(data: Any) -> str:

@@ -47,6 +47,7 @@ import numpy as np
 from servetune.engines import (
     CLUSTER_BYTES_PER_KV_BLOCK,
     CLUSTER_BYTES_PER_REQUEST,
+    DISAGG_DECODE_ENGINE,
     MAX_CLUSTER_STATE_BYTES,
     MAX_REPLICAS,
     MAX_ROUTED_REPLICAS,
@@ -290,7 +291,7 @@ def _check(specs: Sequence[ReplicaSpec], router: str) -> tuple[list[int], list[i
             "a disaggregated cluster has prefill and decode replicas only (at least one "
             f"of each); got {len(prefill)} prefill, {len(decode)} decode, {len(both)} both")
     for k in decode:
-        if specs[k].engine != "vllm":
+        if specs[k].engine != DISAGG_DECODE_ENGINE:
             raise ServetuneError(f"replica {k}: decode replicas are simulated as vLLM's "
                                  f"(got engine {specs[k].engine!r})")
     return prefill, decode

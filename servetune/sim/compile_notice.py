@@ -20,7 +20,7 @@ from typing import Any
 # on the development machine (load 1-2; benchmarks/startup.py) a one-request `servetune
 # simulate` with an empty cache folder took 35-40 s against 1.2-3 s warm, so the compile
 # is 33-37 s; on 2026-12-07 the whole cold quick start took 33 s there (25 s of compile),
-# and a tester saw 77 s for it on a busier machine of the same size (issue 33). So a range.
+# and a tester saw 77 s for it on a busier machine of the same size. So a range.
 COMPILE_SECONDS = (25, 75)
 NOTICE = (f"compiling the simulator once, {COMPILE_SECONDS[0]}-{COMPILE_SECONDS[1]} s on 2 "
           "cores (cached afterwards)")

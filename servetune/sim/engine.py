@@ -141,7 +141,7 @@ from typing import Any
 import numpy as np
 
 from servetune import knobs
-from servetune.engines import ENGINE_NAMES, kernel_id
+from servetune.engines import ENGINE_NAMES, SGLANG_PRIORITY_PREEMPTION_THRESHOLD, kernel_id
 from servetune.errors import ServetuneError
 from servetune.profiles.steptime import StepTimeModel
 from servetune.schemas.policy import Policy
@@ -183,10 +183,9 @@ SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS = 600
 SGLANG_RETRACT_DECODE_STEPS = 20
 # SGLang's priority flags as servetune's exporter writes them (docs/engines.md 2.4): lower
-# values first (servetune's convention, as vLLM's), and preemption of running requests
-# less important than a waiting one by more than this (SGLang's default threshold).
+# values first (servetune's convention, as vLLM's); the preemption threshold is
+# servetune.engines.SGLANG_PRIORITY_PREEMPTION_THRESHOLD.
 SGLANG_LOW_PRIORITY_VALUES_FIRST = True
-SGLANG_PRIORITY_PREEMPTION_THRESHOLD = 10
 
 SERIES_BINS = 2048
 # The step-log buffer (records, and events beside the room of two full steps): drained
