@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 import yaml
 
+from servetune.apps.optimize import gpu_facts
 from servetune.apps.validate import replay
-from servetune.engines import GpuFacts, engine
+from servetune.engines import engine
 from servetune.profiles.shipped import load_profile
 from servetune.schemas.policy import Policy
 from servetune.sim.api import simulate
@@ -51,10 +52,7 @@ def profile_name(point: dict[str, Any]) -> str:
 def serve_defaults(profile: Any, budget: int | None = None) -> Policy:
     """``vllm serve``'s own batching on the profile's GPU (servetune.engines), the token
     budget replaced by ``budget`` if given."""
-    summary = profile.memory_summary()
-    facts = GpuFacts(profile.hardware.name, profile.hardware.memory_bytes,
-                     int(summary["kv_tokens"]))
-    batching = engine("vllm").default_batching(facts)
+    batching = engine("vllm").default_batching(gpu_facts(profile))
     return Policy.model_validate({"name": "vllm-serve-defaults", "batching": {
         "max_num_seqs": batching.max_num_seqs,
         "max_num_batched_tokens": budget or batching.max_num_batched_tokens}})

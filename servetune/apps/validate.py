@@ -98,30 +98,18 @@ def closed_loop_sends(intended_s: np.ndarray, latency_s: np.ndarray, concurrency
     """Send times of a client that keeps at most ``concurrency`` requests in flight and
     sends them in order: each at its intended time, or ``CLIENT_GAP_S`` after a slot
     frees."""
-    return _closed_loop(intended_s, latency_s, concurrency)[0]
-
-
-def _closed_loop(intended_s: np.ndarray, latency_s: np.ndarray, concurrency: int
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`closed_loop_sends`, and what set each send: -1 its intended time, -2 the
-    send before it, ``j >= 0`` the finish of request ``j`` that freed the slot."""
     n = len(intended_s)
     out = np.empty(n, dtype=np.float64)
-    source = np.full(n, -1, dtype=np.int64)
-    flight: list[tuple[float, int]] = []
+    flight: list[float] = []
     last = 0.0
     for i in range(n):
-        t = float(intended_s[i])
-        if i > 0 and last > t:
-            t, source[i] = last, -2
+        t = max(float(intended_s[i]), last)
         if len(flight) >= concurrency:
-            freed, j = heapq.heappop(flight)
-            if freed + CLIENT_GAP_S >= t:
-                t, source[i] = freed + CLIENT_GAP_S, j
+            t = max(t, heapq.heappop(flight) + CLIENT_GAP_S)
         out[i] = t
         last = t
-        heapq.heappush(flight, (t + float(latency_s[i]), i))
-    return out, source
+        heapq.heappush(flight, t + float(latency_s[i]))
+    return out
 
 
 def _trace(run: BenchRun, send_s: np.ndarray) -> tuple[Trace, int]:

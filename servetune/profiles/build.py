@@ -273,8 +273,10 @@ def _gpu_slug(hw: Hardware) -> str:
 # 131,072 B / 43.7 ns = 3.00 TB/s. The contiguous kernel of attn_decode.csv reaches 95.7%
 # of the H200's bandwidth; a serving engine's paged kernel, which splits the KV of a few
 # long sequences across the SMs and merges the parts, less. Derived profiles charge this.
-VLLM_KV_FRACTION = round(memory.kv_bytes_per_token(32, 8, 128, 2.0, 1) / 4.37e-8
-                         / catalog.GPUS["h100-80gb"].hbm_bandwidth_Bps, 4)
+_LLAMA_8B = catalog.MODELS["llama-3.1-8b"]
+VLLM_KV_FRACTION = round(
+    memory.kv_bytes_per_token(_LLAMA_8B.layers, _LLAMA_8B.kv_heads, _LLAMA_8B.head_dim, 2.0)
+    / 4.37e-8 / catalog.GPUS["h100-80gb"].hbm_bandwidth_Bps, 4)
 
 
 def derive_profile(
