@@ -37,6 +37,7 @@ import builtins
 import contextlib
 import copy
 import errno
+import functools
 import gzip
 import hashlib
 import io
@@ -1334,7 +1335,14 @@ POLICY_PATH = str(REPO / "configs/policies/vllm-serve-defaults.yaml")
 SLO_PATH = str(REPO / "configs/slos/mlperf-llama-3.1-8b-server.yaml")
 
 
-def _largest_cluster(replicas: int, routed: bool = False) -> int:
+@functools.cache
+def _h200_blocks() -> int:
+    from servetune.profiles.shipped import load_profile
+
+    return load_profile(PROFILE_NAME).kv_blocks()
+
+
+def _largest_cluster(replicas: int) -> int:
     """The most requests the cluster-state bound admits on ``replicas`` H200 8B replicas
     (servetune.sim.cluster._check_state_bytes)."""
     from servetune.engines import (
@@ -1342,10 +1350,7 @@ def _largest_cluster(replicas: int, routed: bool = False) -> int:
         CLUSTER_BYTES_PER_REQUEST,
         MAX_CLUSTER_STATE_BYTES,
     )
-    from servetune.profiles.shipped import load_profile
-
-    blocks = load_profile(PROFILE_NAME).kv_blocks()
-    left = MAX_CLUSTER_STATE_BYTES - replicas * blocks * CLUSTER_BYTES_PER_KV_BLOCK
+    left = MAX_CLUSTER_STATE_BYTES - replicas * _h200_blocks() * CLUSTER_BYTES_PER_KV_BLOCK
     return int(left // (replicas * CLUSTER_BYTES_PER_REQUEST))
 
 
@@ -1358,8 +1363,8 @@ def bound_cases() -> list[tuple[str, list[str], float]]:
 
     sim = ["--profile", PROFILE_NAME, "--policy", POLICY_PATH]
     most = str(MAX_SAMPLE_REQUESTS)
-    # the most H200 replicas the state bound admits for the smallest useful run (a few
-    # requests each), and the requests it then admits
+    # the most H200 replicas the state bound admits for a run of 20 requests a replica,
+    # and the requests it then admits
     replicas = 1
     while _largest_cluster(replicas + 1) >= 20 * (replicas + 1):
         replicas += 1

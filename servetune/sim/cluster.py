@@ -278,10 +278,10 @@ def _check(specs: Sequence[ReplicaSpec], router: str) -> tuple[list[int], list[i
     prefill = [k for k, s in enumerate(specs) if s.role == "prefill"]
     decode = [k for k, s in enumerate(specs) if s.role == "decode"]
     both = [k for k, s in enumerate(specs) if s.role == "both"]
-    front = len(prefill) if prefill else len(specs)
-    if router not in STATIC_ROUTERS and not prefill and front > MAX_ROUTED_REPLICAS:
+    # (a disaggregated cluster routes in Python, not in the compiled loop)
+    if router not in STATIC_ROUTERS and not prefill and len(specs) > MAX_ROUTED_REPLICAS:
         raise ServetuneError(
-            f"router {router!r} with {front:,} replicas: it reads every replica at every "
+            f"router {router!r} with {len(specs):,} replicas: it reads every replica at every "
             f"arrival in a compiled loop built per replica count, which takes minutes and "
             f"gigabytes to build beyond {MAX_ROUTED_REPLICAS}; give at most "
             f"{MAX_ROUTED_REPLICAS} replicas with it, or a static router "
