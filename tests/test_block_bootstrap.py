@@ -189,14 +189,14 @@ def test_variance_time_rule_flags_a_fit_that_misses_the_bursts():
 
 
 def test_short_traces_keep_the_parametric_fit_and_forcing_says_why():
-    short = _bursty(span=400.0)  # strata of 400/6 s: about one 60 s block
+    short = _bursty(span=200.0)  # fewer than 4 blocks of 60 s: no 2 strata of 2 blocks
     assert bootstrap_stratum_s(short.duration_s, 60.0) is None
     assert fit_workload(short).block_bootstrap is None
     with pytest.raises(ServetuneError, match="needs strata of at least 2 blocks of 60 s"):
         fit_workload(short, arrival_process="bootstrap")
-    # a shorter block fits: strata of 60 s in 20 s blocks
+    # a shorter block fits: slow windows of 200/6 s round to 2 blocks of 20 s
     w = fit_workload(short, arrival_process="bootstrap", block_s=20.0)
-    assert w.block_bootstrap.stratum_s == 60.0
+    assert w.block_bootstrap.stratum_s == 40.0
     with pytest.raises(ServetuneError, match="argument `block_s` must be > 0"):
         fit_workload(short, block_s=0.0)
 
@@ -205,6 +205,8 @@ def test_strata_follow_the_rate_windows_setting():
     span = 3436.0
     assert bootstrap_stratum_s(span, 60.0) == 300.0  # 12 windows of 286 s -> 5 blocks
     assert bootstrap_stratum_s(1022.0, 60.0) == 180.0  # 6 windows of 170 s -> 3 blocks
+    # a trace under 12 minutes: windows under 2 blocks, so strata of 2 blocks
+    assert bootstrap_stratum_s(400.0, 60.0) == 120.0  # 6 windows of 67 s
     assert bootstrap_stratum_s(span, 60.0, 600.0) == 600.0
     assert bootstrap_stratum_s(span, 60.0, None) == 3480.0  # one stratum: all 58 blocks
     w = fit_workload(BURSTY, rate_windows_s=None, arrival_process="bootstrap")

@@ -73,14 +73,14 @@ block_tokens`` tokens) whose reuse, and how soon it comes, is the trace's. Reque
 into bands of prompt length (``prompt_band_edges``). With ``sessions``, a sample is made
 of sessions: the classes (or the bootstrap) give the first turns (a request of band ``b``
 is a later turn, and left out, with probability ``sessions.later_turn_share[b]``; the
-bootstrap knows which of its requests were later turns, ``later_turns``), and a first
-turn of band ``b`` has a next turn with probability ``sessions.next_after_first[b]``, a
-later turn with ``sessions.next_after_later``, ``sessions.think_time_s`` later, whose
-prompt is the turn's covered tokens plus ``sessions.growth_tokens`` and whose output is
-drawn from ``sessions.output_tokens`` (coupled to that prompt by
-``sessions.prompt_output_correlation``, a Gaussian copula as a class's, the prompt's
-normal score read from ``sessions.prompt_tokens``). A later turn shares its session's
-blocks up to its own prompt. The arrivals of later turns thus come from the session
+bootstrap knows which of its requests were later turns, ``later_turns``), and each first
+turn replays the later turns of a donor: one of the fitted trace's sessions (listed in
+``sessions``: each one's first prompt, time left to the trace's end, and per later turn
+its parent, time after the first turn, prompt tokens beyond the first turn's covered
+tokens and output), drawn among the few of its band watched at least as long as the first
+turn has left in its cycle, its times drawn in by ``sessions.time_left_exponent`` where
+the donor was watched longer. A later turn shares its parent's blocks up to its own
+prompt. The arrivals of later turns thus come from the session
 structure, and the reuse distances with them (:mod:`servetune.workloads.prefixes`).
 ``sessions.scale_by`` says what a rate scale compresses: ``time`` (every gap, think times
 too: the same sessions, faster; the hit-rate curve against cache size stays the trace's)
@@ -653,63 +653,82 @@ SCALE_BY: tuple[str, ...] = get_args(ScaleBy)
 
 
 class PrefixSessions(Strict):
-    """Sessions: later turns that extend an earlier turn's context."""
+    """Sessions: later turns that extend an earlier turn's context. The fitted trace's
+    sessions, one per first turn in trace order, are the donors a sample replays: session
+    ``i`` has ``later_turns[i]`` later turns, listed in the flat per-turn fields session
+    by session, each session's in arrival order."""
 
     later_turn_share: list[float] = Field(
         min_length=1, description="per prompt band: share of the band's requests that are "
         "later turns of a session (0..1); the classes' requests of the band are first turns "
         "with the rest")
-    next_after_first: list[float] = Field(
-        min_length=1, description="per prompt band (of a first turn's prompt): the "
-        "probability that a first turn has a next turn (0..1), corrected for the turns whose "
-        "next turn would fall after the fitted trace's end")
-    next_after_later: float = Field(
-        ge=0, le=1, description="the probability that a later turn has a next turn (one for "
-        "all bands: a session that went on once tends to go on whatever its length; Mooncake: "
-        "16% of first turns and 64-83% of later turns have a next one)")
-    think_time_s: NonNegativeKnots = Field(
-        description="seconds from a session's turn to its next turn's arrival (quantile knots)")
-    growth_tokens: SignedKnots = Field(
-        description="a later turn's prompt tokens minus its previous turn's covered tokens "
-        "(quantile knots; the new user text, or the change in prompt length when ids cover "
-        "the prompt only)")
-    output_tokens: NonNegativeKnots = Field(
-        description="a later turn's output tokens (quantile knots)")
-    context_tokens: NonNegativeKnots | None = Field(
-        None, description="the covered tokens of a turn that has a next turn (quantile "
-        "knots): where a turn's context stands, for the two correlations below")
-    think_context_correlation: float | None = Field(
-        None, ge=-1, le=1, description="Gaussian-copula correlation of the think time with "
-        "the previous turn's covered tokens (needs context_tokens); absent: independent")
-    growth_context_correlation: float | None = Field(
-        None, ge=-1, le=1, description="Gaussian-copula correlation of the growth with the "
-        "previous turn's covered tokens (needs context_tokens); absent: independent")
-    prompt_tokens: NonNegativeKnots | None = Field(
-        None, description="a later turn's prompt tokens (quantile knots): where its prompt "
-        "stands among later turns', for prompt_output_correlation")
-    prompt_output_correlation: float | None = Field(
-        None, ge=-1, le=1, description="Gaussian-copula correlation of a later turn's output "
-        "with its prompt (as a class's prompt_output_correlation; needs prompt_tokens); "
-        "absent: independent")
+    first_prompt_tokens: list[int] = Field(
+        min_length=1, description="per session: its first turn's prompt tokens (its band)")
+    time_left_s: list[float] = Field(
+        min_length=1, description="per session: seconds from its first turn to the fitted "
+        "trace's end (how long its later turns were watched)")
+    later_turns: list[int] = Field(
+        min_length=1, description="per session: its number of later turns")
+    parent: list[int] = Field(
+        default_factory=list, description="per later turn: the turn it continues, -1 for its "
+        "session's first turn, else a position among the session's earlier later turns")
+    after_s: list[float] = Field(
+        default_factory=list, description="per later turn: seconds after its session's "
+        "first turn (at least its parent's)")
+    extra_tokens: list[int] = Field(
+        default_factory=list, description="per later turn: prompt tokens beyond its session's "
+        "first turn's covered tokens (the context grown since, or the change in prompt "
+        "length when ids cover the prompt only)")
+    output_tokens: list[int] = Field(
+        default_factory=list, description="per later turn: its output tokens")
+    time_left_exponent: float = Field(
+        0.0, ge=0, le=1, description="a donor watched longer than the first turn that "
+        "replays it has left draws its turns in, their times times (time left / donor's "
+        "time_left_s) to this power: 0 keeps the donor's times; fitted so that samples "
+        "hold the trace's later turns")
     scale_by: ScaleBy = Field(
         "time", description="what a rate scale s does: time (divides think times by s "
         "too: the same sessions, faster) or sessions (s times as many sessions at once, "
         "think times as fitted)")
 
-    @field_validator("later_turn_share", "next_after_first")
+    @field_validator("later_turn_share")
     @classmethod
     def _in_unit(cls, v: list[float]) -> list[float]:
         return _shares(v)
 
     @model_validator(mode="after")
-    def _copula(self) -> PrefixSessions:
-        if self.prompt_output_correlation is not None and self.prompt_tokens is None:
-            raise ValueError("prompt_output_correlation needs prompt_tokens (the later turns' "
-                             "prompt knots)")
-        for what in ("think_context_correlation", "growth_context_correlation"):
-            if getattr(self, what) is not None and self.context_tokens is None:
-                raise ValueError(f"{what} needs context_tokens (the previous turns' "
-                                 "covered-token knots)")
+    def _donors(self) -> PrefixSessions:
+        n = len(self.first_prompt_tokens)
+        for what in ("time_left_s", "later_turns"):
+            if len(getattr(self, what)) != n:
+                raise ValueError(f"{what} has {len(getattr(self, what))} entries but "
+                                 f"first_prompt_tokens has {n}; give one per session")
+        counts = np.asarray(self.later_turns, dtype=np.int64)
+        for what, values, low in (("first_prompt_tokens", self.first_prompt_tokens, 1),
+                                  ("time_left_s", self.time_left_s, 0),
+                                  ("later_turns", self.later_turns, 0),
+                                  ("output_tokens", self.output_tokens, 1)):
+            bad = _first(~(np.asarray(values, dtype=np.float64) >= low))
+            if bad is not None:
+                raise ValueError(f"{what}[{bad}] is {values[bad]}; it must be >= {low}")
+        turns = int(counts.sum())
+        for what in ("parent", "after_s", "extra_tokens", "output_tokens"):
+            if len(getattr(self, what)) != turns:
+                raise ValueError(f"{what} has {len(getattr(self, what))} entries but "
+                                 f"later_turns adds up to {turns}; give one per later turn")
+        start = np.repeat(np.cumsum(counts) - counts, counts)  # each turn's session's first
+        position = np.arange(turns) - start
+        parent = np.asarray(self.parent, dtype=np.int64)
+        bad = _first((parent < -1) | (parent >= position))
+        if bad is not None:
+            raise ValueError(f"parent[{bad}] is {self.parent[bad]}; it must be -1 or an "
+                             "earlier later turn of the same session")
+        after = np.asarray(self.after_s, dtype=np.float64)
+        before = np.where(parent >= 0, after[np.maximum(start + parent, 0)], 0.0)
+        bad = _first(~(after >= before))
+        if bad is not None:
+            raise ValueError(f"after_s[{bad}] is {self.after_s[bad]}; a later turn comes "
+                             "after its parent (and its session's first turn)")
         return self
 
 
@@ -777,7 +796,6 @@ class PrefixReuse(Strict):
         k = len(self.prompt_band_edges) + 1
         for what, shares in (
             ("sessions.later_turn_share", self.sessions and self.sessions.later_turn_share),
-            ("sessions.next_after_first", self.sessions and self.sessions.next_after_first),
             ("system_prompts.share", self.system_prompts and self.system_prompts.share),
         ):
             if shares and len(shares) != k:

@@ -128,7 +128,18 @@ by prompt-length quantile bands). Per class:
   (3) the longest prompts cluster in time: the requests at or above the 99th-percentile
   prompt (at least 10), counted per stratum, against a binomial with each stratum's share
   of requests: chi^2 more than 3 SDs (sqrt(2 df)) above df. A length shift moves a
-  window's mean, not the few longest prompts that set p99 TTFT (Mooncake).
+  window's mean, not the few longest prompts that set p99 TTFT (Mooncake);
+  (4) the trace's sessions change over time: sessions replayed from the parametric fit's
+  first turns (:func:`servetune.workloads.prefixes.later_turns_held`, CALIBRATION_SEEDS
+  samples over the span) hold less than MIN_LATER_TURNS_HELD (85%) of the trace's later
+  turns. Parametric first turns come at any time; where the sessions that go on longest
+  begin at particular times (Mooncake: its documents asked about again and again begin
+  early, 72% held; its second half begins with the first half's sessions open, 71%; its
+  first half 92%; the session traces of benchmarks/reuse_fidelity.py 97-109%), only the
+  trace's own order keeps them. Added with the session donors (stop 39), from counts of
+  later turns, after the goodput runs had shown parametric first turns fall short there.
+  A trace shorter than the slow windows' 2 blocks each (under 12 minutes) is stratified
+  in 2-block strata.
   Otherwise the parametric fit stays. ``arrival_process="bootstrap"`` forces the bootstrap
   (an error when the strata are too short), ``parametric`` (what ``auto`` chose before)
   or any single process keeps the classes only. Size: over MAX_BOOTSTRAP_REQUESTS
@@ -169,7 +180,7 @@ its requests at their offsets and keeping their class and lengths; ``rate_scale`
 divides the times by s. Whole cycles do not depend on how many are drawn (a sample that
 ends inside a cycle takes blocks from every stratum: :mod:`servetune.workloads.bootstrap`).
 With ``prefix_reuse.sessions`` the stream gives first turns only (its requests that stand
-for later turns are left out) and each grows its session's later turns
+for later turns are left out) and each replays a donor session's later turns
 (:func:`servetune.workloads.prefixes.grow_sessions`); the stream is drawn to a length
 whose sessions hold the requests asked for (doubling), everything up to its last arrival
 being complete. The requests then get block ids, in arrival order, from generators of
@@ -216,10 +227,13 @@ from servetune.workloads.copula import (
 )
 from servetune.workloads.prefixes import (
     CALIBRATION_SEEDS,
+    FirstTurns,
     assign_prefix_ids,
+    calibrate,
     fit_prefix_reuse,
     grow_sessions,
     later_turn_mask,
+    later_turns_held,
 )
 from servetune.workloads.prefixes import summary as prefix_summary
 from servetune.workloads.reuse import reuse_stats
@@ -259,6 +273,7 @@ VT_SIGMAS = 3.0  # ... beyond this many standard errors of the two estimates
 TOP_PROMPT_SHARE = 0.01  # the longest 1% of prompts ...
 TOP_MIN_REQUESTS = 10  # ... when there are at least this many of them
 TOP_SIGMAS = 3.0  # their counts per stratum over-dispersed by this many SDs
+MIN_LATER_TURNS_HELD = 0.85  # sessions replayed from parametric first turns hold less
 CHUNK = 65536
 DEFAULT_DURATION_S = 3600.0
 MAX_RATE_WINDOWS = 100_000
@@ -893,38 +908,48 @@ def fit_workload(
                               classes=classes)
         stats = (reuse_stats(trace) if trace.prefix_block_ids is not None
                  and len(trace.prefix_block_ids) else None)
+        prefix = None if stats is None else fit_prefix_reuse(trace, stats)
+        sessions = prefix is not None and prefix.sessions is not None
         boot = None
+        turns = None  # the parametric fit's first turns, where rule 4 reads them
         if arrival_process in ("auto", "bootstrap"):
+            held = None  # the share of later turns parametric first turns' sessions hold
+            if sessions and arrival_process == "auto":
+                turns = _first_turns(parametric, prefix, span)
+                held = later_turns_held(prefix, turns, trace, 0.0)
             boot = _block_bootstrap(trace, parametric,
                                     class_index if len(classes) > 1 else None,
                                     rate_windows_s, float(block_s),
                                     force=arrival_process == "bootstrap",
-                                    later_turn=None if stats is None else stats.continues)
+                                    later_turn=None if stats is None else stats.continues,
+                                    later_turns_held=held)
         workload = Workload(name=name, source=source, duration_s=round(span, 6),
                             classes=classes, block_bootstrap=boot)
-
-        def first_turns(model: PrefixReuse) -> list[tuple[np.ndarray, ...]]:
-            """The first turns of samples over the span (calibration: see prefixes)."""
-            out = []
-            for seed in range(CALIBRATION_SEEDS):
-                t, _, p, o, later = _sample_stream(workload, n_requests=None,
-                                                   horizon=span, seed=seed, rate_scale=1.0)
-                if later is None:
-                    later = later_turn_mask(model, p, seed=seed)
-                out.append((t[~later], p[~later], o[~later]))
-            return out
-
-        prefix = fit_prefix_reuse(trace, stats, first_turns)
         if prefix is None:
             return workload
-        if prefix.sessions is not None:
-            prefix = with_scale_by(prefix, scale_by)
+        if sessions:
+            if boot is not None or turns is None:  # the samples' own first turns
+                turns = _first_turns(workload, prefix, span)
+            prefix = with_scale_by(calibrate(prefix, trace, turns), scale_by)
         return workload.model_copy(update={"prefix_reuse": prefix})
     except ValidationError as err:
         where = trace.source or "trace"
         raise ServetuneError(
             format_validation_error(err, f"{where}: cannot fit a workload")
         ) from None
+
+
+def _first_turns(workload: Workload, model: PrefixReuse, span: float) -> FirstTurns:
+    """The first turns of CALIBRATION_SEEDS samples of ``workload`` over ``span`` seconds
+    (its requests that stand for later turns left out)."""
+    out = []
+    for seed in range(CALIBRATION_SEEDS):
+        t, _, p, o, later = _sample_stream(workload, n_requests=None, horizon=span, seed=seed,
+                                           rate_scale=1.0)
+        if later is None:
+            later = later_turn_mask(model, p, seed=seed)
+        out.append((t[~later], p[~later], o[~later]))
+    return out
 
 
 def with_scale_by(model: PrefixReuse, scale_by: str) -> PrefixReuse:
@@ -954,14 +979,16 @@ def workload_scaled_by(workload: Workload, scale_by: str) -> Workload:
 def bootstrap_stratum_s(span_s: float, block_s: float,
                         rate_windows_s: float | str | None = "auto") -> float | None:
     """The bootstrap's stratum: the slow windows (``auto``: max(SLOW_MIN_WINDOWS,
-    ceil(span / 5 min)) equal windows; a number: that window; None/"none": the whole
-    trace) rounded to whole blocks; None when that is fewer than 2 blocks (nothing to
-    permute)."""
+    ceil(span / 5 min)) equal windows, or 2 blocks where those are shorter and the span
+    holds 4 blocks; a number: that window; None/"none": the whole trace) rounded to whole
+    blocks; None when that is fewer than 2 blocks (nothing to permute)."""
     if rate_windows_s is None or rate_windows_s == "none":
         per = math.ceil(span_s / block_s)
     elif rate_windows_s == "auto":
         window = span_s / max(SLOW_MIN_WINDOWS, math.ceil(span_s / SLOW_WINDOW_S))
         per = bootstrap.blocks_per_stratum(window, block_s)
+        if per < 2 and span_s >= 4 * block_s:  # a short trace: strata of 2 blocks
+            per = 2
     else:
         per = bootstrap.blocks_per_stratum(float(rate_windows_s), block_s)
     return per * block_s if per >= 2 else None
@@ -1027,13 +1054,17 @@ def bootstrap_evidence(trace: Trace, parametric: Workload, block_s: float,
 
 
 def _bootstrap_chosen(ev: dict[str, Any]) -> bool:
-    return bool(ev["modulated"] or ev["variance_time_misfit"] or ev["top_prompts_clustered"])
+    return bool(ev["modulated"] or ev["variance_time_misfit"] or ev["top_prompts_clustered"]
+                or ev.get("sessions_change_over_time", False))
 
 
 def _block_bootstrap(trace: Trace, parametric: Workload, class_index: np.ndarray | None,
                      rate_windows_s: float | str | None, block_s: float,
-                     force: bool, later_turn: np.ndarray | None = None) -> BlockBootstrap | None:
-    """The bootstrap section when ``auto`` chooses it (or ``force``), else None."""
+                     force: bool, later_turn: np.ndarray | None = None,
+                     later_turns_held: float | None = None) -> BlockBootstrap | None:
+    """The bootstrap section when ``auto`` chooses it (or ``force``), else None.
+    ``later_turns_held``: the share of the trace's later turns that sessions replayed
+    from the parametric fit's first turns hold (rule 4; None: no sessions)."""
     span = trace.duration_s
     stratum_s = bootstrap_stratum_s(span, block_s, rate_windows_s)
     if stratum_s is None:
@@ -1050,9 +1081,13 @@ def _block_bootstrap(trace: Trace, parametric: Workload, class_index: np.ndarray
                 f"blocks of {block_s:g} s (here: {strata}); use argument `arrival_process` "
                 "auto or parametric, or longer argument `rate_windows_s`")
         return None
-    if not force and not _bootstrap_chosen(
-            bootstrap_evidence(trace, parametric, block_s, stratum_s)):
-        return None
+    if not force:
+        evidence = bootstrap_evidence(trace, parametric, block_s, stratum_s)
+        if later_turns_held is not None:
+            evidence["later_turns_held"] = later_turns_held
+            evidence["sessions_change_over_time"] = later_turns_held < MIN_LATER_TURNS_HELD
+        if not _bootstrap_chosen(evidence):
+            return None
     boot = bootstrap.fit_block_bootstrap(trace, class_index, block_s, stratum_s,
                                          later_turn=later_turn)
     if boot is None and force:

@@ -12,7 +12,7 @@ references. A sample keeps the trace's hit-rate curve when it keeps (a) which re
 are later turns and what they re-send, (b) the think times between turns, (c) the rate of
 sessions, and (d) the system prompts' popularity. So a sample is generated as the
 traffic is: sessions whose first turns arrive as the classes' (or the bootstrap's)
-requests do, each turn followed by its next one a drawn think time later.
+requests do, each followed by the later turns of a session of the trace.
 
 - first turns: the classes (or the bootstrap) make requests at the trace's full rate and
   lengths; a request of prompt band b is a later turn with the trace's share
@@ -24,30 +24,37 @@ requests do, each turn followed by its next one a drawn think time later.
   turns, and with 10 bands of at least 200 the top one (the longest 10% of half the
   Mooncake trace) kept too many of its longest prompts as first turns: their sessions
   made one sample's p99 prompt 191k tokens (the trace's: 67k);
-- later turns: a first turn of band b has a next turn with probability
-  ``next_after_first[b]``, a later turn with ``next_after_later``, ``think_time_s`` later
-  (coupled to the turn's covered tokens by a Gaussian copula where the trace shows a
-  correlation: in the session trace benchmarks/reuse_fidelity.py builds from Azure's,
-  longer contexts wait longer for their next turn, r 0.17; without it, its sample hit 1-3
-  points more at 1-10% cache sizes). Per band for first turns, since in Mooncake
-  continued documents are long (the chance rises with the prompt length); one chance for
-  later turns, since a session that went on once tends to go on: 16% of Mooncake's first
-  turns have a next turn, and 64-83% of its later turns at each depth. One chance for all
-  turns gave a Mooncake sample twice the trace's second turns and half its long sessions
-  (20% more later turns in all); a chance per band for later turns too reached the cap in
-  most bands (0.97 on the second half), and shrunk toward the pooled chance it cut
-  Mooncake's reuse (57.8% at full cache against 64.0%). Its prompt is the turn's covered
-  tokens plus ``growth_tokens`` (chat: the context so far and the new user text;
-  Mooncake: the same document again), its output is drawn from the later turns'
-  ``output_tokens`` (by a Gaussian copula with the later turns' prompt-output
-  correlation: Mooncake's long documents come with short answers), its class is its first
-  turn's. It re-sends its previous turn's blocks up to its own prompt;
-- the chances are corrected for the trace's end: a turn ``left`` seconds before it shows
-  its next turn only when the think time is below ``left``, so a chance is the turns'
-  next turns over their exposure, the sum of P(think <= left), with the think times'
-  distribution itself corrected the same way (:func:`think_time_weights`). Both chances
-  are then scaled (:func:`_calibrate`) until sessions grown from the trace's own first
-  turns, cut at its end, hold its second turns and its turns after those;
+- later turns: each first turn replays a donor, one of the trace's sessions: its later
+  turns at their times after the first turn, each re-sending its parent turn's context
+  (the session may branch: a Mooncake document is asked about several times from the
+  same first turn) with the prompt tokens the donor's turn had beyond its own first
+  turn's covered tokens, and the donor turn's output. So whether a turn goes on, how long
+  it waits and how far it grows the context keep the dependence on each other and on the
+  context that the trace shows. Fitted parametrically (a chance of a next turn per band
+  after a first turn, one after a later turn, think times and growth drawn apart), the
+  session trace benchmarks/reuse_fidelity.py builds from Azure's got later turns 18%
+  longer than the trace's (mean 1,600 tokens against 1,350): there a later turn goes on
+  with a chance that falls from 0.95 to 0.2 as its context grows, so long contexts went
+  on too often, and its samples promised 0.84x (bootstrap) and 1.13x (parametric) the
+  trace's goodput;
+- the donor: among the sessions whose first turn is in the first turn's band (widened to
+  the neighbouring bands until it holds DONOR_NEIGHBOURS), one of the DONOR_NEIGHBOURS
+  with the least time left before the trace's end that is still at least the time the
+  first turn has left in its cycle (where fewer have that much: the DONOR_NEIGHBOURS with
+  the most). A donor watched at least as long shows every turn the first turn has time
+  for, so the trace's end cuts no session short (the censoring a chance fitted per turn
+  had to be corrected for), and a donor that began near the same time keeps a trace
+  whose sessions change over time (Mooncake's documents asked about again and again
+  begin early) as it was. With the trace's own first turns and one neighbour the
+  sessions are the trace's, turn by turn (a test);
+- where the sample's first turns come at other times than the trace's (parametric
+  arrivals; a half trace that begins with the other half's sessions open), a donor
+  watched longer than the first turn has left spreads its turns over more time than the
+  first turn has: its turn times are drawn in by (time left / donor's time left) ^
+  ``time_left_exponent``, the smallest exponent (0..1, :func:`calibrate`) whose samples
+  over the trace's span hold the trace's later turns. It is 0 on the session traces
+  (their sessions do not depend on the time left), 0.59 on Mooncake with its bootstrap,
+  and 1 (the cap) with parametric arrivals, which still leave 4% fewer requests;
 - the total rate stays the classes': first turns at (1 - later share) of it, plus their
   later turns;
 - a first turn takes a system prompt that leaves it an own-token count within the
@@ -62,11 +69,11 @@ requests do, each turn followed by its next one a drawn think time later.
   draw (capped at DEBT_REQUESTS);
 - a sample longer than the trace repeats the trace's span, cycle by cycle: a session
   ends where the cycle of its first turn ends (at the session's pace: under a rate scale
-  by sessions, the cycle's time left is in the trace's seconds). The chances were fitted
-  on a trace that starts with no session open and ends with sessions cut short (Mooncake:
-  13% of the first half's requests are later turns, 50% of the second half's); sessions
-  carried on across cycles made a Mooncake sample three spans long 36% longer than three
-  traces (16,296 requests against 11,979), beyond the classes' rate that the models read;
+  by sessions, the cycle's time left is in the trace's seconds). The trace starts with no
+  session open and ends with sessions cut short (Mooncake: 13% of the first half's
+  requests are later turns, 50% of the second half's); sessions carried on across cycles
+  made a Mooncake sample three spans long 36% longer than three traces (16,296 requests
+  against 11,979), beyond the classes' rate that the models read;
 - the system prompts are those of the trace's span, with the popularity it showed there:
   a sample longer than the span makes them anew (new ids) for each span-long cycle.
   Kept for good, they would be hit ever more often, where a longer trace would have
@@ -81,15 +88,14 @@ cache size is the trace's at every load; ``sessions`` divides only the first tur
 times, so s times as many sessions run at once, each with the trace's think times, and
 a reuse spans s times as many other blocks (a lower hit rate at a given cache size).
 
-Sampling draws its uniforms from generators keyed by (seed, purpose, depth, chunk of
-CHUNK rows), so it is deterministic, row j's draws do not depend on how many rows there
+Sampling draws its uniforms from generators keyed by (seed, purpose, chunk of CHUNK
+rows), so it is deterministic, row j's draws do not depend on how many rows there
 are, and a stream that is a prefix of a longer one gives sessions that are a prefix too.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import numpy as np
 
@@ -98,10 +104,8 @@ from servetune.schemas.workload import (
     PrefixReuse,
     PrefixSessions,
     QuantileKnots,
-    SignedKnots,
     SystemPrompts,
 )
-from servetune.workloads.copula import couple, fit_length_correlation, normal_ppf
 from servetune.workloads.reuse import ReuseStats, reuse_stats
 from servetune.workloads.trace import Trace
 
@@ -111,12 +115,9 @@ KNOT_GRID = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9,
              0.98, 0.99, 1.0)
 RANGE_LOW, RANGE_HIGH = 0.01, 0.99  # a plausible own-token count
 DEBT_REQUESTS = 4.0
-MAX_NEXT_TURN_SHARE = 0.99  # a session has at most 100 turns on average
-MIN_EXPOSURE = 0.1  # think-time weights: at most 10x
+DONOR_NEIGHBOURS = 5  # a first turn's donor: one of this many sessions of its band
 CALIBRATION_SEEDS = 4
-CALIBRATION_STEPS = 16  # bisection steps: the factor to 4 / 2^16
-CALIBRATION_MAX_FACTOR = 4.0
-MAX_TURNS = 10_000  # a session's turns, at most (with the share above, never reached)
+CALIBRATION_STEPS = 12  # bisection steps: the exponent to 1 / 2^12
 CHUNK = 4096
 # spawn keys of the prefix streams: apart from the classes' streams (spawn keys 0..k-1)
 STREAM_KEY = 0x70726566
@@ -139,17 +140,6 @@ def _knots(x: np.ndarray, kind: type[QuantileKnots], decimals: int,
     return kind(quantiles=list(KNOT_GRID), values=[float(v) for v in values])
 
 
-def think_time_weights(think_s: np.ndarray, left_s: np.ndarray) -> np.ndarray:
-    """Per observed think time, 1 / the share of turns that had at least that long left
-    before the trace's end (``left_s``, one per request): a long think time is seen only
-    after the turns early enough to show it, so the observed ones under-represent it
-    (inverse-probability weights for right censoring; the share is floored at
-    MIN_EXPOSURE)."""
-    ends = np.sort(left_s)
-    share = 1.0 - np.searchsorted(ends, think_s, side="left") / len(ends)
-    return 1.0 / np.maximum(share, MIN_EXPOSURE)
-
-
 def prompt_bands(prompt_tokens: np.ndarray) -> list[float]:
     """Upper edges of the prompt-length bands (all but the last): quantiles at i/k for k =
     n // BAND_MIN_REQUESTS bands (1..MAX_BANDS), actual lengths, duplicates dropped."""
@@ -159,16 +149,12 @@ def prompt_bands(prompt_tokens: np.ndarray) -> list[float]:
     return [float(e) for e in edges if e < prompt_tokens.max()]
 
 
-FirstTurns = Callable[[PrefixReuse], list[tuple[np.ndarray, np.ndarray, np.ndarray]]]
+FirstTurns = list[tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
-def fit_prefix_reuse(trace: Trace, stats: ReuseStats | None = None,
-                     first_turns: FirstTurns | None = None) -> PrefixReuse | None:
-    """The prefix-reuse model of ``trace`` (None when it has no prefix ids).
-    ``first_turns``: given the model before calibration, the first turns (arrival from 0,
-    prompt, output) of the samples it will make over the trace's span, one set per
-    calibration seed (:func:`_calibrate`); None: the trace's own first turns,
-    CALIBRATION_SEEDS times."""
+def fit_prefix_reuse(trace: Trace, stats: ReuseStats | None = None) -> PrefixReuse | None:
+    """The prefix-reuse model of ``trace`` (None when it has no prefix ids), its
+    ``time_left_exponent`` 0 (:func:`calibrate` sets it)."""
     if (trace.prefix_offsets is None or trace.prefix_block_ids is None
             or len(trace.prefix_block_ids) == 0):
         return None
@@ -183,45 +169,8 @@ def fit_prefix_reuse(trace: Trace, stats: ReuseStats | None = None,
     if later.any():
         in_band = np.bincount(band, minlength=k).astype(np.float64)
         share = np.bincount(band[later], minlength=k) / np.maximum(in_band, 1.0)
-        think = s.think_time_s()
-        growth = s.growth_tokens().astype(np.float64)
-        left = trace.arrival_s.max() - trace.arrival_s
-        weight = think_time_weights(think, left)
-        order = np.argsort(think, kind="stable")
-        cdf = np.cumsum(weight[order]) / weight.sum()  # the uncensored think times' CDF
-        at = np.searchsorted(think[order], left, side="right")
-        seen = np.where(at > 0, cdf[np.maximum(at - 1, 0)], 0.0)
-        has_next = np.bincount(s.parent[later], minlength=len(trace))
-
-        def chance(turns: np.ndarray, bands: int) -> np.ndarray:
-            """Per band (or for all, ``bands`` 1): next turns over exposure."""
-            at = band[turns] if bands > 1 else np.zeros(int(turns.sum()), np.int64)
-            exposure = np.bincount(at, weights=seen[turns], minlength=bands)
-            nexts = np.bincount(at, weights=has_next[turns], minlength=bands)
-            share = np.divide(nexts, exposure, out=np.zeros(bands), where=exposure > 0)
-            return np.round(np.minimum(share, MAX_NEXT_TURN_SHARE), 6)
         sessions = PrefixSessions(
-            later_turn_share=[round(float(x), 6) for x in share],
-            next_after_first=[float(x) for x in chance(first, k)],
-            next_after_later=float(chance(later, 1)[0]),
-            think_time_s=_knots(think, NonNegativeKnots, 6, weight),
-            growth_tokens=_knots(growth, SignedKnots, 2),
-            output_tokens=_knots(trace.output_tokens[later].astype(np.float64),
-                                 NonNegativeKnots, 2),
-        )
-        context = s.covered_tokens[s.parent[later]].astype(np.float64)
-        r_think = fit_length_correlation(context, think)
-        r_growth = fit_length_correlation(context, growth)
-        if r_think is not None or r_growth is not None:
-            sessions = sessions.model_copy(update={
-                "think_context_correlation": r_think, "growth_context_correlation": r_growth,
-                "context_tokens": _knots(context, NonNegativeKnots, 2)})
-        r = fit_length_correlation(trace.prompt_tokens[later], trace.output_tokens[later])
-        if r is not None:
-            sessions = sessions.model_copy(update={
-                "prompt_output_correlation": r,
-                "prompt_tokens": _knots(trace.prompt_tokens[later].astype(np.float64),
-                                        NonNegativeKnots, 2)})
+            later_turn_share=[round(float(x), 6) for x in share], **_donors(trace, s))
     system_prompts = None
     if has_prompt.any():
         firsts = np.bincount(band[first], minlength=k).astype(np.float64)
@@ -233,70 +182,85 @@ def fit_prefix_reuse(trace: Trace, stats: ReuseStats | None = None,
             tokens=[int(b) * s.block_tokens for b in s.system_prompt_blocks],
             sessions=[int(c) for c in s.system_prompt_sessions],
         )
-    model = PrefixReuse(
+    return PrefixReuse(
         block_tokens=s.block_tokens, covers_output=s.covers_output, prompt_band_edges=edges,
         sessions=sessions, system_prompts=system_prompts,
         trace_reuse_ratio=round(s.reuse_ratio, 6))
-    if sessions is None:
+
+
+def own_first_turns(trace: Trace, stats: ReuseStats) -> FirstTurns:
+    """The trace's own first turns (arrival from its start, prompt, output),
+    CALIBRATION_SEEDS times."""
+    first = ~stats.continues
+    own = (trace.arrival_s[first] - float(trace.arrival_s.min()), trace.prompt_tokens[first],
+           trace.output_tokens[first])
+    return [own] * CALIBRATION_SEEDS
+
+
+def later_turns_held(model: PrefixReuse, first_turns: FirstTurns, trace: Trace,
+                     exponent: float | None = None) -> float:
+    """The later turns that sessions grown from each of ``first_turns`` ((arrival from 0,
+    prompt, output), session j's draws from seed j) hold over ``trace``'s span, on
+    average, as a share of the trace's; ``exponent``: the ``time_left_exponent`` to grow
+    them with (None: the model's)."""
+    sess = model.sessions
+    assert sess is not None
+    if exponent is not None:
+        model = model.model_copy(update={"sessions": sess.model_copy(
+            update={"time_left_exponent": exponent})})
+    span = float(trace.arrival_s.max() - trace.arrival_s.min())
+    longest = int(trace.prompt_tokens.max())
+    held = np.mean([(grow_sessions(
+        model, t, np.zeros(len(t), np.int32), p, o, seed=seed, rate_scale=1.0, end_s=span,
+        max_prompt_tokens=longest, cycle_s=span)[4] >= 0).sum()
+        for seed, (t, p, o) in enumerate(first_turns)])
+    return float(held) / max(int(sum(sess.later_turns)), 1)
+
+
+def calibrate(model: PrefixReuse, trace: Trace, first_turns: FirstTurns) -> PrefixReuse:
+    """``model`` with the smallest ``time_left_exponent`` (0..1, bisection) whose sessions,
+    grown from ``first_turns`` (the first turns of the samples the workload will make
+    over the trace's span, one set per calibration seed), hold the trace's later turns:
+    0 where they do without drawing turns in. The count rises with the exponent since the
+    draws are fixed."""
+    if model.sessions is None or later_turns_held(model, first_turns, trace, 0.0) >= 1.0:
         return model
-    start = float(trace.arrival_s.min())
-    if first_turns is None:
-        own = (trace.arrival_s[first] - start, trace.prompt_tokens[first],
-               trace.output_tokens[first])
-        sets = [own] * CALIBRATION_SEEDS
-    else:
-        sets = first_turns(model)
-    calibrated = _calibrate(sessions, model, sets, float(trace.arrival_s.max()) - start,
-                            _turn_counts(s.parent), int(trace.prompt_tokens.max()))
-    return model.model_copy(update={"sessions": calibrated})
+    low, high = 0.0, 1.0
+    for _ in range(CALIBRATION_STEPS):
+        mid = 0.5 * (low + high)
+        if later_turns_held(model, first_turns, trace, mid) < 1.0:
+            low = mid
+        else:
+            high = mid
+    return model.model_copy(update={"sessions": model.sessions.model_copy(
+        update={"time_left_exponent": round(high, 4)})})
 
 
-def _turn_counts(parent: np.ndarray) -> tuple[int, int]:
-    """(second turns, later turns after those) of a parent array."""
-    later = parent >= 0
-    second = later & ~later[np.maximum(parent, 0)]
-    return int(second.sum()), int((later & ~second).sum())
-
-
-def _calibrate(sessions: PrefixSessions, model: PrefixReuse,
-               first_turns: list[tuple[np.ndarray, np.ndarray, np.ndarray]], end_s: float,
-               want: tuple[int, int], max_prompt_tokens: int) -> PrefixSessions:
-    """Scale ``next_after_first`` and then ``next_after_later`` by the factors whose
-    sessions, grown from each of ``first_turns`` ((arrival, prompt, output), session j's
-    draws from seed j) up to ``end_s``, hold on average ``want``: the trace's second turns
-    and its turns after those (bisection; the counts rise with the factor since the draws
-    are fixed).
-
-    The chances alone, each corrected for the trace's end on its own, miss the trace's
-    number of later turns where sessions differ beyond their band (a few Mooncake
-    documents are asked about again and again: the sample held 5-8% more), and where the
-    sample's first turns come at other times than the trace's (parametric arrivals on the
-    Mooncake trace: 16-19% fewer later turns)."""
-
-    def scaled(which: str, factor: float, base: PrefixSessions) -> PrefixSessions:
-        raw = np.round(np.minimum(np.asarray(getattr(sessions, which)) * factor,
-                                  MAX_NEXT_TURN_SHARE), 6)
-        return base.model_copy(update={
-            which: [float(x) for x in raw] if raw.ndim else float(raw)})
-
-    def counts(candidate: PrefixSessions) -> np.ndarray:
-        trial = model.model_copy(update={"sessions": candidate})
-        return np.mean([_turn_counts(grow_sessions(
-            trial, t, np.zeros(len(t), np.int32), p, o, seed=seed, rate_scale=1.0,
-            end_s=end_s, max_prompt_tokens=max_prompt_tokens, cycle_s=end_s)[4])
-            for seed, (t, p, o) in enumerate(first_turns)], axis=0)
-
-    out = sessions
-    for which, pos in (("next_after_first", 0), ("next_after_later", 1)):
-        low, high = 0.0, CALIBRATION_MAX_FACTOR
-        for _ in range(CALIBRATION_STEPS):
-            mid = 0.5 * (low + high)
-            if counts(scaled(which, mid, out))[pos] < want[pos]:
-                low = mid
-            else:
-                high = mid
-        out = scaled(which, 0.5 * (low + high), out)
-    return out
+def _donors(trace: Trace, s: ReuseStats) -> dict[str, list]:
+    """The trace's sessions as :class:`PrefixSessions` lists them: per session (in order
+    of first turns) its first prompt, time left and later turns; per later turn (session
+    by session, in arrival order) its parent, time after the first turn, extra tokens and
+    output."""
+    firsts = np.flatnonzero(~s.continues)
+    turns = np.flatnonzero(s.continues)
+    turns = turns[np.argsort(s.session[turns], kind="stable")]  # session by session
+    counts = np.bincount(s.session[turns], minlength=len(firsts))
+    start = np.repeat(np.cumsum(counts) - counts, counts)
+    local = np.full(len(trace), -1, np.int64)  # a later turn's position in its session
+    local[turns] = np.arange(len(turns)) - start
+    root = firsts[s.session[turns]]
+    covered = trace.prompt_tokens + (trace.output_tokens if s.covers_output else 0)
+    end = float(trace.arrival_s.max())
+    return {
+        "first_prompt_tokens": [int(x) for x in trace.prompt_tokens[firsts]],
+        "time_left_s": [round(float(end - t), 6) for t in trace.arrival_s[firsts]],
+        "later_turns": [int(x) for x in counts],
+        "parent": [int(x) for x in local[s.parent[turns]]],
+        "after_s": [round(float(x), 6)
+                    for x in trace.arrival_s[turns] - trace.arrival_s[root]],
+        "extra_tokens": [int(x) for x in trace.prompt_tokens[turns] - covered[root]],
+        "output_tokens": [int(x) for x in trace.output_tokens[turns]],
+    }
 
 
 def summary(model: PrefixReuse) -> dict[str, object]:
@@ -307,6 +271,12 @@ def summary(model: PrefixReuse) -> dict[str, object]:
         "trace_reuse_ratio": model.trace_reuse_ratio,
         "sessions": model.sessions is not None,
         "scale_by": model.sessions.scale_by if model.sessions is not None else None,
+        "donor_sessions": (len(model.sessions.later_turns)
+                           if model.sessions is not None else 0),
+        "donor_later_turns": (len(model.sessions.parent)
+                              if model.sessions is not None else 0),
+        "time_left_exponent": (model.sessions.time_left_exponent
+                               if model.sessions is not None else None),
         "system_prompts": (len(model.system_prompts.tokens)
                            if model.system_prompts is not None else 0),
     }
@@ -318,8 +288,10 @@ def describe(model: PrefixReuse) -> str:
     if model.trace_reuse_ratio is not None:
         parts.append(f"{model.trace_reuse_ratio:.1%} of the fitted trace's block references "
                      "repeat an earlier id")
-    parts.append(f"sessions with later turns (load scales by {model.sessions.scale_by})"
-                 if model.sessions is not None else "no later turns")
+    sess = model.sessions
+    parts.append(f"{len(sess.later_turns):,} sessions of the trace replayed "
+                 f"({len(sess.parent):,} later turns; load scales by {sess.scale_by})"
+                 if sess is not None else "no later turns")
     n = len(model.system_prompts.tokens) if model.system_prompts is not None else 0
     parts.append(f"{n} system prompt{'' if n == 1 else 's'}")
     over = "prompt and output" if model.covers_output else "prompt"
@@ -412,6 +384,49 @@ def later_turn_mask(model: PrefixReuse, prompt_tokens: np.ndarray, *, seed: int)
     return u < np.asarray(model.sessions.later_turn_share)[model.band(prompt_tokens)]
 
 
+class _Donors:
+    """A model's donor sessions as arrays, and per prompt band the pool a first turn draws
+    its donor from (module docstring)."""
+
+    def __init__(self, model: PrefixReuse):
+        sess = model.sessions
+        assert sess is not None
+        self.time_left_s = np.asarray(sess.time_left_s, dtype=np.float64)
+        self.later_turns = np.asarray(sess.later_turns, dtype=np.int64)
+        self.first_turn = np.cumsum(self.later_turns) - self.later_turns  # flat position
+        self.parent = np.asarray(sess.parent, dtype=np.int64)
+        self.after_s = np.asarray(sess.after_s, dtype=np.float64)
+        self.extra_tokens = np.asarray(sess.extra_tokens, dtype=np.int64)
+        self.output_tokens = np.asarray(sess.output_tokens, dtype=np.int64)
+        band = model.band(np.asarray(sess.first_prompt_tokens))
+        bands = len(model.prompt_band_edges) + 1
+        self.pools: list[np.ndarray] = []
+        for b in range(bands):
+            r = 0  # the band, widened to its neighbours until it holds enough donors
+            while True:
+                pool = np.flatnonzero((band >= b - r) & (band <= b + r))
+                if len(pool) >= DONOR_NEIGHBOURS or r >= bands:
+                    break
+                r += 1
+            # least time left first (ties: trace order)
+            self.pools.append(pool[np.argsort(self.time_left_s[pool], kind="stable")])
+
+    def pick(self, band: np.ndarray, left_s: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """Per first turn (its band, its trace-seconds left in its cycle, a uniform): a
+        donor among the DONOR_NEIGHBOURS of its band's pool with the least time left that
+        is at least its own (the most time left where none is)."""
+        donor = np.empty(len(band), dtype=np.int64)
+        for b in np.unique(band):
+            at = band == b
+            pool = self.pools[int(b)]
+            k = min(DONOR_NEIGHBOURS, len(pool))
+            # (time_left_s is stored to the microsecond)
+            low = np.searchsorted(self.time_left_s[pool], left_s[at] - 1e-6, side="left")
+            low = np.minimum(low, len(pool) - k)
+            donor[at] = pool[low + np.minimum((u[at] * k).astype(np.int64), k - 1)]
+        return donor
+
+
 def grow_sessions(
     model: PrefixReuse, arrival_s: np.ndarray, class_id: np.ndarray,
     prompt_tokens: np.ndarray, output_tokens: np.ndarray, *, seed: int,
@@ -419,70 +434,53 @@ def grow_sessions(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """First turns (in time order) and their later turns up to ``end_s``: (arrival, class,
     prompt, output, parent: the previous turn's position or -1), in time order (a turn
-    before its next one at equal times). Session j's turn d draws row j of stream d.
+    before its next one at equal times). Each first turn replays a donor session's later
+    turns (module docstring); session j's donor is drawn from row j of its stream.
     ``cycle_s``: the fitted trace's span; a session also ends where the cycle of its first
-    turn does (module docstring), in the session's own time scale."""
+    turn does, in the session's own time scale."""
     sess = model.sessions
     n = len(arrival_s)
     if sess is None or n == 0:
         return arrival_s, class_id, prompt_tokens, output_tokens, np.full(n, -1, np.int64)
+    donors = _Donors(model)
     think_scale = rate_scale if sess.scale_by == "time" else 1.0
-    ends = np.full(n, float(end_s))
-    if cycle_s:
-        # the trace-time left in the first turn's cycle, at the sessions' pace
-        left = cycle_s - np.mod(np.asarray(arrival_s) * rate_scale, cycle_s)
-        ends = np.minimum(ends, arrival_s + left / think_scale)
-    cols: dict[str, list[np.ndarray]] = {
-        "t": [arrival_s], "cls": [class_id], "p": [prompt_tokens], "o": [output_tokens],
-        "parent": [np.full(n, -1, np.int64)], "depth": [np.zeros(n, np.int64)]}
-    session = np.arange(n)
-    last = np.arange(n)  # position of each open session's last turn
-    t, p, o, c, end = arrival_s, prompt_tokens, output_tokens, class_id, ends
-    made = n
-    for depth in range(1, MAX_TURNS):
-        if len(session) == 0:
-            break
-        u = _uniforms(seed, (TURN_KEY, depth), session, 4)
-        covered = p + (o if model.covers_output else 0)
-        u_think, u_growth = u[:, 1], u[:, 2]
-        if sess.context_tokens is not None:  # the copulas with the context
-            z_context = normal_ppf(np.interp(covered, sess.context_tokens.values,
-                                             sess.context_tokens.quantiles))
-            if sess.think_context_correlation is not None:
-                u_think = couple(z_context, u_think, sess.think_context_correlation)
-            if sess.growth_context_correlation is not None:
-                u_growth = couple(z_context, u_growth, sess.growth_context_correlation)
-        t_next = t + _inverse(sess.think_time_s, u_think) / think_scale
-        chance = (np.asarray(sess.next_after_first)[model.band(p)] if depth == 1
-                  else sess.next_after_later)
-        go = (u[:, 0] < chance) & (t_next <= end)
-        p_next = np.clip(np.rint(covered + _inverse(sess.growth_tokens, u_growth)), 1,
-                         max_prompt_tokens).astype(np.int64)
-        u_out = u[:, 3]
-        if sess.prompt_output_correlation is not None and sess.prompt_tokens is not None:
-            knots = sess.prompt_tokens
-            u_prompt = np.interp(p_next, knots.values, knots.quantiles)
-            u_out = couple(normal_ppf(u_prompt), u_out, sess.prompt_output_correlation)
-        o_next = np.maximum(1, np.rint(_inverse(sess.output_tokens, u_out))).astype(np.int64)
-        k = int(go.sum())
-        session, t, p, o, c = session[go], t_next[go], p_next[go], o_next[go], c[go]
-        end = end[go]
-        cols["t"].append(t)
-        cols["cls"].append(c)
-        cols["p"].append(p)
-        cols["o"].append(o)
-        cols["parent"].append(last[go])
-        cols["depth"].append(np.full(k, depth, np.int64))
-        last = np.arange(made, made + k)
-        made += k
-    merged = {name: np.concatenate(parts) for name, parts in cols.items()}
-    order = np.lexsort((merged["depth"], merged["t"]))
-    where = np.empty(made, dtype=np.int64)
-    where[order] = np.arange(made)
-    parent = merged["parent"][order]
-    parent = np.where(parent >= 0, where[np.maximum(parent, 0)], -1)
-    return (merged["t"][order], merged["cls"][order], merged["p"][order],
-            merged["o"][order], parent)
+    # the trace-seconds left in the first turn's cycle (the sessions' pace undone)
+    left = (cycle_s - np.mod(np.asarray(arrival_s) * rate_scale, cycle_s) if cycle_s
+            else np.full(n, np.inf))
+    end = np.minimum(float(end_s), arrival_s + left / think_scale)
+    u = _uniforms(seed, (TURN_KEY,), np.arange(n), 1)[:, 0]
+    donor = donors.pick(model.band(prompt_tokens), left, u)
+    # every donor turn, session by session: its session and flat position among the donor's
+    count = donors.later_turns[donor]
+    session = np.repeat(np.arange(n), count)
+    first_of = np.repeat(np.cumsum(count) - count, count)  # the session's first, expanded
+    turn = np.repeat(donors.first_turn[donor], count) + np.arange(len(session)) - first_of
+    # a donor watched longer than the first turn has left draws its turns in by
+    # (left / donor's left) ^ time_left_exponent (module docstring)
+    drawn_in = np.ones(n)
+    if sess.time_left_exponent > 0:
+        drawn_in = np.minimum(1.0, left / np.maximum(donors.time_left_s[donor], 1e-9)) ** (
+            sess.time_left_exponent)
+    t = arrival_s[session] + donors.after_s[turn] * drawn_in[session] / think_scale
+    # a turn comes after its parent, so a kept turn's parent is kept too
+    kept = t <= end[session]
+    covered = prompt_tokens + (output_tokens if model.covers_output else 0)
+    p = np.clip(covered[session] + donors.extra_tokens[turn], 1, max_prompt_tokens)
+    local = donors.parent[turn]
+    parent = np.where(local >= 0, n + first_of + local, session)  # positions in all rows
+    rows = np.concatenate([np.arange(n), n + np.flatnonzero(kept)])
+    renumber = np.full(n + len(session), -1, np.int64)
+    renumber[rows] = np.arange(len(rows))
+    all_t = np.concatenate([arrival_s, t[kept]])
+    order = np.argsort(all_t, kind="stable")  # a parent's row comes before its turns'
+    where = np.empty(len(rows), dtype=np.int64)
+    where[order] = np.arange(len(rows))
+    all_parent = np.concatenate([np.full(n, -1, np.int64), renumber[parent[kept]]])
+    all_parent = np.where(all_parent >= 0, where[np.maximum(all_parent, 0)], -1)
+    return (all_t[order], np.concatenate([class_id, class_id[session[kept]]])[order],
+            np.concatenate([prompt_tokens, p[kept]]).astype(np.int64)[order],
+            np.concatenate([output_tokens, donors.output_tokens[turn][kept]])[order],
+            all_parent[order])
 
 
 def assign_prefix_ids(
