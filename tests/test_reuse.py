@@ -185,17 +185,17 @@ def test_a_first_turn_takes_a_donor_watched_as_long_as_it():
     # seven donors of one band, watched 10, 20, ..., 70 s, each with one later turn whose
     # extra tokens name it (1..7); cycles of 100 s. A first turn with 25 s left (arrival
     # 75) draws among the five with the least time left of at least 25 s (30..70 s:
-    # extras 3..7); one with 65 s left (arrival 35), among the five with the most, since
-    # only one was watched as long (30..70 again); one with 5 s left, 10..50 s. 400 first
-    # turns pick each of the five
+    # extras 3..7); one with 5 s left among 10..50 s; one with 65 s left (arrival 35)
+    # takes the only one watched as long (70 s), and so does one with 100 s left
+    # (arrival 0), for which none was: the one watched longest. 400 first turns each
     sessions = {"later_turn_share": [0.5], "first_prompt_tokens": [64] * 7,
                 "time_left_s": [10.0 * i for i in range(1, 8)], "later_turns": [1] * 7,
                 "parent": [-1] * 7, "after_s": [1.0] * 7,
                 "extra_tokens": list(range(1, 8)), "output_tokens": [7] * 7}
     model = PrefixReuse(block_tokens=16, sessions=sessions)
     n = 400
-    for arrival, allowed in ((75.0, {3, 4, 5, 6, 7}), (35.0, {3, 4, 5, 6, 7}),
-                             (95.0, {1, 2, 3, 4, 5})):
+    for arrival, allowed in ((75.0, {3, 4, 5, 6, 7}), (95.0, {1, 2, 3, 4, 5}),
+                             (35.0, {7}), (0.0, {7})):
         _, _, p, _, parent = grow_sessions(
             model, np.full(n, arrival), np.zeros(n, np.int32), np.full(n, 64),
             np.full(n, 5), seed=0, rate_scale=1.0, end_s=1e9, max_prompt_tokens=1000,

@@ -216,10 +216,14 @@ def test_chat_workload_sample_keeps_the_reuse(tmp_path):
     assert 0.6 < want < 0.7  # about two thirds of the ids are re-sent context
     for arrival in ("auto", "parametric"):
         workload = fit_workload(trace, arrival_process=arrival)
+        ratios = []
         for seed in range(3):
             got = reuse_stats(sample_trace(workload, seed=seed, n_requests=len(trace)))
-            assert abs(got.reuse_ratio - want) < 0.03, (arrival, seed)
+            assert got.reuse_ratio == pytest.approx(want, rel=0.1), (arrival, seed)
             assert got.covers_output
+            ratios.append(got.reuse_ratio)
+        # the samples replay 95-96% of the trace's later turns (prefixes' HELD_TOLERANCE)
+        assert abs(np.mean(ratios) - want) < 0.025, arrival
 
 
 @settings(max_examples=60, deadline=None)

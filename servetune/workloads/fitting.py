@@ -134,8 +134,8 @@ by prompt-length quantile bands). Per class:
   samples over the span) hold less than MIN_LATER_TURNS_HELD (85%) of the trace's later
   turns. Parametric first turns come at any time; where the sessions that go on longest
   begin at particular times (Mooncake: its documents asked about again and again begin
-  early, 72% held; its second half begins with the first half's sessions open, 71%; its
-  first half 92%; the session traces of benchmarks/reuse_fidelity.py 97-109%), only the
+  early, 71% held; its second half begins with the first half's sessions open, 73%; its
+  first half 89%; the session traces of benchmarks/reuse_fidelity.py 95-109%), only the
   trace's own order keeps them. Added with the session donors (stop 39), from counts of
   later turns, after the goodput runs had shown parametric first turns fall short there.
   A trace shorter than the slow windows' 2 blocks each (under 12 minutes) is stratified
