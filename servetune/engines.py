@@ -26,7 +26,14 @@ Every engine name list in the code (the job schema's ``engine``, the simulator's
   own. The defaults live here, not in each profile, because they belong to the engine
   (its process layout, whether it overlaps host work with the GPU) and its host CPU, not
   to the GPU a profile describes: one profile serves four engines, and a new engine
-  release changes one row instead of every profile.
+  release changes one row instead of every profile;
+- ``priority_preemption_threshold``: under priority scheduling, a running request is
+  preempted for a waiting one more important by more than this (SGLang's default
+  ``--priority-scheduling-preemption-threshold``, 10, docs/engines.md 2.4; the simulator
+  and the exporter read it); None for an engine without it;
+- ``disagg_decode``: whether the simulator runs the engine as the decode side of a
+  disaggregated pair (its rule for a request whose KV arrives from a prefill replica is
+  vLLM's KV connector: vLLM only).
 
 This module imports nothing heavy: the CLI reads it at start-up.
 """
@@ -47,12 +54,6 @@ VLLM_HOST_S_PER_SEQ = 170.7e-6
 
 # Engine replicas one cluster simulation holds, from a topology file or the flags.
 MAX_REPLICAS = 1024
-# Replicas behind a router that reads their state at every arrival (least_loaded, least_kv,
-# prefix_aware). The compiled loop takes the replicas as a tuple, and numba compiles it
-# once per replica count, in time and memory that grow fast with the count (measured on
-# 2 cores: 12 s for 4, 29 s for 8, about 2 minutes for 16; 64 ran past 10 minutes and 4.9
-# GB). Static routers (round_robin, session) run each replica on its own, to MAX_REPLICAS.
-MAX_ROUTED_REPLICAS = 16
 # What each replica of a cluster simulation holds: arrays over the whole trace (the router
 # may send it any request) and over its KV pool. Measured on the H200 8B profile (56,821
 # blocks; peak RSS over one replica's run): under round_robin, 128 replicas x 200,000
@@ -95,12 +96,6 @@ def _vllm_default_batching(gpu: GpuFacts) -> DefaultBatching:
     return DefaultBatching(256, 2048, "vllm serve on a GPU with < 70 GiB or an A100: "
                                       "256 sequences, 2048 batched tokens")
 
-
-# SGLang's priority preemption as servetune models and exports it: a running request is
-# preempted for a waiting one more important by more than this (SGLang's default
-# --priority-scheduling-preemption-threshold; docs/engines.md 2.4). One fact, read by the
-# simulator and the exporter.
-SGLANG_PRIORITY_PREEMPTION_THRESHOLD = 10
 
 # SGLang's chunked-prefill size by GPU memory (server_args.py, _handle_gpu_memory_settings;
 # thresholds in GiB, as it compares MiB), and its request-pool bound on running requests.
@@ -181,6 +176,8 @@ class Engine:
     default_batching: Callable[[GpuFacts], DefaultBatching] | None = None
     chunked_prefill: bool = True
     host: HostOverhead = UNMEASURED_HOST
+    priority_preemption_threshold: int | None = None
+    disagg_decode: bool = False
 
     def export_function(self) -> Callable[..., Any]:
         """The exporter, ``export(policy, facts, role=None) -> ExportResult``."""
@@ -190,9 +187,9 @@ class Engine:
 
 ENGINES: tuple[Engine, ...] = (
     Engine("vllm", "vLLM", 0, "servetune.export.vllm:export", "vllm.yaml",
-           _vllm_default_batching, host=VLLM_HOST),
+           _vllm_default_batching, host=VLLM_HOST, disagg_decode=True),
     Engine("sglang", "SGLang", 1, "servetune.export.sglang:export", "sglang.yaml",
-           _sglang_default_batching),
+           _sglang_default_batching, priority_preemption_threshold=10),
     Engine("trtllm", "TensorRT-LLM", 2, "servetune.export.trtllm:export", "trtllm.yaml",
            chunked_prefill=False),
     Engine("tgi", "TGI", 3, "servetune.export.tgi:export", "tgi.sh"),
@@ -201,9 +198,8 @@ ENGINES: tuple[Engine, ...] = (
 ENGINE_NAMES: tuple[str, ...] = tuple(e.name for e in ENGINES)
 BY_NAME: dict[str, Engine] = {e.name: e for e in ENGINES}
 CONFIG_FILES: dict[str, str] = {e.name: e.config_file for e in ENGINES}
-# The engine decode replicas of a disaggregated cluster are simulated as: the kernel's rule
-# for a request whose KV arrives from a prefill replica is vLLM's (KV connector).
-DISAGG_DECODE_ENGINE = "vllm"
+# The engines a disaggregated cluster's decode replicas may run (``disagg_decode``).
+DISAGG_DECODE_ENGINES: tuple[str, ...] = tuple(e.name for e in ENGINES if e.disagg_decode)
 # The instances of a disaggregated prefill/decode pair an export may be for (here, not in
 # servetune.export, so that `servetune export --help` lists them without the exporters).
 DISAGG_ROLES: tuple[str, ...] = ("prefill", "decode")

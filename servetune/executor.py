@@ -49,10 +49,6 @@ SERIAL = "serial"
 PROCESSES = "processes"
 RAY = "ray"
 
-# Modules a process worker imports before its first task (in the fork server, once): the
-# simulator, the schemas and the apps that tasks run.
-_PRELOAD = ["servetune.sim.api", "servetune.apps.optimize", "servetune.apps.plan"]
-
 _NO_SHARED = object()
 Each = Callable[[int, Any], Any]
 
@@ -135,10 +131,13 @@ class ProcessExecutor(_Closing):
 
     name = PROCESSES
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, preload: Sequence[str] = ()) -> None:
+        """``preload``: modules the fork server imports once, before the first task (the
+        caller's: the apps its tasks run live above this module)."""
         if workers < 1:
             raise ServetuneError(f"--workers: give a number of processes >= 1 (got {workers})")
         self.workers = workers
+        self.preload = list(preload)
         self._pool: ProcessPoolExecutor | None = None
         self._maps = 0
 
@@ -153,8 +152,8 @@ class ProcessExecutor(_Closing):
             methods = multiprocessing.get_all_start_methods()
             method = "forkserver" if "forkserver" in methods else "spawn"
             ctx = multiprocessing.get_context(method)
-            if method == "forkserver":
-                ctx.set_forkserver_preload(_PRELOAD)
+            if method == "forkserver" and self.preload:
+                ctx.set_forkserver_preload(self.preload)
             self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
         return self._pool
 
@@ -281,14 +280,16 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def make_executor(workers: int | None = None, ray_address: str | None = None
+def make_executor(workers: int | None = None, ray_address: str | None = None,
+                  preload: Sequence[str] = ()
                   ) -> SerialExecutor | ProcessExecutor | RayExecutor:
     """The executor a command's ``--workers`` / ``--ray`` ask for: Ray when
     ``ray_address`` is given ("local", "auto" or an address), else processes when
-    ``workers`` (None: the number of cores) is above 1, else serial."""
+    ``workers`` (None: the number of cores) is above 1 (``preload``: see
+    :class:`ProcessExecutor`), else serial."""
     if ray_address is not None:
         return RayExecutor(ray_address, workers)
     n = default_workers() if workers is None or workers == 0 else workers
     if n < 0:
         raise ServetuneError(f"--workers: give a number of processes >= 1 (got {workers})")
-    return ProcessExecutor(n) if n > 1 else SerialExecutor()
+    return ProcessExecutor(n, preload) if n > 1 else SerialExecutor()

@@ -1358,7 +1358,7 @@ def bound_cases() -> list[tuple[str, list[str], float]]:
     """(what, argv with {out} for the output folder, seconds to let it run; 0: to the
     end) for every size flag at its largest accepted value."""
     from servetune.apps.sweep import MAX_SWEEP_JOBS
-    from servetune.engines import MAX_ROUTED_REPLICAS
+    from servetune.routers import MAX_ROUTED_REPLICAS
     from servetune.workloads.fitting import MAX_SAMPLE_REQUESTS
 
     sim = ["--profile", PROFILE_NAME, "--policy", POLICY_PATH]

@@ -65,7 +65,7 @@ def test_routers_decide_by_what_they_read():
     trace = _trace([0.0, 0.0, 10.0, 20.0], [2048] * 4, [4] * 4, [a, b, b, a], width=512)
     routed = {router: C.run_cluster(trace, _specs(2), router=router,
                                     prefix_caching=True).replica.tolist()
-              for router in C.ROUTERS}
+              for router in C.ROUTER_NAMES}
     assert routed["prefix_aware"] == [0, 1, 1, 0]  # follows the cached prefix
     assert routed["round_robin"] == [0, 1, 0, 1]
     assert routed["least_loaded"] == [0, 1, 0, 0]  # idle replicas tie: the lowest index
@@ -116,7 +116,7 @@ def test_a_decode_replica_without_room_makes_the_transfer_wait():
     assert (out.merged.status == 0).all()
 
 
-@pytest.mark.parametrize("router", C.ROUTERS)
+@pytest.mark.parametrize("router", C.ROUTER_NAMES)
 def test_every_request_is_accounted_for_once(router):
     trace = _random_trace(400)
     agg = C.run_cluster(trace, _specs(4), router=router, prefix_caching=True)
@@ -272,7 +272,7 @@ def test_a_cluster_past_the_state_bound_is_refused_before_it_allocates(monkeypat
 
 
 def test_a_reading_router_takes_at_most_its_replica_count():
-    from servetune.engines import MAX_ROUTED_REPLICAS
+    from servetune.routers import MAX_ROUTED_REPLICAS
 
     trace = _trace([0.0, 1.0], [100, 100], [3, 3])
     many = _specs(MAX_ROUTED_REPLICAS + 1)

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from test_engine_helpers import both_modes, compact, policy, same_records, trace_of
 
+from servetune.engines import ENGINE_NAMES
 from servetune.errors import ServetuneError
 from servetune.profiles.steptime import StepTimeModel
 from servetune.schemas.policy import Policy
-from servetune.sim.engine import ENGINES, REASONS, expand_repeats, run_engine
+from servetune.sim.engine import REASONS, expand_repeats, run_engine
 from servetune.workloads.trace import from_arrays
 
 BATCH64 = {"max_num_seqs": 8, "max_num_batched_tokens": 64}
@@ -222,7 +223,7 @@ def test_trtllm_without_chunking_holds_a_long_prompt_whole():
 
 # ---- rejection instead of deadlock, shedding, inputs ---------------------------------
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
 def test_a_prompt_too_large_for_the_pool_is_rejected_not_a_deadlock(engine):
     # 10 blocks of 16 tokens = 160 tokens; the 500-token prompt can never fit.
     tr = trace_of([(0, 20, 5), (0.5, 500, 3), (1.0, 20, 5)])

@@ -18,9 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_engine_helpers import same_records
 
+from servetune.engines import ENGINE_NAMES
 from servetune.profiles.steptime import StepTimeModel
 from servetune.schemas.policy import Policy
-from servetune.sim.engine import ENGINES, REASON_READMIT, REASONS, expand_repeats, run_engine
+from servetune.sim.engine import REASON_READMIT, REASONS, expand_repeats, run_engine
 from servetune.workloads.trace import from_arrays
 
 
@@ -98,7 +99,7 @@ def cases(draw):
     largest = int(((prompt + output - 1 + block_size - 1) // block_size).max())
     low = largest if pressure else max(2, largest * 3 // 4)
     kv_blocks = draw(st.integers(low, largest * 2 + 2))
-    engine = draw(st.sampled_from(ENGINES))
+    engine = draw(st.sampled_from(ENGINE_NAMES))
     return trace, policy, kv_blocks, block_size, step_time, engine
 
 
@@ -189,7 +190,7 @@ def test_long_decode_stretches_are_jumped_and_match_the_reference():
                         rng.integers(1, 600, n))
     step_time = StepTimeModel(fixed_s=0.004, gemm_pieces=[(0.005, 1e-5)],
                               decode_attn_s_per_context_token=3e-8, lm_head_s_per_row=1e-6)
-    for engine in ENGINES:
+    for engine in ENGINE_NAMES:
         policy = Policy(batching={"max_num_seqs": 8, "max_num_batched_tokens": 512})
         ref = run_engine(trace, policy, 300, 16, step_time, engine=engine, reference=True,
                          step_log=True)

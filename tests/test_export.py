@@ -14,15 +14,15 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from servetune.cli import app
+from servetune.engines import ENGINE_NAMES
+from servetune.engines import engine as engine_row
 from servetune.errors import ServetuneError
-from servetune.export import ENGINES, MemoryFacts, export_policy, memory_facts
-from servetune.export import sglang as sglang_export
+from servetune.export import MemoryFacts, export_policy, memory_facts
 from servetune.export.sglang import mem_fraction_static
 from servetune.export.tgi import tgi_memory
 from servetune.export.trtllm import free_gpu_memory_fraction
 from servetune.schemas.base import dump_yaml
 from servetune.schemas.policy import Policy
-from servetune.sim import engine as engine_model
 
 # --- the engines' option names, as data (numbers: docs/engines.md sections) ---------------
 
@@ -235,7 +235,7 @@ def check_nothing_dropped(engine: str, policy: Policy, result) -> None:
 
 # --- the exporters ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
 def test_defaults_export_valid_keys_and_nothing_lost(engine):
     policy = make_policy()
     result = export_policy(policy, engine)
@@ -249,7 +249,7 @@ def test_defaults_export_valid_keys_and_nothing_lost(engine):
         assert " ".join(item.split()) in comment
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
 def test_full_policy_every_setting_expressed_or_listed(engine):
     policy = make_policy(**FULL)
     result = export_policy(policy, engine)
@@ -298,8 +298,7 @@ def test_sglang_exact_file_and_priority_convention():
     assert data["retraction-policy"] == "priority"
     # the model preempts as SGLang does by default (threshold 10, preemption on)
     assert data["priority-scheduling-preemption-threshold"] == 10
-    assert sglang_export.SGLANG_PRIORITY_PREEMPTION_THRESHOLD == (
-        engine_model.SGLANG_PRIORITY_PREEMPTION_THRESHOLD)
+    assert engine_row("sglang").priority_preemption_threshold == 10  # the simulator's too
     assert "disable-priority-preemption" not in data
     # waiting-queue cap = in-flight cap 256 - running cap 64
     assert data["max-queued-requests"] == 192
@@ -418,7 +417,7 @@ def test_unknown_engine():
 
 
 def test_export_is_deterministic():
-    for engine in ENGINES:
+    for engine in ENGINE_NAMES:
         a = export_policy(make_policy(**FULL), engine).text
         b = export_policy(make_policy(**FULL), engine).text
         assert a == b
@@ -464,7 +463,7 @@ def policies(draw):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(policy=policies())
 def test_random_policies_valid_keys_nothing_dropped(policy):
-    for engine in ENGINES:
+    for engine in ENGINE_NAMES:
         result = export_policy(policy, engine)
         check_keys(engine, result)
         check_nothing_dropped(engine, policy, result)
@@ -579,7 +578,7 @@ def test_profile_document_gives_memory_facts():
 ))
 def test_any_metadata_profile_exports_or_fails_cleanly(meta):
     policy = make_policy(metadata={"profile": meta})
-    for engine in ENGINES:
+    for engine in ENGINE_NAMES:
         try:
             result = export_policy(policy, engine)
         except ServetuneError as err:

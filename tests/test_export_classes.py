@@ -17,8 +17,9 @@ from test_export_pd import SHIPPED, golden
 from typer.testing import CliRunner
 
 from servetune.cli import app
+from servetune.engines import ENGINE_NAMES
 from servetune.errors import ServetuneError
-from servetune.export import ENGINES, export_policy
+from servetune.export import export_policy
 from servetune.export.classes import (
     GATEWAY_RULES_FILE,
     class_settings_instead,
@@ -83,7 +84,7 @@ def export_cli(*args: str):
 
 # --- the engine files' lines --------------------------------------------------------------
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
 def test_each_class_setting_listed_once_with_its_number(engine):
     result = export_policy(tiers(), engine)
     lines = class_lines(result)
@@ -149,7 +150,7 @@ def test_overflow_status_is_the_engines_own(engine, status):
     assert result.gateway_rules.classes["chat"].overflow_status == status
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
 def test_class_settings_change_only_the_listed_lines(engine):
     """The class settings add lines and nothing else: the settings written and every
     other listed item are the policy's without them."""
@@ -167,7 +168,7 @@ def test_class_settings_change_only_the_listed_lines(engine):
 
 def test_a_class_chunk_cap_equal_to_the_policys_needs_no_pool():
     policy = tiers(classes={"x": {"long_prefill_token_threshold": 512}})
-    for engine in ENGINES:
+    for engine in ENGINE_NAMES:
         result = export_policy(policy, engine)
         assert class_lines(result) == [] and result.gateway_rules is None
 
@@ -266,7 +267,7 @@ def test_role_exports_carry_the_rules_too():
 
 # --- no per-class settings: as before -------------------------------------------------------
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_policies_export_as_on_main_without_rules(name, engine, tmp_path):
     path = ROOT / "configs" / "policies" / f"{name}.yaml"
@@ -475,7 +476,7 @@ def class_policies(draw):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(policy=class_policies())
 def test_random_class_settings_listed_once_and_rules_valid(policy):
-    for engine in ENGINES:
+    for engine in ENGINE_NAMES:
         result = export_policy(policy, engine)
         lines = class_lines(result)
         assert lines == class_settings_instead(policy, gateway_facts(engine))

@@ -15,8 +15,9 @@ from typer.testing import CliRunner
 
 from servetune import __version__, knobs
 from servetune.cli import app
+from servetune.engines import ENGINE_NAMES
 from servetune.errors import ServetuneError
-from servetune.export import ENGINES, ROLES, export_policy
+from servetune.export import ROLES, export_policy
 from servetune.schemas.base import document_to_yaml, dump_yaml, load_document
 from servetune.schemas.policy import Policy
 
@@ -38,7 +39,7 @@ def golden(name: str) -> str:
 
 # --- aggregated exports: unchanged byte for byte --------------------------------------------
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_policy_exports_as_before(name, engine):
     policy = load_document(ROOT / "configs" / "policies" / f"{name}.yaml", Policy)
@@ -46,7 +47,7 @@ def test_shipped_policy_exports_as_before(name, engine):
     assert export_policy(policy, engine, profile=FACTS).text == golden(f"{name}.{engine}")
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
 def test_full_policy_exports_as_before(engine):
     assert export_policy(make_policy(**FULL), engine).text == golden(f"full.{engine}")
 
@@ -89,10 +90,10 @@ def test_caching_takes_booleans_only(tmp_path):
 def test_unset_prefix_caching_is_each_engines_default():
     # on in all four: vLLM CacheConfig, SGLang's radix cache, TensorRT-LLM block reuse, TGI's
     # launcher (knobs.py cites the sources)
-    assert {e: knobs.value_for(CACHING, Policy(), e) for e in ENGINES} == {
+    assert {e: knobs.value_for(CACHING, Policy(), e) for e in ENGINE_NAMES} == {
         "vllm": True, "sglang": True, "trtllm": True, "tgi": True}
-    assert {e: knobs.value_for(CACHING, caching(False), e) for e in ENGINES} == {
-        e: False for e in ENGINES}
+    assert {e: knobs.value_for(CACHING, caching(False), e) for e in ENGINE_NAMES} == {
+        e: False for e in ENGINE_NAMES}
 
 
 def test_prefix_caching_is_not_searched_by_default_but_may_be():
@@ -145,7 +146,7 @@ def test_tgi_writes_the_prefix_caching_variable(value, env):
             in result.text)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
 def test_unset_prefix_caching_writes_nothing(engine):
     result = export_policy(caching(None), engine)
     assert result.text == export_policy(make_policy(), engine).text

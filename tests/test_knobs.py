@@ -268,13 +268,11 @@ def test_names_of_an_engine_without_a_row_are_refused():
 
 def test_every_engine_list_is_the_registry():
     from servetune.cli.simulate_cmd import ENGINE_CHOICES
-    from servetune.export import ENGINES as EXPORT_ENGINES
     from servetune.export import FILENAMES
     from servetune.sim.api import ENGINE_NAMES as SIM_API_NAMES
-    from servetune.sim.engine import ENGINES as SIM_ENGINES
 
     assert ENGINE_NAMES == ("vllm", "sglang", "trtllm", "tgi")
-    for names in (EXPORT_ENGINES, SIM_ENGINES, SIM_API_NAMES, ENGINE_CHOICES):
+    for names in (SIM_API_NAMES, ENGINE_CHOICES):
         assert tuple(names) == ENGINE_NAMES
     assert typing.get_args(OptimizeJob.model_fields["engine"].annotation) == ENGINE_NAMES
     assert FILENAMES == CONFIG_FILES

@@ -16,9 +16,11 @@ Within core, the two families of domain modules keep apart: the profile modules 
 family imports the other, and no other core module imports both.
 
 Every import counts: top level, inside functions, and under ``TYPE_CHECKING`` (a type-only
-import still ties the layers together). The checker reads the source with ``ast``; nothing
-is imported. A failure lists each offending import as ``file:line``. One more check keeps
-the command line's start-up free of the heavy libraries (solvers, numba, matplotlib).
+import still ties the layers together), and so does a module named in a string (what
+``importlib.import_module`` or a preload list will import). The checker reads the source
+with ``ast``; nothing is imported. A failure lists each offending import as
+``file:line``. One more check keeps the command line's start-up free of the heavy
+libraries (solvers, numba, matplotlib).
 """
 
 from __future__ import annotations
@@ -113,12 +115,33 @@ def imports_of(source: str, module: str, path: str, known: set[str]) -> list[Imp
                 base = f"{package}.{base}" if base else package
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
                        for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            # a module named in a string (``importlib.import_module``, an engine row's
+            # "module:function", a worker's preload list): the module it names
+            named = named_module(node.value, known)
+            if named is None:
+                continue
+            targets = [named]
         else:
             continue
         for target in dict.fromkeys(targets):
             if layer_of(target) is not None:
                 out.append(Import(path, node.lineno, module, target))
     return out
+
+
+def named_module(text: str, known: set[str]) -> str | None:
+    """The longest ``known`` module that ``text`` names ("pkg.mod", "pkg.mod.attr" or
+    "pkg.mod:function"); None when it names none."""
+    name = text.split(":", 1)[0]
+    if not name.startswith("servetune.") or not name.replace(".", "").replace("_", "").isalnum():
+        return None
+    parts = name.split(".")
+    for k in range(len(parts), 1, -1):
+        candidate = ".".join(parts[:k])
+        if candidate in known:
+            return candidate
+    return None
 
 
 def layer_violations(imports: list[Import]) -> list[str]:
@@ -248,6 +271,23 @@ def test_checker_reports_each_upward_import_with_file_and_line():
     ]
     assert bad[1] == ("servetune/sim/fake.py:8: servetune.sim.fake (sim) imports "
                       "servetune.solvers.loop (solvers); sim may import only core, sim")
+
+
+def test_checker_sees_modules_named_in_strings():
+    source = ('import importlib\n'
+              'EXPORTER = "servetune.export.vllm:export"\n'
+              'PRELOAD = ["servetune.apps.optimize", "servetune.sim.api.simulate"]\n'
+              'def load():\n'
+              '    return importlib.import_module("servetune.solvers.loop")\n'
+              'NOTE = "servetune.apps is where the pipelines live"\n')
+    known = {"servetune.export.vllm", "servetune.apps.optimize", "servetune.sim.api",
+             "servetune.solvers.loop", "servetune.apps"}
+    imports = imports_of(source, "servetune.fake", "servetune/fake.py", known)
+    assert [(i.line, i.target) for i in imports] == [
+        (2, "servetune.export.vllm"), (3, "servetune.apps.optimize"),
+        (3, "servetune.sim.api"), (5, "servetune.solvers.loop")]
+    assert [b.split(": ")[0] for b in layer_violations(imports)] == [
+        "servetune/fake.py:3", "servetune/fake.py:3", "servetune/fake.py:5"]
 
 
 def test_checker_allows_downward_imports():

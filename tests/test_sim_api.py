@@ -131,7 +131,6 @@ def test_prepare_trace_replay_options():
 
 def test_public_api_reexports_the_engine():
     from servetune.sim import (
-        ENGINES,
         GoodputResult,
         SimResult,
         engine,
@@ -141,7 +140,6 @@ def test_public_api_reexports_the_engine():
     )
 
     assert run_engine is engine.run_engine
-    assert ENGINES == ("vllm", "sglang", "trtllm", "tgi")
     assert callable(simulate) and callable(goodput)
     assert SimResult and GoodputResult
 

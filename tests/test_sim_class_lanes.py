@@ -25,6 +25,7 @@ from test_engine_helpers import both_modes, policy, same_records, trace_of
 from test_engine_invariants import check_invariants
 
 from servetune import knobs
+from servetune.engines import ENGINE_NAMES
 from servetune.profiles.shipped import load_profile
 from servetune.profiles.steptime import StepTimeModel
 from servetune.schemas.policy import Policy
@@ -324,7 +325,7 @@ def class_lane_cases(draw):
     block_size = draw(st.sampled_from([1, 2, 4]))
     largest = int(((prompt + output - 1 + block_size - 1) // block_size).max())
     kv_blocks = draw(st.integers(max(2, largest * 3 // 4), largest * 3 + 2))
-    return trace, pol, kv_blocks, block_size, step_time, draw(st.sampled_from(E.ENGINES))
+    return trace, pol, kv_blocks, block_size, step_time, draw(st.sampled_from(ENGINE_NAMES))
 
 
 def _ordered_events(chunks: list) -> list[tuple[float, list[tuple[int, int, int]]]]:

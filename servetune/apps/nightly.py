@@ -74,7 +74,6 @@ from servetune.engines import CONFIG_FILES, ENGINE_NAMES
 from servetune.errors import EXIT_INFEASIBLE, EXIT_KEPT_CURRENT, InfeasibleError, ServetuneError
 from servetune.executor import Executor
 from servetune.export import (
-    ENGINES,
     ExportResult,
     export_policy,
     memory_facts,
@@ -264,9 +263,9 @@ def parse_engines(engines: str | Sequence[str]) -> list[str]:
     if not names:
         raise ServetuneError("argument `engines`: name at least one engine (e.g. vllm,sglang)")
     for e in names:
-        if e not in ENGINES:
+        if e not in ENGINE_NAMES:
             raise ServetuneError(
-                f"argument `engines`: {e!r} is not supported; choose from {', '.join(ENGINES)}"
+                f"argument `engines`: {e!r} is not supported; choose from {', '.join(ENGINE_NAMES)}"
             )
     return list(dict.fromkeys(names))
 

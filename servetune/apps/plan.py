@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from servetune.apps.optimize import optimize
-from servetune.engines import DISAGG_DECODE_ENGINE
+from servetune.engines import DISAGG_DECODE_ENGINES
 from servetune.errors import InfeasibleError, ServetuneError
 from servetune.executor import Executor, SerialExecutor
 from servetune.io import sha256_file, sha256_json, write_text_atomic
@@ -71,13 +71,14 @@ from servetune.models.capacity_milp import (
     CapacitySolution,
 )
 from servetune.profiles.shipped import load_profile
+from servetune.routers import ROUTER_NAMES
 from servetune.schemas.base import load_document
 from servetune.schemas.fleet import CapacityPlan, Fleet, Forecast, PlanBucket, PlanGPUType
 from servetune.schemas.policy import Policy
 from servetune.schemas.slo import SLOSet
 from servetune.sim import goodput, simulate
 from servetune.sim.api import base_rate_per_s, simulate_cluster
-from servetune.sim.cluster import LINKS, ROUTERS, ReplicaSpec, disaggregated_specs
+from servetune.sim.cluster import LINKS, ReplicaSpec, disaggregated_specs
 from servetune.sim.engine import ENGINE_MODEL_VERSION
 from servetune.sim.goodput import goodput_search
 from servetune.solvers.capacity import solve_capacity
@@ -1405,14 +1406,15 @@ def run_plan(
     topologies = parse_topologies(topologies)
     disagg = any(x != AGG for x in topologies)
     if disagg:
-        if engine != DISAGG_DECODE_ENGINE:
+        if engine not in DISAGG_DECODE_ENGINES:
+            decoders = " or ".join(DISAGG_DECODE_ENGINES)
             raise ServetuneError(
                 f"argument `topologies`: disaggregated units are simulated with "
-                f"{DISAGG_DECODE_ENGINE} decode replicas only; use engine "
-                f"{DISAGG_DECODE_ENGINE} or topologies agg (got engine {engine})")
-        if router not in ROUTERS:
+                f"{decoders} decode replicas only; use engine {decoders} or topologies agg "
+                f"(got engine {engine})")
+        if router not in ROUTER_NAMES:
             raise ServetuneError(f"argument `router`: {router!r} is unknown; choose one of "
-                                 f"{', '.join(ROUTERS)}")
+                                 f"{', '.join(ROUTER_NAMES)}")
         _link(link)
     all_types = [g.name for g in fleet.gpu_types]
     fleet, profiles, profile_paths = load_fleet_profiles(fleet, fleet_path)

@@ -10,7 +10,7 @@ import typer
 
 from servetune.cli.options import JsonOption, print_json
 from servetune.engines import DISAGG_ROLES as ROLES
-from servetune.engines import ENGINE_NAMES as ENGINES
+from servetune.engines import ENGINE_NAMES
 from servetune.errors import ServetuneError
 from servetune.io import STDOUT, check_outputs, write_all_or_none, write_text_atomic
 
@@ -36,7 +36,7 @@ def register(app: typer.Typer) -> None:
     @app.command("export")
     def export_cmd(
         policy: Path = typer.Option(..., "--policy", help="Policy YAML (kind: Policy)."),
-        engine: str = typer.Option(..., "--engine", help=f"One of: {', '.join(ENGINES)}."),
+        engine: str = typer.Option(..., "--engine", help=f"One of: {', '.join(ENGINE_NAMES)}."),
         profile: Path | None = typer.Option(
             None, "--profile",
             help="GPU profile YAML; overrides the policy's metadata.profile (memory settings).",
@@ -89,9 +89,9 @@ def register(app: typer.Typer) -> None:
         from servetune.schemas.base import document_data, load_document
         from servetune.schemas.policy import Policy
 
-        if engine not in ENGINES:
+        if engine not in ENGINE_NAMES:
             raise ServetuneError(
-                f"--engine {engine!r} is not supported; choose one of {', '.join(ENGINES)}"
+                f"--engine {engine!r} is not supported; choose one of {', '.join(ENGINE_NAMES)}"
             )
         if role is not None and role not in ROLES:
             raise ServetuneError(

@@ -50,6 +50,9 @@ ON_BAD_ROW_HELP = "error (default): stop at the first bad row; skip: drop bad ro
 JSON_HELP = "Print the result as JSON on stdout, and nothing else there."
 JSON_OUT_HELP = "Write the result as JSON to this file ('-': stdout, the same as --json)."
 QUIET_HELP = "Nothing on stderr but warnings and errors (no progress lines, no notes)."
+# Modules a process worker imports before its first task (in the fork server, once): the
+# simulator, the schemas and the apps that tasks run.
+WORKER_PRELOAD = ("servetune.sim.api", "servetune.apps.optimize", "servetune.apps.plan")
 WORKERS_HELP = (
     "Local worker processes for the independent simulations (default: $SERVETUNE_WORKERS, "
     "else the number of cores; 1: all in this process). The output is the same whatever "
@@ -151,7 +154,7 @@ def executor_for(workers: int | None, ray: str | None, *, small: bool = False) -
             raise ServetuneError(f"{WORKERS_ENV}={raw!r}: give a number of processes >= 1")
     if workers is None and small:
         workers = 1
-    return make_executor(workers, ray)
+    return make_executor(workers, ray, preload=WORKER_PRELOAD)
 
 
 def bare_ray_flag(argv: list[str]) -> list[str]:

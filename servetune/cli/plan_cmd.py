@@ -27,6 +27,7 @@ from servetune.cli.options import (
 from servetune.engines import ENGINE_NAMES
 from servetune.errors import ServetuneError
 from servetune.io import check_out_dir, check_outputs, require_file, write_text_atomic
+from servetune.routers import ROUTER_NAMES
 
 if TYPE_CHECKING:  # imported where used: see the lazy imports
     from servetune.schemas.fleet import CapacityPlan
@@ -189,8 +190,8 @@ def register(app: typer.Typer) -> None:
         ),
         router: str = typer.Option(
             "least_kv", "--router",
-            help="Router of disaggregated units (capacity and validation): round_robin | "
-            "least_loaded | least_kv | prefix_aware | session.",
+            help="Router of disaggregated units (capacity and validation): "
+            f"{' | '.join(ROUTER_NAMES)}.",
         ),
         link: str = typer.Option(
             "infiniband", "--link", help="KV link of P:D units: infiniband | nvlink | roce."

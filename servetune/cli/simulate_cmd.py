@@ -36,14 +36,10 @@ from servetune.cli.options import (
     print_json,
 )
 from servetune.cli.trace_cmd import load_trace_cli
-from servetune.engines import (
-    ENGINE_NAMES,
-    MAX_CLUSTER_STATE_BYTES,
-    MAX_REPLICAS,
-    MAX_ROUTED_REPLICAS,
-)
+from servetune.engines import ENGINE_NAMES, MAX_CLUSTER_STATE_BYTES, MAX_REPLICAS
 from servetune.errors import InfeasibleError, ServetuneError
 from servetune.io import check_outputs, require_file, write_all_or_none, write_text_atomic
+from servetune.routers import MAX_ROUTED_REPLICAS, ROUTER_NAMES, ROUTERS
 
 if TYPE_CHECKING:  # imported where used: see the lazy imports
     from servetune.schemas.policy import Policy
@@ -371,9 +367,9 @@ def register(app: typer.Typer) -> None:
             "GiB of replica state: each holds ~100 B per request and ~89 B per KV block; "
             "same profile and policy)"),
         router: str = typer.Option(
-            "round_robin", "--router", help="round_robin | least_loaded | least_kv | "
-            f"prefix_aware | session (the three that read the replicas: at most "
-            f"{MAX_ROUTED_REPLICAS} replicas)"),
+            "round_robin", "--router", help=f"{' | '.join(ROUTER_NAMES)} (those that read "
+            f"the replicas, {', '.join(r.name for r in ROUTERS if r.reads_replicas)}: at "
+            f"most {MAX_ROUTED_REPLICAS} replicas)"),
         disagg: str | None = typer.Option(
             None, "--disagg", help="P:D prefill and decode replicas (disaggregated "
             "serving; replaces --replicas)"),
@@ -403,7 +399,6 @@ def register(app: typer.Typer) -> None:
         from servetune.sim.api import simulate_cluster
         from servetune.sim.cluster import (
             LINKS,
-            ROUTERS,
             ReplicaSpec,
             disaggregated_specs,
             parse_disagg,
@@ -413,9 +408,9 @@ def register(app: typer.Typer) -> None:
         from servetune.sim.timeline import parse_window
 
         caching = _on_off(prefix_caching, "--prefix-caching")
-        if router not in ROUTERS:
+        if router not in ROUTER_NAMES:
             raise ServetuneError(f"argument `--router` {router!r}: choose one of "
-                                 f"{', '.join(ROUTERS)}")
+                                 f"{', '.join(ROUTER_NAMES)}")
         if link not in LINKS:
             raise ServetuneError(f"argument `--link` {link!r}: choose one of "
                                  f"{', '.join(LINKS)}")

@@ -58,7 +58,6 @@ if TYPE_CHECKING:
     from servetune.schemas.gateway import GatewayRules
     from servetune.schemas.profile import Profile
 
-ENGINES: tuple[str, ...] = ENGINE_NAMES
 
 # The instances of a disaggregated prefill/decode pair an export may be for.
 ROLES: tuple[str, ...] = DISAGG_ROLES
@@ -459,7 +458,7 @@ def export_policy(
     engines whose gate it ran."""
     if engine not in BY_NAME:
         raise ServetuneError(
-            f"engine {engine!r} is not supported; choose one of {', '.join(ENGINES)}"
+            f"engine {engine!r} is not supported; choose one of {', '.join(ENGINE_NAMES)}"
         )
     if role is not None and role not in ROLES:
         raise ServetuneError(
@@ -477,7 +476,6 @@ def export_policy(
 
 
 __all__ = [
-    "ENGINES",
     "FILENAMES",
     "ROLES",
     "ExportResult",

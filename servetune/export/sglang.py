@@ -55,7 +55,7 @@ from __future__ import annotations
 from typing import Any
 
 from servetune import knobs
-from servetune.engines import SGLANG_PRIORITY_PREEMPTION_THRESHOLD, engine
+from servetune.engines import engine
 from servetune.export import (
     ExportResult,
     Instead,
@@ -182,7 +182,7 @@ def export(policy: Policy, facts: MemoryFacts, role: str | None = None) -> Expor
         settings["schedule-low-priority-values-first"] = True
         settings["retraction-policy"] = "priority"
         settings["priority-scheduling-preemption-threshold"] = (
-            SGLANG_PRIORITY_PREEMPTION_THRESHOLD)
+            engine("sglang").priority_preemption_threshold)
         if policy.classes:
             unsupported.append(class_priority_instead(policy, TITLE))
 

@@ -14,9 +14,9 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from servetune.engines import ENGINE_NAMES, MAX_REPLICAS
+from servetune.routers import ROUTER_NAMES
 from servetune.schemas.base import Document, Strict
 
-ROUTERS: tuple[str, ...] = ("round_robin", "least_loaded", "least_kv", "prefix_aware", "session")
 ROLES: tuple[str, ...] = ("both", "prefill", "decode")
 LINK_NAMES: tuple[str, ...] = ("nvlink", "infiniband", "roce")
 
@@ -38,7 +38,7 @@ class Topology(Document):
     KIND: ClassVar[str] = "Topology"
     kind: Literal["Topology"] = "Topology"
     name: str = "cluster"
-    router: Literal[ROUTERS] = Field(  # type: ignore[valid-type]
+    router: Literal[ROUTER_NAMES] = Field(  # type: ignore[valid-type]
         "round_robin", description="how each request (and, disaggregated, each decode "
         "hand-over) picks a replica")
     link: Literal[LINK_NAMES] = Field(  # type: ignore[valid-type]

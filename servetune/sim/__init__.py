@@ -6,9 +6,9 @@ Public API:
   (``.summary(slo)``, ``.meets_slo(slo)``, ``.write_records(path)``, ``.write_steps(path)``,
   ``.write_timeline(path, window)``);
 - :func:`goodput` (highest rate scale meeting an SLO set) -> :class:`GoodputResult`;
-- :func:`run_engine` and ``ENGINES``, the engine core (re-exported from
-  :mod:`servetune.sim.engine`, imported on first use so that importing this package stays
-  cheap).
+- :func:`run_engine`, the engine core (re-exported from :mod:`servetune.sim.engine`,
+  imported on first use so that importing this package stays cheap); the engines it
+  simulates are :data:`servetune.engines.ENGINE_NAMES`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from servetune.sim.api import SimResult, goodput, prepare_trace, simulate
 from servetune.sim.goodput import GoodputResult
 
 __all__ = [
-    "ENGINES",
     "EngineOutput",
     "GoodputResult",
     "SimResult",
@@ -29,7 +28,7 @@ __all__ = [
     "simulate",
 ]
 
-_FROM_ENGINE = ("run_engine", "ENGINES", "EngineOutput", "REASONS")
+_FROM_ENGINE = ("run_engine", "EngineOutput", "REASONS")
 
 
 def __getattr__(name: str) -> Any:

@@ -61,6 +61,7 @@ import numpy as np
 
 from servetune.engines import kernel_id
 from servetune.profiles.steptime import step_seconds as _step_seconds_py
+from servetune.routers import kernel_code as route_code
 
 if __name__.endswith("_pure"):
 
@@ -1911,9 +1912,9 @@ def run_kernel(p, rq, st, lg, max_steps):
 
 # --- a router over replicas (servetune.sim.cluster) -------------------------------------------
 
-ROUTE_LEAST_LOADED = 0
-ROUTE_LEAST_KV = 1
-ROUTE_PREFIX_AWARE = 2
+ROUTE_LEAST_LOADED = route_code("least_loaded")
+ROUTE_LEAST_KV = route_code("least_kv")
+ROUTE_PREFIX_AWARE = route_code("prefix_aware")
 
 
 @jit

@@ -6,7 +6,7 @@ router picks a replica from the replicas' state at that moment: every replica ha
 steps that start before the arrival (the step in progress when it comes is finished first,
 so the router sees the state at that step's end, as a real router's stats lag by a step),
 then the request joins the chosen replica's queue at its next step boundary, exactly as in a
-single-engine run. Routers (:data:`ROUTERS`):
+single-engine run. Routers (:data:`servetune.routers.ROUTERS`):
 
 - ``round_robin``: the i-th request to replica ``i mod N``;
 - ``session``: by the request's first prefix id (a conversation or a shared system prompt:
@@ -47,24 +47,21 @@ import numpy as np
 from servetune.engines import (
     CLUSTER_BYTES_PER_KV_BLOCK,
     CLUSTER_BYTES_PER_REQUEST,
-    DISAGG_DECODE_ENGINE,
+    DISAGG_DECODE_ENGINES,
     MAX_CLUSTER_STATE_BYTES,
     MAX_REPLICAS,
-    MAX_ROUTED_REPLICAS,
 )
 from servetune.errors import ServetuneError
 from servetune.executor import default_workers
+from servetune.routers import BY_NAME, MAX_ROUTED_REPLICAS, ROUTER_NAMES, ROUTERS, kernel_code
+from servetune.routers import router as router_row
 from servetune.schemas.policy import Policy
 from servetune.schemas.profile import Profile
-from servetune.schemas.topology import LINK_NAMES, ROLES, ROUTERS
+from servetune.schemas.topology import LINK_NAMES, ROLES
 from servetune.sim import _kernel as K
 from servetune.sim import engine as E
 from servetune.sim.metrics import prefix_cache_summary
 from servetune.workloads.trace import Trace
-
-STATIC_ROUTERS = ("round_robin", "session")
-_ROUTE_CODES = {"least_loaded": K.ROUTE_LEAST_LOADED, "least_kv": K.ROUTE_LEAST_KV,
-                "prefix_aware": K.ROUTE_PREFIX_AWARE}
 
 
 @dataclass(frozen=True)
@@ -85,7 +82,7 @@ LINKS = {link.name: link for link in (
     Link("roce", 25e9, 100e-6),
 )}
 assert tuple(LINKS) == LINK_NAMES
-__all__ = ["LINKS", "ROLES", "ROUTERS", "ClusterOutput", "Link", "ReplicaSpec",
+__all__ = ["LINKS", "ROLES", "ROUTER_NAMES", "ClusterOutput", "Link", "ReplicaSpec",
            "disaggregated_specs", "parse_disagg", "replica_summaries", "run_cluster"]
 
 
@@ -258,17 +255,16 @@ class _Router:
 
     def pick(self, row: int) -> _Replica:
         pool = self.pool
-        if self.name in STATIC_ROUTERS:
+        if not BY_NAME[self.name].reads_replicas:
             return pool[int(self.static_picks(np.array([row]))[0])]
         if self.tuples is None:
             self.tuples = (tuple(r.params for r in pool), tuple(r.rq for r in pool),
                            tuple(r.state for r in pool), tuple(r.full for r in pool))
-        return pool[int(pool[0].km.pick_replica(*self.tuples, row, _ROUTE_CODES[self.name]))]
+        return pool[int(pool[0].km.pick_replica(*self.tuples, row, kernel_code(self.name)))]
 
 
 def _check(specs: Sequence[ReplicaSpec], router: str) -> tuple[list[int], list[int]]:
-    if router not in ROUTERS:
-        raise ServetuneError(f"router {router!r} is unknown; choose one of {', '.join(ROUTERS)}")
+    reads = router_row(router).reads_replicas
     if not specs:
         raise ServetuneError("a cluster needs at least one replica")
     for k, spec in enumerate(specs):
@@ -279,19 +275,20 @@ def _check(specs: Sequence[ReplicaSpec], router: str) -> tuple[list[int], list[i
     decode = [k for k, s in enumerate(specs) if s.role == "decode"]
     both = [k for k, s in enumerate(specs) if s.role == "both"]
     # (a disaggregated cluster routes in Python, not in the compiled loop)
-    if router not in STATIC_ROUTERS and not prefill and len(specs) > MAX_ROUTED_REPLICAS:
+    if reads and not prefill and len(specs) > MAX_ROUTED_REPLICAS:
         raise ServetuneError(
             f"router {router!r} with {len(specs):,} replicas: it reads every replica at every "
             f"arrival in a compiled loop built per replica count, which takes minutes and "
             f"gigabytes to build beyond {MAX_ROUTED_REPLICAS}; give at most "
             f"{MAX_ROUTED_REPLICAS} replicas with it, or a static router "
-            f"({', '.join(STATIC_ROUTERS)}) for up to {MAX_REPLICAS:,}")
+            f"({', '.join(r.name for r in ROUTERS if not r.reads_replicas)}) for up to "
+            f"{MAX_REPLICAS:,}")
     if (prefill or decode) and (both or not prefill or not decode):
         raise ServetuneError(
             "a disaggregated cluster has prefill and decode replicas only (at least one "
             f"of each); got {len(prefill)} prefill, {len(decode)} decode, {len(both)} both")
     for k in decode:
-        if specs[k].engine != DISAGG_DECODE_ENGINE:
+        if specs[k].engine not in DISAGG_DECODE_ENGINES:
             raise ServetuneError(f"replica {k}: decode replicas are simulated as vLLM's "
                                  f"(got engine {specs[k].engine!r})")
     return prefill, decode
@@ -344,7 +341,7 @@ def run_cluster(
     every = max(n // 100, 1)
 
     if not disagg:
-        if router in STATIC_ROUTERS:
+        if not BY_NAME[router].reads_replicas:
             replica_of = route.static_picks(np.arange(n))
             for rep in replicas:
                 rows = np.flatnonzero(replica_of == rep.index)
@@ -355,14 +352,14 @@ def run_cluster(
                 tuple(r.params for r in replicas), tuple(r.rq for r in replicas),
                 tuple(r.state for r in replicas), tuple(r.log for r in replicas),
                 tuple(r.full for r in replicas), np.ascontiguousarray(arrival),
-                _ROUTE_CODES[router], replica_of, local_of)
+                kernel_code(router), replica_of, local_of)
             if rc == K.RC_STUCK:
                 raise RuntimeError("a replica made no progress (a bug)")
             for rep in replicas:
                 rep.rows = np.flatnonzero(replica_of == rep.index).tolist()
         if progress is not None:
             progress(n, n)
-        _finish_all(replicas, side_by_side=router in STATIC_ROUTERS and not reference)
+        _finish_all(replicas, side_by_side=not BY_NAME[router].reads_replicas and not reference)
         outputs = [rep.output() for rep in replicas]
         merged = _merge(trace, replicas, outputs, replica_of, local_of)
         return ClusterOutput(merged=merged, replica=replica_of, decode_replica=None,
@@ -393,7 +390,7 @@ def run_cluster(
     def hand_over(until: float) -> None:
         while pending and pending[0][0] <= until:
             t, row = heapq.heappop(pending)
-            if router not in STATIC_ROUTERS:
+            if BY_NAME[router].reads_replicas:
                 for rep in back:
                     rep.advance(t)
             rep = decode_route.pick(row)

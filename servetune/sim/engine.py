@@ -141,7 +141,8 @@ from typing import Any
 import numpy as np
 
 from servetune import knobs
-from servetune.engines import ENGINE_NAMES, SGLANG_PRIORITY_PREEMPTION_THRESHOLD, kernel_id
+from servetune.engines import ENGINE_NAMES, kernel_id
+from servetune.engines import engine as engine_row
 from servetune.errors import ServetuneError
 from servetune.profiles.steptime import StepTimeModel
 from servetune.schemas.policy import Policy
@@ -164,7 +165,6 @@ from servetune.workloads.trace import Trace
 # 7: per-class lanes: a policy's classes' seats, KV shares, queue caps and chunk caps act
 # (before, only their priorities did; policies without them give what they gave).
 ENGINE_MODEL_VERSION = 7
-ENGINES = ENGINE_NAMES  # in kernel-id order: ENGINES.index(name) is the kernel's E_* id
 
 # Why a request did not complete: the codes and texts live in the kernel, which records them.
 REASONS = K.REASONS
@@ -184,7 +184,7 @@ SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS = 600
 SGLANG_RETRACT_DECODE_STEPS = 20
 # SGLang's priority flags as servetune's exporter writes them (docs/engines.md 2.4): lower
 # values first (servetune's convention, as vLLM's); the preemption threshold is
-# servetune.engines.SGLANG_PRIORITY_PREEMPTION_THRESHOLD.
+# SGLang's row in servetune.engines (priority_preemption_threshold).
 SGLANG_LOW_PRIORITY_VALUES_FIRST = True
 
 SERIES_BINS = 2048
@@ -297,8 +297,9 @@ def lane_footprint(trace: Trace, expected_output: np.ndarray | None = None) -> n
 def _validate(
     trace: Trace, kv_blocks: int, block_size: int, engine: str
 ) -> None:
-    if engine not in ENGINES:
-        raise ServetuneError(f"engine {engine!r} is unknown; choose one of {', '.join(ENGINES)}")
+    if engine not in ENGINE_NAMES:
+        raise ServetuneError(
+            f"engine {engine!r} is unknown; choose one of {', '.join(ENGINE_NAMES)}")
     if int(kv_blocks) < 1:
         raise ServetuneError(
             f"KV pool has {kv_blocks} blocks; the profile must leave at least one block "
@@ -353,7 +354,7 @@ def kernel_params(
         # SGLang's environment constants
         sglang_clip=SGLANG_CLIP_MAX_NEW_TOKENS,
         sglang_retract_steps=SGLANG_RETRACT_DECODE_STEPS,
-        sglang_preempt_threshold=SGLANG_PRIORITY_PREEMPTION_THRESHOLD,
+        sglang_preempt_threshold=engine_row("sglang").priority_preemption_threshold,
         ratio_init=ratio_init,
         ratio_floor=ratio_floor,
         ratio_decay=(ratio_init - ratio_floor) / SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS,

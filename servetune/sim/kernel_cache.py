@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 # The files whose code (or constants) the compiled kernels contain, relative to the package.
-KERNEL_SOURCES = ("sim/_kernel.py", "sim/_replay.py", "profiles/steptime.py", "engines.py")
+KERNEL_SOURCES = ("sim/_kernel.py", "sim/_replay.py", "profiles/steptime.py", "engines.py",
+                  "routers.py")
 CACHE_ENV = "SERVETUNE_CACHE_DIR"  # servetune's cache root (also the capacity cache's)
 NUMBA_CACHE_ENV = "NUMBA_CACHE_DIR"
 
