@@ -43,6 +43,7 @@ class ReserveInstance:
 
 def build_model(inst: ReserveInstance):
     """The CP-SAT model of the module docstring and its variables ``(r, R)``."""
+    # lazy: OR-Tools (0.3 s) loads only when a model is built, not with the package
     from ortools.sat.python import cp_model
 
     model = cp_model.CpModel()

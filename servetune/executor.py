@@ -209,7 +209,7 @@ def _check_reachable(address: str) -> None:
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not port.isdigit():
         return  # "auto" and other forms: Ray's own answer is quick and clear
-    import socket
+    import socket  # lazy: only a host:port address is checked
 
     try:
         socket.create_connection((host or "127.0.0.1", int(port)),
@@ -235,7 +235,7 @@ class RayExecutor(_Closing):
     def __init__(self, address: str | None = None, workers: int | None = None) -> None:
         if not ray_available():
             raise ServetuneError(RAY_MISSING)
-        import ray
+        import ray  # lazy: Ray is an optional extra
 
         self._ray = ray
         self._owns = False

@@ -51,7 +51,8 @@ from servetune.io import (
     sha256_json,
     write_bytes_atomic,
 )
-from servetune.schemas.base import load_document
+from servetune.schemas.base import document_to_yaml, load_document
+from servetune.schemas.fleet import Fleet
 from servetune.schemas.sweep import (
     AXES,
     COMMAND_SETTINGS,
@@ -233,7 +234,6 @@ def _fleet_profiles(fleet_path: Path) -> dict[str, dict[str, str]]:
     """The profile files a fleet names, for every model (their bytes decide a plan too). A
     fleet that does not load adds none here: the job fails on it when it runs, with the
     fleet's error."""
-    from servetune.schemas.fleet import Fleet
 
     try:
         fleet = load_document(fleet_path, Fleet)
@@ -329,6 +329,7 @@ def _optimize_numbers(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_nightly(job: Job, jobs_dir: Path) -> _Output:
+    # lazy: a sweep loads the pipelines of the kinds of job it holds, no others
     from servetune.apps.nightly import run_nightly
 
     s = job.settings
@@ -354,8 +355,7 @@ def _run_nightly(job: Job, jobs_dir: Path) -> _Output:
 
 
 def _run_plan(job: Job, jobs_dir: Path) -> _Output:
-    from servetune.apps.plan import parse_topologies, run_plan
-    from servetune.schemas.base import document_to_yaml
+    from servetune.apps.plan import parse_topologies, run_plan  # lazy: as _run_nightly
 
     s = job.settings
     extra: dict[str, Any] = {}

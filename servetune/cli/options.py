@@ -141,7 +141,7 @@ def executor_for(workers: int | None, ray: str | None, *, small: bool = False) -
     """The executor ``--workers`` / ``--ray`` ask for (close it when done: it is a context
     manager). Without ``--workers``, ``SERVETUNE_WORKERS``, or else the number of cores
     (``small``: 1, for the commands of :data:`SmallWorkersOption`)."""
-    from servetune.executor import make_executor
+    from servetune.executor import make_executor  # lazy: `--help` needs no executor
 
     if workers is None and os.environ.get(WORKERS_ENV, "").strip():
         raw = os.environ[WORKERS_ENV].strip()

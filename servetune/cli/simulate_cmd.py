@@ -217,6 +217,7 @@ class _Progress:
     """A rich progress bar fed by the engine's progress callback (done, total)."""
 
     def __init__(self, console: Console, total: int, label: str) -> None:
+        # lazy: rich's progress module only where a bar is drawn
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.progress = Progress(
@@ -242,6 +243,7 @@ def topology_specs(path: Path, profile: Profile, policy: Policy
                    ) -> tuple[list[Any], str, str, str]:
     """The replicas of a Topology file (groups without a profile or policy get the
     command's), its router and link, and a one-line description."""
+    # lazy: the schemas and profiles load when a command runs, not at start-up
     from servetune.profiles.shipped import load_profile, require_kv_pool
     from servetune.schemas.base import load_document
     from servetune.schemas.policy import Policy
@@ -629,7 +631,7 @@ def _cache_bounds(trace: Trace, profile: Profile) -> dict[str, float]:
     """What the replayed trace's own reuse allows (:func:`servetune.workloads.reuse.
     hit_rate_curve`): the infinite-cache bound, and the LRU hit rate of a cache as large
     as the profile's KV pool (in the trace's blocks), both shares of block references."""
-    from servetune.workloads.reuse import hit_rate_curve, pool_blocks
+    from servetune.workloads.reuse import hit_rate_curve, pool_blocks  # lazy: as above
 
     pool = pool_blocks(int(profile.kv_blocks()) * int(profile.block_size), trace)
     curve = hit_rate_curve(trace, fractions=(), sizes=(pool,))

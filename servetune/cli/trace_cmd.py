@@ -47,6 +47,7 @@ def load_progress(path: Path, quiet: bool = False) -> Iterator[Callable[[int, in
     if size < PROGRESS_MIN_BYTES:
         yield None
         return
+    # lazy: rich's progress only for a file large enough to show one
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
@@ -96,7 +97,7 @@ def load_trace_cli(
 
 def stats_table(stats: dict[str, Any], title: str) -> Table:
     """A rich table of a ``trace_stats`` object."""
-    from rich.table import Table
+    from rich.table import Table  # lazy: only `trace stats` draws tables
 
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("", style="bold")

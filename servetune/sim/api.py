@@ -389,6 +389,7 @@ def simulate_cluster(
     """Serve ``source`` on a cluster of replicas (:mod:`servetune.sim.cluster`): the
     whole cluster's run as a :class:`SimResult` (its per-request arrays, the replicas'
     totals) and the :class:`~servetune.sim.cluster.ClusterOutput` with each replica's."""
+    # lazy: the cluster imports the engine (numba), as _engine_module does
     from servetune.sim.cluster import run_cluster
 
     trace = prepare_trace(
@@ -437,6 +438,7 @@ def goodput(
     with each seed, the seeds of a scale side by side on ``executor`` (default: in this
     process). Each point records its verdict, per-seed attainment and the summary of
     every run (without wall-clock fields, so the result is deterministic)."""
+    # lazy: the evaluator imports this module
     from servetune.sim.evaluator import EVAL_REL_TOL, base_sample, judging_window_s
 
     if not seeds:
@@ -485,7 +487,7 @@ def _seed_run(shared: tuple, job: tuple[int, float]) -> tuple[bool, dict[str, An
     The trace is the one evaluator's (:func:`servetune.sim.evaluator.judged_sample` of
     the seed's base sample) or, with ``duration_s``, the first ``n_requests`` arrivals at
     the scale cut to that many simulated seconds."""
-    from servetune.sim.evaluator import judged_sample
+    from servetune.sim.evaluator import judged_sample  # lazy: as in goodput
 
     source, policy, profile, slo, samples, window_s, kw = shared
     seed, scale = job

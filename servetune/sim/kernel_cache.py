@@ -61,7 +61,7 @@ def sources_hash() -> str:
 
 def kernel_cache_dir() -> Path:
     """This installation's folder under :func:`cache_root` (see the module doc)."""
-    import numba
+    import numba  # lazy: numba is imported only by code that compiles
 
     return cache_root() / f"kernels-{sources_hash()[:16]}-numba-{numba.__version__}"
 
@@ -70,7 +70,7 @@ def kernel_cache_dir() -> Path:
 def _cache_class() -> type:
     """numba's function cache with :class:`_SourceHashLocator` tried first (built on first
     use: numba is imported only by code that compiles)."""
-    from numba.core.caching import FunctionCache, _CacheLocator
+    from numba.core.caching import FunctionCache, _CacheLocator  # lazy: as above
 
     class _SourceHashLocator(_CacheLocator):
         def __init__(self, py_func: Any, py_file: str) -> None:
@@ -108,7 +108,7 @@ def _cache_class() -> type:
 
 def cached_jit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
     """``numba.njit(**options)`` whose compiled code is cached in :func:`kernel_cache_dir`."""
-    import numba
+    import numba  # lazy: as above
 
     def decorate(fn: Callable[..., Any]) -> Any:
         dispatcher = numba.njit(**options)(fn)

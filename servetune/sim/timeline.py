@@ -102,6 +102,7 @@ class StepChunk:
 
 def chunk_of_records(step_log: Iterable[dict[str, Any]]) -> StepChunk:
     """A step log given as dicts (``run_engine(..., step_log=True)``), as one chunk."""
+    # lazy: the kernel imports numba, which writing a timeline from arrays does not need
     from servetune.sim._kernel import EV_ADMIT, EV_FINISH, EV_PREEMPT, EV_SCHED, EV_SHED
 
     recs = list(step_log)

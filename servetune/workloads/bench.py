@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -441,8 +441,6 @@ def load_bench_run(
 
 
 def _with_notice(run: BenchRun, notice: str) -> BenchRun:
-    from dataclasses import replace
-
     return replace(run, notices=(*run.notices, notice))
 
 
