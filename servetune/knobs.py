@@ -23,6 +23,8 @@ A knob is a tunable Policy setting, named by its dotted path (``batching.max_num
 - ``widen``: the range of values the engines accept that ``optimize`` may widen a search
   space into when its answer sits on the space's edge (:func:`beyond_edge`); values
   outside it (a chunk cap of 0: off) are not on the knob's scale. ``None``: never widened.
+- ``label``: its short name in reports and logs (``seqs 32, tokens 1024``,
+  :func:`short_text`); None: its dotted path;
 - ``engine_defaults``: for a knob whose policy value may be None meaning "the engine's own
   default" (``batching.enable_chunked_prefill``: on in vLLM, SGLang and TGI, off in
   ``trtllm-serve``), that default per engine (:func:`value_for` resolves it; the simulator
@@ -135,6 +137,7 @@ class Knob:
     switch: str | None = None
     widen: tuple[float, float] | None = None
     engine_defaults: Mapping[str, Any] | None = None
+    label: str | None = None
 
     @property
     def name(self) -> str:
@@ -177,6 +180,9 @@ def _engines(**cells: Export) -> dict[str, Export]:
 
 _NONE = NOT_EXPRESSIBLE
 _LANES = "long_requests.threshold_tokens"
+# The per-request chunk cap: what a gateway's class pools and the tier model set per class
+# (only the engines that express it, see its row).
+CHUNK_CAP = "batching.long_prefill_token_threshold"
 
 KNOBS: tuple[Knob, ...] = (
     Knob("scheduling", "priority_scheduling", _priority_mode,
@@ -187,18 +193,19 @@ KNOBS: tuple[Knob, ...] = (
          _engines(vllm=Plain("max-num-seqs"), sglang=converted("max-running-requests"),
                   trtllm=Plain("max_batch_size"), tgi=NotExpressible(always=True)),
          modeled=True, space=(4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), summary=True,
-         widen=(1, 16384)),
+         widen=(1, 16384), label="seqs"),
     Knob("batching.max_num_batched_tokens", "budget", _count,
          _engines(vllm=Plain("max-num-batched-tokens"),
                   sglang=converted("chunked-prefill-size", "max-prefill-tokens"),
                   trtllm=Plain("max_num_tokens"), tgi=Plain("--max-batch-prefill-tokens")),
          modeled=True, space=(256, 512, 1024, 2048, 4096, 8192, 16384, 32768), summary=True,
-         widen=(16, 262144)),
-    Knob("batching.long_prefill_token_threshold", "long_prefill_threshold", _count,
+         widen=(16, 262144), label="tokens"),
+    Knob(CHUNK_CAP, "long_prefill_threshold", _count,
          _engines(vllm=Plain("long-prefill-token-threshold"), sglang=_NONE, trtllm=_NONE,
                   tgi=_NONE),
          modeled=True, space=(0, 128, 256, 512, 1024, 2048), summary=True,
-         off_at_or_above="batching.max_num_batched_tokens", widen=(16, 262144)),
+         off_at_or_above="batching.max_num_batched_tokens", widen=(16, 262144),
+         label="chunk"),
     # None: each engine's own default (Engine.chunked_prefill: off only in trtllm-serve).
     Knob("batching.enable_chunked_prefill", "chunked_prefill", _flag,
          _engines(vllm=Plain("enable-chunked-prefill"),
@@ -207,18 +214,19 @@ KNOBS: tuple[Knob, ...] = (
          engine_defaults={e.name: e.chunked_prefill for e in ENGINES}),
     Knob("admission.kv_watermark", "watermark_blocks", _share_of_pool,
          _engines(vllm=Plain("watermark"), sglang=_NONE, trtllm=_NONE, tgi=_NONE),
-         modeled=True, space=(0.0, 0.01, 0.05), summary=True, widen=(0.0, 0.5)),
+         modeled=True, space=(0.0, 0.01, 0.05), summary=True, widen=(0.0, 0.5),
+         label="watermark"),
     Knob("admission.reserve_full_prompt", "reserve_full_prompt", _flag,
          _engines(vllm=Plain("scheduler-reserve-full-isl"), sglang=_NONE, trtllm=_NONE,
                   tgi=_NONE)),
     Knob("admission.max_queued_requests", "max_queued_requests", _cap_or_none,
          _engines(vllm=Plain("max-num-queued-reqs"), sglang=converted("max-queued-requests"),
                   trtllm=_NONE, tgi=Plain("--max-concurrent-requests")),
-         modeled=True, space=(None, 2048)),
+         modeled=True, space=(None, 2048), label="queue"),
     Knob("admission.max_queued_prompt_tokens", "max_queued_prompt_tokens", _cap_or_none,
          _engines(vllm=Plain("max-num-queued-tokens"), sglang=_NONE, trtllm=_NONE,
                   tgi=_NONE),
-         modeled=True),
+         modeled=True, label="queued tokens"),
     # The lanes: one switch (the threshold) and their sizes, which act only with it.
     Knob(_LANES, "lanes", _is_set, _engines(vllm=_NONE, sglang=_NONE, trtllm=_NONE, tgi=_NONE)),
     Knob("long_requests.reserved_seqs", "lane_reserved_seqs", _count,
@@ -327,6 +335,21 @@ def beyond_edge(path: str, offered: Iterable[Any], chosen: Any) -> tuple[str, An
 def summary_text(dotted: Mapping[str, Any]) -> str:
     """``max_num_seqs 256, max_num_batched_tokens 2048, ...`` for the summary knobs."""
     return ", ".join(f"{k.name} {dotted[k.path]}" for k in KNOBS if k.summary)
+
+
+# The step shape: shown by short_text whatever its value.
+STEP_SHAPE: tuple[str, ...] = ("batching.max_num_seqs", "batching.max_num_batched_tokens")
+
+
+def short_text(dotted: Mapping[str, Any], sep: str = " ", join: str = ", ") -> str:
+    """``seqs 32, tokens 1024, chunk 512``: each knob of ``dotted`` by its label (its path
+    where it has none), the step shape always and the others when set (not None or 0)."""
+    parts = []
+    for path, value in dotted.items():
+        row = BY_PATH.get(path)
+        if path in STEP_SHAPE or value not in (None, 0, 0.0):
+            parts.append(f"{row.label if row is not None and row.label else path}{sep}{value}")
+    return join.join(parts)
 
 
 def value_for(path: str, policy: Policy, engine: str) -> Any:

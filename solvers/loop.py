@@ -918,11 +918,4 @@ def shape_key(k: Knobs) -> tuple:
 
 
 def _short(k: Knobs) -> str:
-    s = f"seqs={k.max_num_seqs} tokens={k.max_num_batched_tokens}"
-    if k.long_prefill_token_threshold:
-        s += f" chunk={k.long_prefill_token_threshold}"
-    if k.kv_watermark:
-        s += f" watermark={k.kv_watermark}"
-    if k.max_queued_requests:
-        s += f" queue={k.max_queued_requests}"
-    return s
+    return knob_table.short_text(k.as_dotted(), sep="=", join=" ")

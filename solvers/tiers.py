@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from servetune.knobs import CHUNK_CAP, export_names
 from servetune.models.fluid import LoadModel, Platform, targets_for
 from servetune.models.pools_milp import PoolPlan
 from servetune.models.pools_milp import build_model as build_pools
@@ -70,9 +71,9 @@ CAL_CLAMP = (0.2, 5.0)
 
 def class_options(engine: str, chunk_caps: Sequence[int] = CHUNK_CAPS,
                   caps: Sequence[tuple[int | None, float]] = CAPS) -> list[ClassOption]:
-    """The options each class chooses among: a chunk cap (vLLM only: the other engines
-    have none) times a cap."""
-    chunks = chunk_caps if engine == "vllm" else (0,)
+    """The options each class chooses among: a chunk cap (where the engine has one: its
+    knob row's export) times a cap."""
+    chunks = chunk_caps if export_names(engine, CHUNK_CAP) else (0,)
     return [ClassOption(chunk_cap=c, max_seqs=m, max_kv_fraction=f)
             for c in chunks for m, f in caps]
 

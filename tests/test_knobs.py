@@ -425,3 +425,15 @@ def test_chunked_prefill_unset_is_each_engines_default():
     assert knobs.sim_values(unset, 1000, "vllm")["chunked_prefill"] is True
     asked = policy_with(batching={"enable_chunked_prefill": True})
     assert knobs.sim_values(asked, 1000, "trtllm")["chunked_prefill"] is True
+
+
+def test_short_text_labels_knobs_from_the_table():
+    # the step shape always, the others when set; a path the table does not know as is
+    dotted = {"batching.max_num_seqs": 32, "batching.max_num_batched_tokens": 1024,
+              "batching.long_prefill_token_threshold": 0, "admission.kv_watermark": 0.01,
+              "admission.max_queued_prompt_tokens": None, "admission.max_queued_requests": 64,
+              "other.knob": 3}
+    assert knobs.short_text(dotted) == (
+        "seqs 32, tokens 1024, watermark 0.01, queue 64, other.knob 3")
+    shape = {"batching.max_num_seqs": 0, "batching.long_prefill_token_threshold": 512}
+    assert knobs.short_text(shape, sep="=", join=" ") == "seqs=0 chunk=512"

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from servetune import knobs as knob_table
 from servetune.executor import Executor, SerialExecutor
 from servetune.io import commit_files, finite_or_none, plain_data
 from servetune.schemas.policy import ClassPolicy, Policy
@@ -588,26 +589,6 @@ def changes_table(changes: list[dict[str, Any]]) -> str:
 
 
 MODEL_ERROR_HEADING = "How far the optimizer's model was off"
-_SHORT_KNOB = {
-    "batching.max_num_seqs": "seqs",
-    "batching.max_num_batched_tokens": "tokens",
-    "batching.long_prefill_token_threshold": "chunk",
-    "admission.kv_watermark": "watermark",
-    "admission.max_queued_requests": "queue",
-    "admission.max_queued_prompt_tokens": "queued tokens",
-}
-
-
-def _knobs_short(knobs: dict[str, Any]) -> str:
-    """``seqs 32, tokens 1024, chunk 512``: the step shape always, the other knobs when set."""
-    parts = []
-    for path, value in knobs.items():
-        name = _SHORT_KNOB.get(path, path)
-        if name in ("seqs", "tokens") or value not in (None, 0, 0.0):
-            parts.append(f"{name} {value}")
-    return ", ".join(parts)
-
-
 def _rate(x: Any) -> str:
     return "n/a" if x is None else f"{float(x):.3g}"
 
@@ -661,7 +642,7 @@ def model_error_section(error: dict[str, Any] | None) -> str:
             sim_text = "no pass"
         miss = r.get("miss")
         lines.append(
-            f"| {r.get('label', '')} | {_knobs_short(r.get('knobs') or {})} | "
+            f"| {r.get('label', '')} | {knob_table.short_text(r.get('knobs') or {})} | "
             f"{_rate(r.get('predicted_rate_per_s'))} | "
             f"{_rate(r.get('recalibrated_rate_per_s'))} | {sim_text} | "
             f"{'n/a' if miss is None else f'{float(miss):.2f}x'} |")

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from servetune import __version__
 from servetune.engines import BY_NAME
 from servetune.errors import ServetuneError
+from servetune.knobs import CHUNK_CAP
 from servetune.schemas.base import document_to_yaml
 from servetune.schemas.gateway import (
     DEFAULT_CLASS_HEADER,
@@ -60,7 +61,6 @@ from servetune.schemas.gateway import (
 from servetune.schemas.policy import ClassPolicy, Policy
 
 GATEWAY_RULES_FILE = "gateway-rules.yaml"
-CHUNK_CAP_PATH = "batching.long_prefill_token_threshold"
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,7 @@ def gateway_rules(policy: Policy, engine: str, *, config_file: str,
             min_share=plan.min_share,
             max_share=plan.max_share,
             spill_to_main=plan.spill_to_main,
-            policy_overrides={CHUNK_CAP_PATH: chunk} if chunk is not None else {},
+            policy_overrides={CHUNK_CAP: chunk} if chunk is not None else {},
             engine_overrides={gw.chunk_cap_key: chunk} if chunk is not None else {},
             settings=list(plan.settings),
         )

@@ -62,7 +62,7 @@ from servetune.export import (
     yaml_result,
 )
 from servetune.export.classes import GatewayFacts, class_settings_instead
-from servetune.knobs import export_names
+from servetune.knobs import CHUNK_CAP, export_names
 from servetune.schemas.policy import Policy
 
 TITLE = engine("vllm").title
@@ -88,7 +88,7 @@ SINCE: dict[str, Since] = {
 INSTEAD: dict[str, Instead] = {"long_requests.threshold_tokens": lanes_instead}
 
 # What the gateway in front of vLLM does for per-class settings (export.classes).
-(CHUNK_CAP_KEY,) = export_names("vllm", "batching.long_prefill_token_threshold")
+(CHUNK_CAP_KEY,) = export_names("vllm", CHUNK_CAP)
 GATEWAY = GatewayFacts(title=TITLE, overflow_status=503, priority_field="priority",
                        chunk_cap_key=CHUNK_CAP_KEY)
 
