@@ -101,8 +101,8 @@ from servetune.profiles.steptime import (
 from servetune.schemas.space import normalise_path
 
 if TYPE_CHECKING:  # only for annotations: the model layer reads these documents' fields
+    from servetune.profiles.schema import Profile
     from servetune.schemas.policy import Policy
-    from servetune.schemas.profile import Profile
     from servetune.schemas.slo import ClassSLO, SLOSet
     from servetune.workloads.fitting import ClassStats
     from servetune.workloads.trace import Trace

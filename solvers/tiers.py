@@ -56,7 +56,7 @@ from servetune.solvers.drivers import solve_cpsat, solve_highs
 from servetune.solvers.loop import SimPoint, Simulator, find_goodput
 
 if TYPE_CHECKING:
-    from servetune.schemas.profile import Profile
+    from servetune.profiles.schema import Profile
     from servetune.workloads.trace import Trace
 
 CHUNK_CAPS = (0, 256, 512, 1024, 2048, 4096)

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from servetune.profiles.schema import Profile
 from servetune.schemas.base import load_document
 from servetune.schemas.policy import Policy
-from servetune.schemas.profile import Profile
 from servetune.sim.engine import run_engine
 from servetune.workloads.formats import load_trace
 

@@ -9,9 +9,9 @@ import pytest
 
 from servetune.apps import plan as C
 from servetune.errors import ServetuneError
+from servetune.profiles.schema import Profile
 from servetune.schemas.base import document_from_data
 from servetune.schemas.fleet import Forecast
-from servetune.schemas.profile import Profile
 from servetune.schemas.slo import SLOSet
 from servetune.schemas.workload import Workload
 

@@ -543,7 +543,7 @@ def test_cli_user_errors_exit_2_without_output(tmp_path):
 
 
 def test_profile_document_gives_memory_facts():
-    from servetune.schemas.profile import Hardware, MemoryBudget, ModelArch, Profile
+    from servetune.profiles.schema import Hardware, MemoryBudget, ModelArch, Profile
 
     profile = Profile(
         name="h200-test",
@@ -619,7 +619,7 @@ def test_cli_profile_option_with_shipped_profile(tmp_path):
 
 
 def test_profile_with_fixed_pool_pins_vllm_blocks():
-    from servetune.schemas.profile import MemoryBudget, Profile
+    from servetune.profiles.schema import MemoryBudget, Profile
 
     profile = Profile(name="replay", memory=MemoryBudget(kv_blocks_override=101))
     data = body(export_policy(make_policy(metadata={}), "vllm", profile=profile).text)

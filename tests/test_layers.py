@@ -330,3 +330,11 @@ def test_strays_name_a_family_module_outside_its_package():
         "servetune/trace.py: servetune.trace is named like a module of servetune.workloads; "
         "move it there"
     ]
+
+
+def test_the_schemas_sit_below_the_families(package_imports):
+    """The documents import neither family: profiles and workloads build on the schemas,
+    never the other way round (a Profile document is the profiles family's own)."""
+    bad = [f"{i.where()}: {i.importer} imports {i.target}" for i in package_imports
+           if i.importer.startswith("servetune.schemas") and family_of(i.target) is not None]
+    assert not bad, "schemas above a family:\n" + "\n".join(bad)

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from servetune.cli import app
 from servetune.errors import ServetuneError
 from servetune.profiles.measurements import PER_OP_FILES, STEP_COLUMNS, load_measurements, step_rows
+from servetune.profiles.schema import ModelArch
 from servetune.profiles.shipped import load_profile
-from servetune.schemas.profile import ModelArch
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (the optional 'gpu' extra)")
 

@@ -6,9 +6,9 @@ import pytest
 
 from servetune.errors import ServetuneError
 from servetune.profiles import memory
+from servetune.profiles.schema import Hardware, MemoryBudget, ModelArch, Profile
 from servetune.profiles.shipped import SHIPPED_DIR, load_profile, shipped_profiles
 from servetune.schemas.base import document_from_data
-from servetune.schemas.profile import Hardware, MemoryBudget, ModelArch, Profile
 
 LLAMA_8B = ModelArch(name="llama-3.1-8b", layers=32, hidden=4096, intermediate=14336,
                      heads=32, kv_heads=8, head_dim=128, vocab=128256,

@@ -127,9 +127,9 @@ def test_numba_and_python_step_time_agree_with_host_cost():
 
 
 def test_host_fields_round_trip_through_profile_yaml(tmp_path):
+    from servetune.profiles.schema import Profile
     from servetune.profiles.shipped import load_profile
     from servetune.schemas.base import document_to_yaml
-    from servetune.schemas.profile import Profile
 
     profile = load_profile("h200-llama-3.1-8b")
     assert profile.step_time.host_s_per_step is None  # shipped profiles: GPU time only

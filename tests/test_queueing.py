@@ -33,8 +33,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from servetune.profiles.schema import Profile
 from servetune.schemas.policy import Policy
-from servetune.schemas.profile import Profile
 from servetune.sim import simulate
 from servetune.workloads.trace import from_arrays
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from servetune.profiles.schema import Profile
 from servetune.schemas.policy import Policy
-from servetune.schemas.profile import Profile
 from servetune.schemas.slo import SLOSet
 from servetune.sim import goodput, simulate
 from servetune.sim.records import record_columns, records_csv

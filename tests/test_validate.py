@@ -13,11 +13,11 @@ from typer.testing import CliRunner
 from servetune.apps import validate as V
 from servetune.cli import app
 from servetune.errors import ServetuneError
+from servetune.profiles.schema import Profile
 from servetune.profiles.shipped import load_profile
 from servetune.profiles.steptime import COEF_HOST_SEQ, COEF_HOST_STEP
 from servetune.schemas.base import document_to_yaml, load_document
 from servetune.schemas.policy import Policy
-from servetune.schemas.profile import Profile
 from servetune.sim import simulate
 from servetune.sim.compile_notice import NOTICE
 from servetune.workloads.bench import load_bench_run, vllm_detailed_result

@@ -88,10 +88,10 @@ from servetune.io import (
     sha256_file,
 )
 from servetune.models.fluid import Calibration, FluidModel, Knobs, LoadModel, Platform, targets_for
+from servetune.profiles.schema import Profile
 from servetune.profiles.shipped import load_profile, shipped_or_path
 from servetune.schemas.base import document_to_yaml, load_document
 from servetune.schemas.policy import Policy
-from servetune.schemas.profile import Profile
 from servetune.schemas.slo import SLOSet
 from servetune.schemas.space import SearchSpace
 from servetune.schemas.workload import Workload

@@ -93,7 +93,7 @@ from servetune.workloads.tiers import check_fits, classify
 from servetune.workloads.trace import Trace
 
 if TYPE_CHECKING:
-    from servetune.schemas.profile import Profile
+    from servetune.profiles.schema import Profile
 
 DEFAULT_SPACE_KNOBS: dict[str, list[Any]] = knob_table.default_space_knobs()
 RANDOM_BUDGET = 60  # simulations for random / optuna when run on their own

@@ -68,7 +68,7 @@ from servetune.workloads.fitting import load_workload
 from servetune.workloads.trace import Trace
 
 if TYPE_CHECKING:
-    from servetune.schemas.profile import Profile
+    from servetune.profiles.schema import Profile
 
 BACKGROUND = "background"
 BACKGROUND_PRIORITY = 1_000_000  # lower value is served first: this one comes last

@@ -87,7 +87,7 @@ from servetune.workloads.fitting import load_workload, sample_trace
 from servetune.workloads.trace import Trace
 
 if TYPE_CHECKING:
-    from servetune.schemas.profile import Profile
+    from servetune.profiles.schema import Profile
     from servetune.schemas.workload import Workload
 
 # 2: capacities measured over a steady-state window (MIN_WINDOW_S); 3: contenders after

@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # matplotlib loads lazily (see pyplot)
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from servetune.schemas.profile import Profile
+    from servetune.profiles.schema import Profile
     from servetune.sim.api import SimResult
     from servetune.sim.goodput import GoodputResult
 

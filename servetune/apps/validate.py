@@ -50,9 +50,9 @@ from servetune.apps.report import summary_json_text
 from servetune.errors import ServetuneError
 from servetune.executor import Executor, SerialExecutor
 from servetune.io import commit_files, plain_data
+from servetune.profiles.schema import CalibrationFile, Profile
 from servetune.profiles.steptime import COEF_HOST_SEQ, COEF_HOST_STEP
 from servetune.schemas.policy import Policy
-from servetune.schemas.profile import CalibrationFile, Profile
 from servetune.sim import simulate
 from servetune.sim.metrics import distribution
 from servetune.workloads.bench import BenchRun

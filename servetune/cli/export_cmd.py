@@ -15,7 +15,7 @@ from servetune.errors import ServetuneError
 from servetune.io import STDOUT, check_outputs, write_all_or_none, write_text_atomic
 
 if TYPE_CHECKING:  # imported where used: see the lazy imports
-    from servetune.schemas.profile import Profile
+    from servetune.profiles.schema import Profile
 
 # servetune.export.classes' names, here so that --help needs no exporter import.
 GATEWAY_RULES_FILE = "gateway-rules.yaml"

@@ -20,7 +20,7 @@ from servetune.cli.root import new_group
 from servetune.io import check_outputs
 
 if TYPE_CHECKING:  # imported where used: see the lazy imports
-    from servetune.schemas.profile import Profile
+    from servetune.profiles.schema import Profile
 
 
 def _save(profile: Profile, output: Path) -> None:

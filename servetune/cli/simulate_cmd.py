@@ -42,8 +42,8 @@ from servetune.io import check_outputs, require_file, write_all_or_none, write_t
 from servetune.routers import MAX_ROUTED_REPLICAS, ROUTER_NAMES, ROUTERS
 
 if TYPE_CHECKING:  # imported where used: see the lazy imports
+    from servetune.profiles.schema import Profile
     from servetune.schemas.policy import Policy
-    from servetune.schemas.profile import Profile
     from servetune.schemas.slo import SLOSet
     from servetune.schemas.workload import Workload
     from servetune.sim.goodput import GoodputResult

@@ -55,8 +55,8 @@ from servetune.schemas.base import dump_yaml
 from servetune.schemas.policy import Policy
 
 if TYPE_CHECKING:
+    from servetune.profiles.schema import Profile
     from servetune.schemas.gateway import GatewayRules
-    from servetune.schemas.profile import Profile
 
 
 # The instances of a disaggregated prefill/decode pair an export may be for.

@@ -32,9 +32,7 @@ from servetune.profiles.fit import (
     step_time_from_perop,
 )
 from servetune.profiles.measurements import Measurements, load_measurements, step_rows
-from servetune.profiles.steptime import StepTimeModel
-from servetune.schemas.base import format_validation_error, read_yaml
-from servetune.schemas.profile import (
+from servetune.profiles.schema import (
     Calibration,
     CalibrationFile,
     Hardware,
@@ -43,6 +41,8 @@ from servetune.schemas.profile import (
     Parallelism,
     Profile,
 )
+from servetune.profiles.steptime import StepTimeModel
+from servetune.schemas.base import format_validation_error, read_yaml
 
 
 def resolve_arch(model: str) -> ModelArch:

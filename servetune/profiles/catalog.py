@@ -11,7 +11,7 @@ marketing capacity.
 
 from __future__ import annotations
 
-from servetune.schemas.profile import Hardware, ModelArch
+from servetune.profiles.schema import Hardware, ModelArch
 
 MODELS: dict[str, ModelArch] = {
     # meta-llama/Llama-3.1-8B config.json

@@ -71,8 +71,8 @@ from servetune.profiles.measurements import (
     read_csv,
     step_rows,
 )
+from servetune.profiles.schema import Hardware, ModelArch, Profile
 from servetune.profiles.steptime import StepTimeModel
-from servetune.schemas.profile import Hardware, ModelArch, Profile
 
 # Interconnect assumptions for the TP all-reduce term (stated in every TP>1 profile).
 ALLREDUCE_EFFICIENCY = 0.7  # achieved share of per-direction NVLink bandwidth (NCCL busbw)

@@ -43,7 +43,7 @@ from typing import Any
 from servetune.errors import ServetuneError
 from servetune.io import write_text_atomic
 from servetune.profiles.catalog import MODELS
-from servetune.schemas.profile import ModelArch
+from servetune.profiles.schema import ModelArch
 
 GEMM_TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
                3072, 4096, 6144, 8192, 12288, 16384)

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from servetune.errors import ServetuneError
+from servetune.profiles.schema import Profile
 from servetune.profiles.steptime import prefill_attn_pairs
 from servetune.schemas.base import load_document
-from servetune.schemas.profile import Profile
 from servetune.shipped_data import profiles_dir, shipped_profile, shipped_profile_names
 
 #: The shipped profiles' folder (package data of a wheel, or the checkout's gpu_profiles/).

@@ -43,7 +43,7 @@ from servetune.workloads.trace import Trace
 
 if TYPE_CHECKING:  # the engine is imported where used (see _engine_module)
     from servetune.executor import Executor
-    from servetune.schemas.profile import Profile
+    from servetune.profiles.schema import Profile
     from servetune.sim.engine import EngineOutput
 
 

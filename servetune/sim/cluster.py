@@ -53,10 +53,10 @@ from servetune.engines import (
 )
 from servetune.errors import ServetuneError
 from servetune.executor import default_workers
+from servetune.profiles.schema import Profile
 from servetune.routers import BY_NAME, MAX_ROUTED_REPLICAS, ROUTER_NAMES, ROUTERS, kernel_code
 from servetune.routers import router as router_row
 from servetune.schemas.policy import Policy
-from servetune.schemas.profile import Profile
 from servetune.schemas.topology import LINK_NAMES, ROLES
 from servetune.sim import _kernel as K
 from servetune.sim import engine as E

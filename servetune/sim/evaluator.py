@@ -48,7 +48,7 @@ from servetune.steady_state import MAX_WINDOW_REQUESTS, arrivals_in, steady_wind
 from servetune.workloads.trace import Trace
 
 if TYPE_CHECKING:
-    from servetune.schemas.profile import Profile
+    from servetune.profiles.schema import Profile
 
 # The goodput every command prints is bisected to this relative tolerance.
 EVAL_REL_TOL = 0.01
