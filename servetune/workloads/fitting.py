@@ -136,8 +136,8 @@ by prompt-length quantile bands). Per class:
   begin at particular times (Mooncake: its documents asked about again and again begin
   early, 71% held; its second half begins with the first half's sessions open, 73%; its
   first half 89%; the session traces of benchmarks/reuse_fidelity.py 95-109%), only the
-  trace's own order keeps them. Added with the session donors (stop 39), from counts of
-  later turns, after the goodput runs had shown parametric first turns fall short there.
+  trace's own order keeps them. Decided from counts of later turns; it was added after
+  goodput runs had shown parametric first turns fall short on those traces.
   A trace shorter than the slow windows' 2 blocks each (under 12 minutes) is stratified
   in 2-block strata.
   Otherwise the parametric fit stays. ``arrival_process="bootstrap"`` forces the bootstrap
