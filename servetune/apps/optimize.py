@@ -460,8 +460,109 @@ def optimize(
     spec = METHOD_TABLE.get(method)
     if spec is None:
         raise ServetuneError(f"argument `method` {method!r}: choose {METHODS_IN_WORDS}")
+    setup = _setup(source, profile, slo, space, base_policy, engine=engine, seed=seed,
+                   n_requests=n_requests, say=say)
+    run = SearchInputs(
+        setup.fluid, setup.points, setup.make_policy, setup.sim, space, seed=seed,
+        rel_tol=rel_tol, budget=budget or RANDOM_BUDGET, max_simulations=max_simulations,
+        deadline=wall_start + time_limit_s, k=k, max_iterations=max_iterations, say=say,
+        executor=executor,
+    )
+    context = (setup.sim, wall_start, method)
+    if spec.baseline:
+        outcome = _baseline_search(spec, run, context)
+    else:
+        outcome = _model_guided_search(
+            spec, run, setup, profile, slo, context, time_limit_s=time_limit_s,
+            widen_edges=widen_edges, engine=engine,
+            per_class=per_class if per_class is not None else has_tiers(setup.sample, slo),
+            descent_simulations=descent_simulations)
+    if outcome.stopped_by == STOP_TIME_LIMIT:
+        say(f"{method}: the safety time limit ({time_limit_s:g} s) stopped the search after "
+            f"{setup.sim.simulations} simulations; the result depends on this machine's speed")
+    if outcome.best is None:
+        message, details = explain_sim_infeasible(outcome.evaluated, slo)
+        _raise_infeasible(message, details, setup.sim, outcome.solver_s, *context[1:],
+                          outcome.iterations)
+    best, search_rate = judge_leaders(outcome.evaluated, outcome.best, setup.sim,
+                                      rel_tol=rel_tol, say=say, base=setup.base)
+    predicted = None
+    if not spec.baseline:
+        # The recalibrated model's word on the answer and on its neighbourhood (the
+        # candidates one move from it), against the simulator's.
+        final_model = setup.fluid.with_calibration(_cal(outcome.calibration))
+        predicted = float(final_model.goodput(best.knobs)[0])
+        outcome.model_error = {
+            **(outcome.model_error or {}),
+            "near_answer": near_answer_error(final_model, best, outcome.evaluated)}
+    method_sims = setup.sim.simulations
+    defaults = _engine_defaults(setup, profile, say) if compare_defaults else _Defaults()
+    policy = _policy_with_provenance(
+        best, outcome, defaults, profile, method=method, seed=seed, engine=engine,
+        inputs=inputs, sample_requests=len(setup.sample), predicted=predicted)
+    text = document_to_yaml(
+        policy,
+        header=f"servetune {__version__} policy ({method}); provenance in metadata",
+    )
+    warnings = _warnings(best, outcome, setup.window, time_limit_s=time_limit_s,
+                         max_simulations=max_simulations, rel_tol=rel_tol, say=say)
+    summary = {
+        "method": method,
+        "status": "ok",
+        "policy": policy.knobs(),
+        # the per-class settings that differ from the defaults (SLO tiers)
+        "classes": {name: cp.model_dump(exclude_defaults=True)
+                    for name, cp in policy.classes.items()},
+        "goodput_rate_per_s": best.goodput.rate_per_s,
+        # the search's estimate of the answer's goodput, before the evaluator judged it
+        "search_goodput_rate_per_s": search_rate,
+        # how `servetune goodput` reproduces goodput_rate_per_s
+        "evaluation": {"requests": len(setup.sample), "seed": seed, "tolerance": EVAL_REL_TOL,
+                       "window_s": setup.window},
+        "defaults_goodput_rate_per_s": defaults.rate,
+        "defaults_rule": defaults.rule,
+        "predicted_goodput_rate_per_s": predicted,
+        "attainment": best.goodput.best_point.attainment,
+        "turned_away": best.goodput.best_point.turned_away,
+        "simulations": method_sims,
+        "defaults_simulations": defaults.simulations,
+        "solver_s": outcome.solver_s,
+        "simulation_s": setup.sim.simulation_s,
+        "wall_s": time.perf_counter() - wall_start,
+        "converged": outcome.converged,
+        "stopped_by": outcome.stopped_by,
+        "space_edges": outcome.edges,
+        "max_simulations": max_simulations,
+        "time_limit_s": time_limit_s,
+        "calibration": outcome.calibration,
+        "model_error": round_floats(outcome.model_error) if outcome.model_error else None,
+        "sample_window_s": best.goodput.best_point.measured.get("sample_window_s"),
+        "min_window_s": setup.window,
+        "warnings": warnings,
+        "iterations": round_floats(outcome.iterations),
+    }
+    return OptimizeResult(policy, text, summary, evaluated=outcome.evaluated)
 
-    # The workload's moments and the sample the simulator replays.
+
+@dataclass(frozen=True)
+class _Setup:
+    """What every method searches over: the sample the simulator replays, the fluid
+    model, the base policy and its candidate points, and the evaluator."""
+
+    sample: Trace
+    fluid: FluidModel
+    base: Policy
+    points: list[Knobs]
+    make_policy: Callable[[Knobs], Policy]
+    sim: Evaluator
+    window: float
+
+
+def _setup(source: Trace | Workload, profile: Profile, slo: SLOSet, space: SearchSpace,
+           base_policy: Policy | None, *, engine: str, seed: int, n_requests: int | None,
+           say: Callable[[str], Any]) -> _Setup:
+    """The workload's moments, the sample the simulator replays, the model, the
+    candidates and the evaluator (errors for an input that gives none of them)."""
     if isinstance(source, Workload):
         load = LoadModel.from_class_stats(class_stats(source))
     elif isinstance(source, Trace):
@@ -492,124 +593,133 @@ def optimize(
                     min_window_s=window)
     say(f"{len(points)} candidate policies, {len(sample)} requests per simulation "
         f"(base rate {sim.base_rate_per_s:.3g} req/s)")
+    return _Setup(sample, fluid, base, points, make_policy, sim, window)
 
-    iterations: list[dict[str, Any]] = []
-    solver_meta: dict[str, Any] = {}
-    solver_s = 0.0
-    best: Evaluated | None = None
-    evaluated: list[Evaluated] = []
-    predicted = None
-    edges: list[dict] = []
-    converged = None
-    stopped_by = ""
-    calibration = None
+
+@dataclass
+class _Outcome:
+    """A method's search: its answer (None: no candidate met the SLOs), every candidate
+    it simulated, its iterations for the summary, and how it ended."""
+
+    best: Evaluated | None
+    evaluated: list[Evaluated]
+    iterations: list[dict[str, Any]]
+    converged: bool | None
+    stopped_by: str
+    solver_s: float = 0.0
+    solver_meta: dict[str, Any] = field(default_factory=dict)
+    edges: list[dict] = field(default_factory=list)
+    calibration: dict[str, Any] | None = None
     model_error: dict[str, Any] | None = None
-    deadline = wall_start + time_limit_s
-    run = SearchInputs(
-        fluid, points, make_policy, sim, space, seed=seed, rel_tol=rel_tol,
-        budget=budget or RANDOM_BUDGET, max_simulations=max_simulations, deadline=deadline,
-        k=k, max_iterations=max_iterations, say=say, executor=executor,
-    )
-    if not spec.baseline:
-        loop = spec.run(run)
-        if widen_edges:
-            loop, edges = _search_beyond_edges(run, loop)
-        iterations = loop.iterations
-        solver_s = loop.solver_s
-        evaluated = list(loop.evaluated)
-        best = loop.best
-        converged = loop.converged
-        stopped_by = loop.stopped_by
-        calibration = loop.calibration.as_dict()
-        model_error = loop.model_error
-        solver_meta["milp"] = {"statuses": loop.solver_statuses}
-        if loop.first_status == "infeasible":
-            message, details = explain_model_infeasible(fluid, points)
-            _raise_infeasible(message, details, sim, solver_s, wall_start, method, iterations)
-        if not loop.evaluated:
-            if not loop.first_status:
-                raise ServetuneError(
-                    f"argument `time_limit_s` {time_limit_s:g} s ran out before any candidate was "
-                    "simulated; allow more time"
-                )
+
+
+def _model_guided_search(spec: Method, run: SearchInputs, setup: _Setup, profile: Profile,
+                         slo: SLOSet, context: tuple, *, time_limit_s: float,
+                         widen_edges: bool, engine: str, per_class: bool,
+                         descent_simulations: int) -> _Outcome:
+    """The model-guided method and its later stages: the loop, the space widened at its
+    edges, long-request lanes (CP-SAT), coordinate descent, SLO tiers."""
+    sim, wall_start, method = context
+    loop = spec.run(run)
+    edges: list[dict] = []
+    if widen_edges:
+        loop, edges = _search_beyond_edges(run, loop)
+    out = _Outcome(loop.best, list(loop.evaluated), loop.iterations, loop.converged,
+                   loop.stopped_by, solver_s=loop.solver_s,
+                   solver_meta={"milp": {"statuses": loop.solver_statuses}}, edges=edges,
+                   calibration=loop.calibration.as_dict(), model_error=loop.model_error)
+    if loop.first_status == "infeasible":
+        message, details = explain_model_infeasible(run.fluid, run.points)
+        _raise_infeasible(message, details, sim, out.solver_s, wall_start, method,
+                          out.iterations)
+    if not loop.evaluated:
+        if not loop.first_status:
             raise ServetuneError(
-                f"the policy MILP stopped with status {loop.first_status!r} before finding a "
-                "candidate; allow more time (argument `time_limit_s`) or use a smaller search space"
+                f"argument `time_limit_s` {time_limit_s:g} s ran out before any candidate was "
+                "simulated; allow more time"
             )
-        if best is not None:
-            best, lanes_info, lanes_s = _try_lanes(
-                fluid, best, sim, space, rel_tol=rel_tol, seed=seed, say=say,
-                time_limit_s=deadline - time.perf_counter(),
-            )
-            solver_s += lanes_s
-            if lanes_info and lanes_info.get("stopped_by") == STOP_TIME_LIMIT:
-                stopped_by = STOP_TIME_LIMIT
-            if lanes_info:
-                solver_meta["lanes"] = {"status": lanes_info["status"]}
-                iterations.append({"iteration": len(iterations) + 1, "lanes": lanes_info})
-                if lanes_info.get("candidate"):
-                    evaluated.append(lanes_info.pop("_evaluated"))
-                lanes_info.pop("_evaluated", None)
-        if best is not None and descent_simulations > 0:
-            left = max(0, min(descent_simulations, max_simulations - sim.simulations))
-            best, descent_info = _descend(run, best, evaluated, base, gpu_facts(profile),
-                                          budget=left, widened=edges)
-            iterations.append({"iteration": len(iterations) + 1, "descent": descent_info})
-        if best is not None and (per_class if per_class is not None
-                                 else has_tiers(sample, slo)):
-            best, tiers_info, tiers_s = _try_tiers(
-                best, sample, profile, slo, sim, engine=engine, rel_tol=rel_tol, say=say)
-            solver_s += tiers_s
-            solver_meta["tiers"] = {"solves": tiers_info["solves"]}
-            iterations.append({"iteration": len(iterations) + 1, "tiers": tiers_info})
-            evaluated += tiers_info.pop("_evaluated")
-    else:
-        # The baselines need no model, but if even vanishing load breaks a condition on
-        # every candidate, say so now instead of simulating the whole space.
-        if all(fluid.goodput(kn)[0] <= 0 for kn in points):
-            message, details = explain_model_infeasible(fluid, points)
-            _raise_infeasible(message, details, sim, 0.0, wall_start, method, [])
-        res = spec.run(run)
-        if res.skipped:
-            raise ServetuneError(f"argument `method` {method}: {res.skipped}")
-        best = res.best
-        evaluated = res.evaluated
-        converged = not res.stopped_at_deadline
-        stopped_by = res.stopped_by
-        iterations = [
-            {"iteration": i + 1, "candidates": [e.as_dict()]} for i, e in enumerate(evaluated)
-        ]
-    if stopped_by == STOP_TIME_LIMIT:
-        say(f"{method}: the safety time limit ({time_limit_s:g} s) stopped the search after "
-            f"{sim.simulations} simulations; the result depends on this machine's speed")
-    if best is None:
-        message, details = explain_sim_infeasible(evaluated, slo)
-        _raise_infeasible(message, details, sim, solver_s, wall_start, method, iterations)
-    best, search_rate = judge_leaders(evaluated, best, sim, rel_tol=rel_tol, say=say,
-                                      base=base)
-    if not spec.baseline:
-        # The recalibrated model's word on the answer and on its neighbourhood (the
-        # candidates one move from it), against the simulator's.
-        final_model = fluid.with_calibration(_cal(calibration))
-        predicted = float(final_model.goodput(best.knobs)[0])
-        model_error = {**(model_error or {}),
-                       "near_answer": near_answer_error(final_model, best, evaluated)}
-    method_sims = sim.simulations
+        raise ServetuneError(
+            f"the policy MILP stopped with status {loop.first_status!r} before finding a "
+            "candidate; allow more time (argument `time_limit_s`) or use a smaller search space"
+        )
+    if out.best is not None:
+        _lanes_stage(out, run)
+    if out.best is not None and descent_simulations > 0:
+        left = max(0, min(descent_simulations, run.max_simulations - sim.simulations))
+        out.best, descent_info = _descend(run, out.best, out.evaluated, setup.base,
+                                          gpu_facts(profile), budget=left, widened=edges)
+        out.iterations.append({"iteration": len(out.iterations) + 1, "descent": descent_info})
+    if out.best is not None and per_class:
+        out.best, tiers_info, tiers_s = _try_tiers(
+            out.best, setup.sample, profile, slo, sim, engine=engine, rel_tol=run.rel_tol,
+            say=run.say)
+        out.solver_s += tiers_s
+        out.solver_meta["tiers"] = {"solves": tiers_info["solves"]}
+        out.iterations.append({"iteration": len(out.iterations) + 1, "tiers": tiers_info})
+        out.evaluated += tiers_info.pop("_evaluated")
+    return out
 
-    # Engine defaults, for comparison.
-    defaults_rate = None
-    defaults_sims = 0
-    defaults_rule = None
-    if compare_defaults:
-        d_knobs, defaults_rule = baselines.engine_default_knobs("vllm", gpu_facts(profile))
-        d_policy = apply_knobs(base, d_knobs.as_dotted())
-        before = sim.simulations
-        d_est = sim.goodput(d_policy)  # the one evaluator's, as the answer's
-        defaults_sims = sim.simulations - before
-        defaults_rate = d_est.rate_per_s
-        say(f"vLLM serve defaults ({defaults_rule}): {defaults_rate:.2f} req/s in simulation")
 
-    assert best is not None
+def _lanes_stage(out: _Outcome, run: SearchInputs) -> None:
+    """Long-request lanes sized with CP-SAT on the answer (:func:`_try_lanes`), recorded in
+    ``out``."""
+    assert out.best is not None
+    out.best, lanes_info, lanes_s = _try_lanes(
+        run.fluid, out.best, run.sim, run.space, rel_tol=run.rel_tol, seed=run.seed,
+        say=run.say, time_limit_s=run.deadline - time.perf_counter(),
+    )
+    out.solver_s += lanes_s
+    if lanes_info and lanes_info.get("stopped_by") == STOP_TIME_LIMIT:
+        out.stopped_by = STOP_TIME_LIMIT
+    if lanes_info:
+        out.solver_meta["lanes"] = {"status": lanes_info["status"]}
+        out.iterations.append({"iteration": len(out.iterations) + 1, "lanes": lanes_info})
+        if lanes_info.get("candidate"):
+            out.evaluated.append(lanes_info.pop("_evaluated"))
+        lanes_info.pop("_evaluated", None)
+
+
+def _baseline_search(spec: Method, run: SearchInputs, context: tuple) -> _Outcome:
+    """A baseline method: the simulator alone over the space."""
+    sim, wall_start, method = context
+    # The baselines need no model, but if even vanishing load breaks a condition on
+    # every candidate, say so now instead of simulating the whole space.
+    if all(run.fluid.goodput(kn)[0] <= 0 for kn in run.points):
+        message, details = explain_model_infeasible(run.fluid, run.points)
+        _raise_infeasible(message, details, sim, 0.0, wall_start, method, [])
+    res = spec.run(run)
+    if res.skipped:
+        raise ServetuneError(f"argument `method` {method}: {res.skipped}")
+    return _Outcome(res.best, res.evaluated,
+                    [{"iteration": i + 1, "candidates": [e.as_dict()]}
+                     for i, e in enumerate(res.evaluated)],
+                    not res.stopped_at_deadline, res.stopped_by)
+
+
+@dataclass(frozen=True)
+class _Defaults:
+    """vLLM serve's defaults simulated for comparison (None: not asked for)."""
+
+    rate: float | None = None
+    rule: str | None = None
+    simulations: int = 0
+
+
+def _engine_defaults(setup: _Setup, profile: Profile, say: Callable[[str], Any]) -> _Defaults:
+    d_knobs, rule = baselines.engine_default_knobs("vllm", gpu_facts(profile))
+    d_policy = apply_knobs(setup.base, d_knobs.as_dotted())
+    before = setup.sim.simulations
+    d_est = setup.sim.goodput(d_policy)  # the one evaluator's, as the answer's
+    say(f"vLLM serve defaults ({rule}): {d_est.rate_per_s:.2f} req/s in simulation")
+    return _Defaults(d_est.rate_per_s, rule, setup.sim.simulations - before)
+
+
+def _policy_with_provenance(best: Evaluated, outcome: _Outcome, defaults: _Defaults,
+                            profile: Profile, *, method: str, seed: int, engine: str,
+                            inputs: dict[str, Any] | None, sample_requests: int,
+                            predicted: float | None) -> Policy:
+    """The answer as a policy document, named for the method, its provenance in
+    ``metadata``."""
     point = best.goodput.best_point
     assert point is not None  # best passed the simulator
     policy = best.policy.model_copy(deep=True)
@@ -621,15 +731,15 @@ def optimize(
             "seed": seed,
             "engine": engine,
             "inputs": inputs or {},
-            "sample_requests": len(sample),
-            "solver": solver_meta,
+            "sample_requests": sample_requests,
+            "solver": outcome.solver_meta,
             # What ended the search: converged / max_iterations / simulation_budget /
             # exhausted (work: the same on every machine) or time_limit (the safety stop:
             # not reproducible; nightly keeps the current policy).
-            "stopped_by": stopped_by,
+            "stopped_by": outcome.stopped_by,
             # Where the answer sat on an edge of the search space, the value beyond it
             # was simulated; where it did better the space grew there (widened: true).
-            "space_edges": edges,
+            "space_edges": outcome.edges,
             "objective": {
                 "name": "goodput_rate_per_s",
                 "predicted": predicted,
@@ -643,25 +753,28 @@ def optimize(
                 # requests the policy shed or rejected at its goodput, and which (the SLO
                 # set's max_rejected_share caps their share; 0 by default)
                 "turned_away": point.turned_away,
-                "defaults_goodput_rate_per_s": defaults_rate,
-                "defaults_rule": defaults_rule,
+                "defaults_goodput_rate_per_s": defaults.rate,
+                "defaults_rule": defaults.rule,
             },
             "profile": _profile_meta(profile),
-            "model_error": model_error_meta(model_error),
+            "model_error": model_error_meta(outcome.model_error),
         }
     )
-    text = document_to_yaml(
-        policy,
-        header=f"servetune {__version__} policy ({method}); provenance in metadata",
-    )
+    return policy
+
+
+def _warnings(best: Evaluated, outcome: _Outcome, window: float, *, time_limit_s: float,
+              max_simulations: int, rel_tol: float, say: Callable[[str], Any]) -> list[str]:
+    """What the user should know about the answer: a search the safety time limit cut
+    short, a sample too short to judge the TTFT target at the goodput."""
     warnings: list[str] = []
-    if stopped_by == STOP_TIME_LIMIT:
+    if outcome.stopped_by == STOP_TIME_LIMIT:
         warnings.append(
             f"the safety time limit ({time_limit_s:g} s) stopped the search before its work "
             f"budget ({max_simulations} simulations) or convergence did, so this policy "
             "depends on the machine's speed; raise --time-limit"
         )
-    window_at_goodput = point.measured.get("sample_window_s")
+    window_at_goodput = best.goodput.best_point.measured.get("sample_window_s")
     if window_at_goodput is not None and window_at_goodput < 0.95 * window:
         warnings.append(
             f"the sample covers only {window_at_goodput:.3g} s of arrivals at the goodput "
@@ -670,43 +783,7 @@ def optimize(
             "requests (--requests) or a longer trace"
         )
         say("warning: " + warnings[-1])
-    wall = time.perf_counter() - wall_start
-    summary = {
-        "method": method,
-        "status": "ok",
-        "policy": policy.knobs(),
-        # the per-class settings that differ from the defaults (SLO tiers)
-        "classes": {name: cp.model_dump(exclude_defaults=True)
-                    for name, cp in policy.classes.items()},
-        "goodput_rate_per_s": best.goodput.rate_per_s,
-        # the search's estimate of the answer's goodput, before the evaluator judged it
-        "search_goodput_rate_per_s": search_rate,
-        # how `servetune goodput` reproduces goodput_rate_per_s
-        "evaluation": {"requests": len(sample), "seed": seed, "tolerance": EVAL_REL_TOL,
-                       "window_s": window},
-        "defaults_goodput_rate_per_s": defaults_rate,
-        "defaults_rule": defaults_rule,
-        "predicted_goodput_rate_per_s": predicted,
-        "attainment": point.attainment,
-        "turned_away": point.turned_away,
-        "simulations": method_sims,
-        "defaults_simulations": defaults_sims,
-        "solver_s": solver_s,
-        "simulation_s": sim.simulation_s,
-        "wall_s": wall,
-        "converged": converged,
-        "stopped_by": stopped_by,
-        "space_edges": edges,
-        "max_simulations": max_simulations,
-        "time_limit_s": time_limit_s,
-        "calibration": calibration,
-        "model_error": round_floats(model_error) if model_error else None,
-        "sample_window_s": window_at_goodput,
-        "min_window_s": window,
-        "warnings": warnings,
-        "iterations": round_floats(iterations),
-    }
-    return OptimizeResult(policy, text, summary, evaluated=evaluated)
+    return warnings
 
 
 # The search's leaders judged by the one evaluator's own search: those whose estimate is
