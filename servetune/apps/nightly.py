@@ -506,18 +506,8 @@ def run_nightly(
         _say(progress, f"loading {trace_path.name}, {profile_path.name}, {slo_path.name}")
         trace, profile, slo = load_inputs(trace_path, profile_path, slo_path, trace_read)
         current = load_document(current_path, Policy)
-        space = None
-        if space_path is not None:
-            space = load_document(space_path, SearchSpace)
-        inputs = {
-            "trace": f"{trace_path.name} (sha256 {sha256_file(trace_path)[:16]})",
-            "profile": f"{profile_path.name} (sha256 {sha256_file(profile_path)[:16]})",
-            "slo": f"{slo_path.name} (sha256 {sha256_file(slo_path)[:16]})",
-            "current policy": f"{current_path.name} (sha256 {sha256_file(current_path)[:16]})",
-        }
-        if space_path is not None:
-            inputs["search space"] = (
-                f"{Path(space_path).name} (sha256 {sha256_file(space_path)[:16]})")
+        space = None if space_path is None else load_document(space_path, SearchSpace)
+        inputs = _provenance(trace_path, profile_path, slo_path, current_path, space_path)
         base_summary: dict[str, Any] = {
             "min_gain": min_gain,
             "engines": engines,
@@ -544,103 +534,20 @@ def run_nightly(
         new = with_profile_facts(opt.policy, profile)
         timed_out = opt.info.get("stopped_by") == STOP_TIME_LIMIT
 
-        def gate_all(proposal: Policy) -> list[EngineGate]:
-            gates: list[EngineGate] = []
-            for e in engines:
-                _say(progress, f"{e}: simulating current and new policies (trace, +20%, "
-                               "+50%, goodput)")
-                gate_prof, pool_note = gate_profile(profile, e, proposal)
-                comp_e = compare(trace, current, proposal, gate_prof, slo, engine=e,
-                                 stress=stress, executor=executor)
-                decision = decide(comp_e, min_gain)
-                if timed_out:
-                    # The safety stop cut the search short, so the new policy is whatever
-                    # this machine reached in the time: another run could differ. Keep
-                    # the current one.
-                    decision = Decision(False, decision.gain, [
-                        "the optimizer's wall-clock safety stop (--time-limit) ended its "
-                        "search before its work budget or convergence did, so the proposed "
-                        "policy depends on this machine's speed and is not adopted; raise "
-                        "--time-limit",
-                        *decision.reasons,
-                    ])
-                gates.append(EngineGate(e, comp_e, decision, gate_prof.kv_blocks(),
-                                        pool_note))
-            return gates
-
-        gates = gate_all(new)
-        lane_note = None
-        if (not any(g.passed for g in gates) and opt.without_lane is not None
-                and any("would drop" in r for g in gates for r in g.decision.reasons)):
-            # A lane delays some long requests to serve more in all; where that lowers
-            # attainment under stress, the best policy without one may still pass.
-            _say(progress, "the lane lowers attainment under stress: gating the best "
-                           "candidate without a lane")
-            plain = with_profile_facts(opt.without_lane, profile)
-            plain_gates = gate_all(plain)
-            lane_note = (f"The optimizer's answer has a long-request lane "
-                         f"(threshold {new.long_requests.threshold_tokens} tokens), which "
-                         "lowered SLO attainment under stress: "
-                         + "; ".join(r for r in gates[0].decision.reasons if "would drop" in r)
-                         + ". The best candidate without a lane was gated instead"
-                         + (" and passed." if any(g.passed for g in plain_gates)
-                            else " and failed too."))
-            if any(g.passed for g in plain_gates):
-                new, gates = plain, plain_gates
+        new, gates, lane_note = _gate(new, opt, current, trace, profile, slo, engines,
+                                      min_gain=min_gain, stress=stress, timed_out=timed_out,
+                                      executor=executor, progress=progress)
         passed = [g for g in gates if g.passed]
         # The report's plots and results: the optimizer's engine when it is gated, else the
         # first engine; the gate table covers every engine.
         main = next((g for g in gates if g.engine == sim_engine), gates[0])
         comp = main.comparison
 
-        exports: list[ExportResult] = []
-        policy_text = ""
         failed = [g.engine for g in gates if not g.passed]
-        if passed:
-            first = next((g for g in passed if g.engine == sim_engine), passed[0])
-            assert first.comparison.new is not None
-            new = new.model_copy(update={"metadata": {**new.metadata, "nightly": {
-                "replaces": current.name,
-                "engines": [g.engine for g in passed],
-                "not_adopted_on": failed,
-                "goodput_engine": first.engine,
-                "goodput_rate_per_s": {
-                    "current": round(first.comparison.current.goodput.rate_per_s, 6),
-                    "new": round(first.comparison.new.goodput.rate_per_s, 6)},
-                "gain": None if first.decision.gain is None else round(first.decision.gain, 6),
-                "gains": {g.engine: None if g.decision.gain is None else round(g.decision.gain, 6)
-                          for g in gates},
-                "min_gain": min_gain,
-            }}})
-            # each was judged under its own engine's model: no provenance warning applies
-            exports = [export_policy(new, g.engine, check_provenance=False) for g in passed]
-            policy_text = document_to_yaml(
-                new, header="servetune nightly: the new scheduling policy (kind: Policy)")
-        if passed and not failed:
-            status, code = "new_policy_written", EXIT_NEW_POLICY
-            headline = (f"New policy written: `{new.name}` replaces `{current.name}` on "
-                        f"{', '.join(engines)} (exit 0).")
-        elif passed:
-            status, code = "new_policy_written_some_engines", EXIT_SOME_ENGINES
-            headline = (f"New policy written for {', '.join(g.engine for g in passed)} only: "
-                        f"`{new.name}` replaces `{current.name}` there; it failed the gate of "
-                        f"{', '.join(failed)}, whose "
-                        f"config{'s were' if len(failed) > 1 else ' was'} not written (exit 11).")
-        else:
-            status, code = "current_kept", EXIT_KEPT_CURRENT
-            headline = f"Current policy kept: `{current.name}` stays in production (exit 10)."
-            if timed_out:
-                headline = (f"Current policy kept: `{current.name}` stays in production (exit 10): "
-                            "the optimizer's safety time limit fired.")
-        reasons = list(main.decision.reasons)
-        if lane_note:
-            reasons.insert(0, lane_note)
-        if len(gates) > 1:
-            reasons = [f"{main.engine}: {r}" for r in reasons] + [
-                f"{g.engine}: gate {'passed' if g.passed else 'failed'}"
-                + ("" if g.passed else f": {'; '.join(_failures(g.decision))}")
-                for g in gates if g is not main]
-
+        new, exports, policy_text = _adopt(new, current, gates, sim_engine=sim_engine,
+                                           min_gain=min_gain)
+        status, code, headline = _headline(new, current, engines, gates, timed_out=timed_out)
+        reasons = _reasons(main, gates, lane_note)
         files_written = (["policy.yaml"] + [e.filename for e in exports]) if exports else []
         # where the new policy is not adopted, the one in production stays: say which it is
         live = (live_policy(out, current_path, current, failed, keep_files=not passed)
@@ -681,6 +588,138 @@ def run_nightly(
         _say(progress, f"writing outputs to {out}")
         written = _write_outputs(out, policy_text, exports, report, live)
         return NightlyOutcome(exit_code=code, status=status, files=written, summary=report.summary)
+
+
+def _provenance(trace_path: Path, profile_path: Path, slo_path: Path, current_path: Path,
+                space_path: str | os.PathLike[str] | None) -> dict[str, str]:
+    """Each input file by name and the start of its sha256, for the report and policy."""
+    files = {"trace": trace_path, "profile": profile_path, "slo": slo_path,
+             "current policy": current_path}
+    if space_path is not None:
+        files["search space"] = Path(space_path)
+    return {what: f"{path.name} (sha256 {sha256_file(path)[:16]})"
+            for what, path in files.items()}
+
+
+def _gate(new: Policy, opt: Any, current: Policy, trace: Trace, profile: Profile,
+          slo: SLOSet, engines: Sequence[str], *, min_gain: float, stress: Sequence[float],
+          timed_out: bool, executor: Executor | None, progress: Progress | None,
+          ) -> tuple[Policy, list[EngineGate], str | None]:
+    """The proposal gated on every engine (current and new simulated on the trace, under
+    stress and at goodput); where every gate fails because the optimizer's long-request
+    lane lowers attainment under stress, the best candidate without a lane gated instead.
+    Returns the proposal that stands, its gates, and the note on the lane (None)."""
+
+    def gate_all(proposal: Policy) -> list[EngineGate]:
+        gates: list[EngineGate] = []
+        for e in engines:
+            _say(progress, f"{e}: simulating current and new policies (trace, +20%, "
+                           "+50%, goodput)")
+            gate_prof, pool_note = gate_profile(profile, e, proposal)
+            comp_e = compare(trace, current, proposal, gate_prof, slo, engine=e,
+                             stress=stress, executor=executor)
+            decision = decide(comp_e, min_gain)
+            if timed_out:
+                # The safety stop cut the search short, so the new policy is whatever
+                # this machine reached in the time: another run could differ. Keep
+                # the current one.
+                decision = Decision(False, decision.gain, [
+                    "the optimizer's wall-clock safety stop (--time-limit) ended its "
+                    "search before its work budget or convergence did, so the proposed "
+                    "policy depends on this machine's speed and is not adopted; raise "
+                    "--time-limit",
+                    *decision.reasons,
+                ])
+            gates.append(EngineGate(e, comp_e, decision, gate_prof.kv_blocks(),
+                                    pool_note))
+        return gates
+
+    gates = gate_all(new)
+    lane_note = None
+    if (not any(g.passed for g in gates) and opt.without_lane is not None
+            and any("would drop" in r for g in gates for r in g.decision.reasons)):
+        # A lane delays some long requests to serve more in all; where that lowers
+        # attainment under stress, the best policy without one may still pass.
+        _say(progress, "the lane lowers attainment under stress: gating the best "
+                       "candidate without a lane")
+        plain = with_profile_facts(opt.without_lane, profile)
+        plain_gates = gate_all(plain)
+        lane_note = (f"The optimizer's answer has a long-request lane "
+                     f"(threshold {new.long_requests.threshold_tokens} tokens), which "
+                     "lowered SLO attainment under stress: "
+                     + "; ".join(r for r in gates[0].decision.reasons if "would drop" in r)
+                     + ". The best candidate without a lane was gated instead"
+                     + (" and passed." if any(g.passed for g in plain_gates)
+                        else " and failed too."))
+        if any(g.passed for g in plain_gates):
+            new, gates = plain, plain_gates
+    return new, gates, lane_note
+
+
+def _adopt(new: Policy, current: Policy, gates: list[EngineGate], *, sim_engine: str,
+           min_gain: float) -> tuple[Policy, list[ExportResult], str]:
+    """Where some gate passed: the new policy with its nightly provenance, its engine
+    configs for the engines that passed, and its YAML; else ``new``, none and ""."""
+    passed = [g for g in gates if g.passed]
+    if not passed:
+        return new, [], ""
+    failed = [g.engine for g in gates if not g.passed]
+    first = next((g for g in passed if g.engine == sim_engine), passed[0])
+    assert first.comparison.new is not None
+    new = new.model_copy(update={"metadata": {**new.metadata, "nightly": {
+        "replaces": current.name,
+        "engines": [g.engine for g in passed],
+        "not_adopted_on": failed,
+        "goodput_engine": first.engine,
+        "goodput_rate_per_s": {
+            "current": round(first.comparison.current.goodput.rate_per_s, 6),
+            "new": round(first.comparison.new.goodput.rate_per_s, 6)},
+        "gain": None if first.decision.gain is None else round(first.decision.gain, 6),
+        "gains": {g.engine: None if g.decision.gain is None else round(g.decision.gain, 6)
+                  for g in gates},
+        "min_gain": min_gain,
+    }}})
+    # each was judged under its own engine's model: no provenance warning applies
+    exports = [export_policy(new, g.engine, check_provenance=False) for g in passed]
+    return new, exports, document_to_yaml(
+        new, header="servetune nightly: the new scheduling policy (kind: Policy)")
+
+
+def _headline(new: Policy, current: Policy, engines: Sequence[str], gates: list[EngineGate],
+              *, timed_out: bool) -> tuple[str, int, str]:
+    """(status, exit code, the report's headline) from the gates."""
+    passed = [g.engine for g in gates if g.passed]
+    failed = [g.engine for g in gates if not g.passed]
+    if passed and not failed:
+        return "new_policy_written", EXIT_NEW_POLICY, (
+            f"New policy written: `{new.name}` replaces `{current.name}` on "
+            f"{', '.join(engines)} (exit 0).")
+    if passed:
+        return "new_policy_written_some_engines", EXIT_SOME_ENGINES, (
+            f"New policy written for {', '.join(passed)} only: "
+            f"`{new.name}` replaces `{current.name}` there; it failed the gate of "
+            f"{', '.join(failed)}, whose "
+            f"config{'s were' if len(failed) > 1 else ' was'} not written (exit 11).")
+    if timed_out:
+        return "current_kept", EXIT_KEPT_CURRENT, (
+            f"Current policy kept: `{current.name}` stays in production (exit 10): "
+            "the optimizer's safety time limit fired.")
+    return "current_kept", EXIT_KEPT_CURRENT, (
+        f"Current policy kept: `{current.name}` stays in production (exit 10).")
+
+
+def _reasons(main: EngineGate, gates: list[EngineGate], lane_note: str | None) -> list[str]:
+    """The verdict's reasons: the main engine's, the lane note first; with more engines,
+    each prefixed by its engine, then the others' gates."""
+    reasons = list(main.decision.reasons)
+    if lane_note:
+        reasons.insert(0, lane_note)
+    if len(gates) > 1:
+        reasons = [f"{main.engine}: {r}" for r in reasons] + [
+            f"{g.engine}: gate {'passed' if g.passed else 'failed'}"
+            + ("" if g.passed else f": {'; '.join(_failures(g.decision))}")
+            for g in gates if g is not main]
+    return reasons
 
 
 PROMISE_HEADING = "Yesterday's promise, checked today"
