@@ -1406,16 +1406,7 @@ def run_plan(
     topologies = parse_topologies(topologies)
     disagg = any(x != AGG for x in topologies)
     if disagg:
-        if engine not in DISAGG_DECODE_ENGINES:
-            decoders = " or ".join(DISAGG_DECODE_ENGINES)
-            raise ServetuneError(
-                f"argument `topologies`: disaggregated units are simulated with "
-                f"{decoders} decode replicas only; use engine {decoders} or topologies agg "
-                f"(got engine {engine})")
-        if router not in ROUTER_NAMES:
-            raise ServetuneError(f"argument `router`: {router!r} is unknown; choose one of "
-                                 f"{', '.join(ROUTER_NAMES)}")
-        _link(link)
+        _check_disagg_args(engine, router, link)
     all_types = [g.name for g in fleet.gpu_types]
     fleet, profiles, profile_paths = load_fleet_profiles(fleet, fleet_path)
     # GPU types without a profile for the model cannot serve it: say so, never drop silently
@@ -1423,31 +1414,14 @@ def run_plan(
     # class names must line up before any simulation runs
     buckets = make_buckets(prompt_edges, output_edges)
     slices = slice_workload(workload, buckets, n_requests=sample_requests, seed=seed)
-    try:
-        class_rates_for(forecast, slices.class_names, slices.class_weight)
-    except ServetuneError as err:
-        raise ServetuneError(f"{forecast_path}: {err.message.removeprefix('forecast: ')}") from None
-    for c in slices.class_names:
-        try:
-            slo.for_class(c)
-        except KeyError:
-            raise ServetuneError(
-                f"{slo_path}: classes: no entry for workload class {c!r}; add it or 'default'"
-            ) from None
+    _check_classes(slices, forecast, forecast_path, slo, slo_path)
     t0 = time.perf_counter()
     capacity = measure_capacities(fleet, slices, profiles, slo, engine=engine, method=method,
                                   n_requests=capacity_requests, seed=seed,
                                   cache_dir=cache_dir, min_window_s=min_window_s,
                                   progress=progress, executor=ex)
     if disagg:
-        for t, prof in profiles.items():
-            try:
-                prof.kv_bytes_per_token()
-            except ServetuneError:
-                raise ServetuneError(
-                    f"{profile_paths[t]}: GPU type {t}: the profile has no hardware and model, "
-                    "so a disaggregated unit's KV transfer cannot be sized; add them or plan "
-                    "with topologies agg") from None
+        _check_kv_transfer(profiles, profile_paths)
     units = fleet_units([g.name for g in fleet.gpu_types], topologies)
     if disagg:
         capacity = measure_unit_capacities(
@@ -1467,15 +1441,7 @@ def run_plan(
         if disagg:
             compared = topology_plans(fleet, forecast, slo, slices, profiles, capacity,
                                       growth=growth, executor=ex, **kw)
-        best = best_single(single)
-        # A validated single-type (or single-topology) plan is also a plan for the whole
-        # fleet: never recommend a mix that costs more after validation derated it.
-        for alt in ([best[1]] if best is not None else []) + [
-                v for v in compared.values() if v.get("feasible")]:
-            if alt["cost"] < result.solution.cost - 1e-9 and (
-                alt["validated"] or not result.validated
-            ):
-                result = alt["result"]
+        result = _cheapest(result, single, compared)
         if result.instance.types != tuple(units):
             _widen(result, fleet, capacity, slices, units)
     base = out_path.parent if out_path is not None else Path.cwd()
@@ -1495,45 +1461,107 @@ def run_plan(
                          inputs=inputs, growth=growth, engine=engine, sample=sample,
                          name=f"{fleet.name}-{forecast.name}", topology=topology)
     plan.excluded_gpu_types = excluded
-    rows: list[dict[str, Any]] = []
     # the plan above is the scenario of its own growth: the same row, not planned twice
     reused = budget is None and compare_single
     todo = [g for g in sweep or () if not (g == growth and reused)]
     scenarios = dict(zip(todo, ex.map(_growth_task, todo, shared=(
         fleet, forecast, slo, slices, profiles, capacity, kw)), strict=True))
-    for g in sweep or ():
-        res_g, best_g, infeasible = scenarios.get(g, (result, best_single(single), None))
-        if infeasible is not None:  # one scenario beyond the limits: say so, go on
-            rows.append({"growth": g, "feasible": False, "reason": infeasible})
-            if progress:
-                progress(f"growth x{g:g}: infeasible: {infeasible}")
-            continue
-        scale = 24.0 / (forecast.n_slots * forecast.slot_s / 3600.0)
-        mixed = res_g.solution.cost * scale
-        row = {
-            "growth": g,
-            "feasible": True,
-            "daily_usd": _r(mixed, 2),
-            "peak_gpus": {
-                t: max(res_g.instance.type_replicas(res_g.solution, t, s)
-                       for s in range(forecast.n_slots))
-                * fleet.type_named(t).replica_gpus for t in res_g.instance.gpu_types()
-            },
-            "best_single": best_g[0] if best_g else None,
-            "best_single_daily_usd": _r(best_g[1]["cost"] * scale, 2) if best_g else None,
-            "validated": res_g.validated,
-        }
-        row["saving_pct"] = (
-            _r(100 * (row["best_single_daily_usd"] - mixed) / row["best_single_daily_usd"], 2)
-            if best_g else None
-        )
-        rows.append(row)
-        if progress:
-            progress(f"growth x{g:g}: ${mixed:,.0f}/day")
+    rows = [_growth_row(g, *scenarios.get(g, (result, best_single(single), None)), fleet,
+                        forecast, progress) for g in sweep or ()]
     plan.growth_sweep = rows
     timings = {"capacity_s": capacity_s, "total_s": time.perf_counter() - t_start,
                "solver_s": result.solver_s, "simulation_s": result.simulation_s}
     return PlanRun(plan, result, single, rows, timings, slices)
+
+
+def _check_disagg_args(engine: str, router: str, link: str) -> None:
+    """A disaggregated plan's engine (one that can decode), router and link."""
+    if engine not in DISAGG_DECODE_ENGINES:
+        decoders = " or ".join(DISAGG_DECODE_ENGINES)
+        raise ServetuneError(
+            f"argument `topologies`: disaggregated units are simulated with "
+            f"{decoders} decode replicas only; use engine {decoders} or topologies agg "
+            f"(got engine {engine})")
+    if router not in ROUTER_NAMES:
+        raise ServetuneError(f"argument `router`: {router!r} is unknown; choose one of "
+                             f"{', '.join(ROUTER_NAMES)}")
+    _link(link)
+
+
+def _check_classes(slices: Any, forecast: Forecast, forecast_path: Path, slo: SLOSet,
+                   slo_path: Path) -> None:
+    """The forecast and the SLO set name every class of the sliced workload (before any
+    simulation runs)."""
+    try:
+        class_rates_for(forecast, slices.class_names, slices.class_weight)
+    except ServetuneError as err:
+        raise ServetuneError(f"{forecast_path}: {err.message.removeprefix('forecast: ')}") from None
+    for c in slices.class_names:
+        try:
+            slo.for_class(c)
+        except KeyError:
+            raise ServetuneError(
+                f"{slo_path}: classes: no entry for workload class {c!r}; add it or 'default'"
+            ) from None
+
+
+def _check_kv_transfer(profiles: dict[str, Profile], profile_paths: dict[str, Path]) -> None:
+    """Every profile can size a disaggregated unit's KV transfer (it has hardware and
+    model)."""
+    for t, prof in profiles.items():
+        try:
+            prof.kv_bytes_per_token()
+        except ServetuneError:
+            raise ServetuneError(
+                f"{profile_paths[t]}: GPU type {t}: the profile has no hardware and model, "
+                "so a disaggregated unit's KV transfer cannot be sized; add them or plan "
+                "with topologies agg") from None
+
+
+def _cheapest(result: Any, single: dict[str, dict[str, Any]],
+              compared: dict[str, dict[str, Any]]) -> Any:
+    """The plan to recommend: a validated single-type (or single-topology) plan is also a
+    plan for the whole fleet, so never a mix that costs more after validation derated it."""
+    best = best_single(single)
+    for alt in ([best[1]] if best is not None else []) + [
+            v for v in compared.values() if v.get("feasible")]:
+        if alt["cost"] < result.solution.cost - 1e-9 and (
+            alt["validated"] or not result.validated
+        ):
+            result = alt["result"]
+    return result
+
+
+def _growth_row(g: float, res_g: Any, best_g: Any, infeasible: str | None, fleet: Fleet,
+                forecast: Forecast, progress: Progress | None) -> dict[str, Any]:
+    """One growth scenario's row of the sweep: its daily cost, peak GPUs per type, the best
+    single type's cost and the saving; or why it is infeasible."""
+    if infeasible is not None:  # one scenario beyond the limits: say so, go on
+        if progress:
+            progress(f"growth x{g:g}: infeasible: {infeasible}")
+        return {"growth": g, "feasible": False, "reason": infeasible}
+    scale = 24.0 / (forecast.n_slots * forecast.slot_s / 3600.0)
+    mixed = res_g.solution.cost * scale
+    row = {
+        "growth": g,
+        "feasible": True,
+        "daily_usd": _r(mixed, 2),
+        "peak_gpus": {
+            t: max(res_g.instance.type_replicas(res_g.solution, t, s)
+                   for s in range(forecast.n_slots))
+            * fleet.type_named(t).replica_gpus for t in res_g.instance.gpu_types()
+        },
+        "best_single": best_g[0] if best_g else None,
+        "best_single_daily_usd": _r(best_g[1]["cost"] * scale, 2) if best_g else None,
+        "validated": res_g.validated,
+    }
+    row["saving_pct"] = (
+        _r(100 * (row["best_single_daily_usd"] - mixed) / row["best_single_daily_usd"], 2)
+        if best_g else None
+    )
+    if progress:
+        progress(f"growth x{g:g}: ${mixed:,.0f}/day")
+    return row
 
 
 def _growth_task(shared: tuple, g: float
