@@ -475,15 +475,7 @@ def search(
                             rel_tol=rel_tol, bar_tol=bar_tol, refine_tol=refine_tol,
                             refined=refined, log=log, executor=executor)
             done.extend(batch)
-        for idx, cand in done:
-            cut.add(idx)
-            # Its shape's other variants that the model ranks no higher add nothing the
-            # simulation did not just answer: cut them too.
-            for j, shape in enumerate(shapes):
-                if shape == shapes[idx] and j not in cut and (
-                    _predicted_rate(model, inst, j) <= cand.rate_per_s * (1.0 + rel_tol)
-                ):
-                    cut.add(j)
+        _cut_simulated(done, model, inst, shapes, cut, rel_tol)
         passing = [e for e in evaluated if e.goodput.passed]
         best = max(passing, key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
         calibration = recalibrate(fluid, new, calibration)
@@ -517,37 +509,13 @@ def search(
         if stop:
             stops.add(stop)
     # Judge the model as recalibrated; where it is unsure, search by simulation.
-    final_model = fluid.with_calibration(calibration)
-    predictions: dict[Knobs, float] = {}
-    judged = model_error(final_model, evaluated, factor=unsure_factor, cache=predictions)
-    fallback: dict[str, Any] = {"ran": False, "simulations": 0, "moves": 0,
-                                "worst_miss_before": judged["worst_miss"]}
-    leader = max((e for e in evaluated if e.goodput.passed),
-                 key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
-    if judged["unsure"] and leader is not None and local_simulations > 0 and not stops:
-        fallback["ran"] = True
-        fallback["from_rate_per_s"] = leader.goodput.rate_per_s
-        before = sim.simulations
-        stop, moves, batches = _local_search(
-            final_model, unique, reps, evaluated, iterations, make_policy, sim,
-            rel_tol=rel_tol, refine_tol=refine_tol, refined=refined, log=log,
-            out_of_time=out_of_time, budget_spent=budget_spent,
-            max_sims=local_simulations, executor=executor,
-        )
-        if stop:
-            stops.add(stop)
-        fallback["simulations"] = sim.simulations - before
-        fallback["moves"] = moves
-        fallback["batches"] = batches
-    passing = [e for e in evaluated if e.goodput.passed]
-    best = max(passing, key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
-    if best is not None and refine_tol is not None and id(best) not in refined:
-        best.goodput = refine_goodput(sim, best.policy, best.goodput, rel_tol=refine_tol)
-    if fallback["ran"]:
-        fallback["to_rate_per_s"] = best.goodput.rate_per_s if best else 0.0
-    error = model_error(final_model, evaluated, factor=unsure_factor, cache=predictions)
-    error["unsure"] = judged["unsure"]  # the verdict the loop acted on
-    error["fallback"] = fallback
+    best, error, stop = _judge_and_fall_back(
+        fluid.with_calibration(calibration), unique, reps, evaluated, iterations,
+        make_policy, sim, rel_tol=rel_tol, refine_tol=refine_tol, refined=refined, log=log,
+        out_of_time=out_of_time, budget_spent=budget_spent, unsure_factor=unsure_factor,
+        local_simulations=local_simulations if not stops else 0, executor=executor)
+    if stop:
+        stops.add(stop)
     return LoopResult(
         best=best,
         evaluated=evaluated,
@@ -561,6 +529,66 @@ def search(
         stopped_by=_stopped_by(stops, converged),
         model_error=error,
     )
+
+
+def _cut_simulated(done: list[tuple[int, Any]], model: FluidModel, inst: MilpInstance,
+                   shapes: list[tuple], cut: set[int], rel_tol: float) -> None:
+    """Cut the round's simulated candidates from the MILP, and each one's step-shape
+    variants that the model ranks no higher: they add nothing the simulation did not just
+    answer."""
+    for idx, cand in done:
+        cut.add(idx)
+        for j, shape in enumerate(shapes):
+            if shape == shapes[idx] and j not in cut and (
+                _predicted_rate(model, inst, j) <= cand.rate_per_s * (1.0 + rel_tol)
+            ):
+                cut.add(j)
+
+
+def _judge_and_fall_back(
+    final_model: FluidModel, unique: list[Knobs], reps: list[int],
+    evaluated: list[Evaluated], iterations: list[dict[str, Any]],
+    make_policy: Callable[[Knobs], Any], sim: Simulator, *, rel_tol: float,
+    refine_tol: float | None, refined: set[int], log: Callable[[str], Any] | None,
+    out_of_time: Callable[[], bool], budget_spent: Callable[[], bool],
+    unsure_factor: float, local_simulations: int, executor: Executor | None,
+) -> tuple[Evaluated | None, dict[str, Any], str | None]:
+    """The recalibrated model judged against every simulated candidate; where it misses
+    one by more than ``unsure_factor`` and an incumbent exists, the incumbent's grid
+    neighbours searched by simulation (:func:`_local_search`, at most
+    ``local_simulations``; 0: never). Then the answer's goodput narrowed to
+    ``refine_tol``. Returns the answer, the model error (with the verdict the loop acted
+    on and the fallback's record), and the limit that stopped the fallback (None)."""
+    predictions: dict[Knobs, float] = {}
+    judged = model_error(final_model, evaluated, factor=unsure_factor, cache=predictions)
+    fallback: dict[str, Any] = {"ran": False, "simulations": 0, "moves": 0,
+                                "worst_miss_before": judged["worst_miss"]}
+    leader = max((e for e in evaluated if e.goodput.passed),
+                 key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
+    stop = None
+    if judged["unsure"] and leader is not None and local_simulations > 0:
+        fallback["ran"] = True
+        fallback["from_rate_per_s"] = leader.goodput.rate_per_s
+        before = sim.simulations
+        stop, moves, batches = _local_search(
+            final_model, unique, reps, evaluated, iterations, make_policy, sim,
+            rel_tol=rel_tol, refine_tol=refine_tol, refined=refined, log=log,
+            out_of_time=out_of_time, budget_spent=budget_spent,
+            max_sims=local_simulations, executor=executor,
+        )
+        fallback["simulations"] = sim.simulations - before
+        fallback["moves"] = moves
+        fallback["batches"] = batches
+    passing = [e for e in evaluated if e.goodput.passed]
+    best = max(passing, key=lambda e: (e.goodput.rate_per_s, -e.index), default=None)
+    if best is not None and refine_tol is not None and id(best) not in refined:
+        best.goodput = refine_goodput(sim, best.policy, best.goodput, rel_tol=refine_tol)
+    if fallback["ran"]:
+        fallback["to_rate_per_s"] = best.goodput.rate_per_s if best else 0.0
+    error = model_error(final_model, evaluated, factor=unsure_factor, cache=predictions)
+    error["unsure"] = judged["unsure"]  # the verdict the loop acted on
+    error["fallback"] = fallback
+    return best, error, stop
 
 
 def _simulate_batch(
