@@ -245,7 +245,7 @@ def build_model(inst: CapacityInstance, *, budget_mode: bool = False) -> pyo.Con
     return m
 
 
-def extract_solution(
+def decode(
     inst: CapacityInstance, m: pyo.ConcreteModel, status: str, secs: float
 ) -> CapacitySolution:
     """Read the solved model's values back into a :class:`CapacitySolution`."""

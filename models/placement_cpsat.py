@@ -155,7 +155,7 @@ def add_finish_objective(
     m.Minimize(sum(j.weight * v["fin"][j.id] for j in inst.jobs))
 
 
-def decode_solution(
+def decode(
     inst: PlacementInstance, v: dict, value_of: Callable[[cp_model.IntVar], int],
     status: str, solver_s: float,
 ) -> PlacementSolution:

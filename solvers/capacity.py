@@ -14,7 +14,7 @@ from servetune.models.capacity_milp import (
     CapacitySolution,
     build_model,
     check_servable,
-    extract_solution,
+    decode,
     served_gaps,
     slot_instance,
 )
@@ -59,7 +59,7 @@ def solve_capacity(inst: CapacityInstance, *, time_limit_s: float = 30.0) -> Cap
     m = build_model(inst, budget_mode=budget_mode)
     status, secs = _solve_milp(m, time_limit_s)
     if status in ("optimal", "feasible"):
-        return extract_solution(inst, m, status, secs)
+        return decode(inst, m, status, secs)
     if status != "infeasible" or budget_mode:
         raise InfeasibleError(
             f"capacity plan: solver ended with status {status} within {time_limit_s:.0f} s; "
@@ -111,7 +111,7 @@ def _explain_infeasible(
             "against max_gpus",
             details={"binding": "count_limits"},
         )
-    sol = extract_solution(relaxed, m, status, 0.0)
+    sol = decode(relaxed, m, status, 0.0)
     gaps = served_gaps(inst, sol)
     gap, s, b = gaps[0] if gaps else (0.0, 0, inst.buckets[0])
     if slot_index is not None:

@@ -11,7 +11,7 @@ from servetune.models.placement_cpsat import (
     add_finish_objective,
     add_value_objective,
     build_model,
-    decode_solution,
+    decode,
 )
 from servetune.solvers.drivers import SolveStatus, solve_cpsat
 
@@ -34,4 +34,4 @@ def solve_placement(inst: PlacementInstance, *, time_limit_s: float = 20.0) -> P
         solver = solver2
         if outcome2.status != SolveStatus.OPTIMAL:
             status = "feasible"
-    return decode_solution(inst, v, solver.Value, status, time.perf_counter() - t0)
+    return decode(inst, v, solver.Value, status, time.perf_counter() - t0)
