@@ -1,8 +1,8 @@
 """The engines servetune simulates and exports to: one row each, the one list of them.
 
-Every engine name list in the code (the job schema's ``engine``, the simulator's
-``ENGINES``, the CLI's ``--engine`` choices and help, the exporters, nightly's
-``--engines``) is :data:`ENGINE_NAMES` or read from :data:`ENGINES`. A row holds:
+Every engine name list in the code (the job schema's ``engine``, the simulator's check,
+the CLI's ``--engine`` choices and help, the exporters, nightly's ``--engines``) is
+:data:`ENGINE_NAMES` or read from :data:`ENGINES`. A row holds:
 
 - ``kernel_id``: the integer the simulator kernel knows the engine by (the ``E_*``
   constants of :mod:`servetune.sim._kernel`; rows are in that order, so a name's position

@@ -13,6 +13,7 @@ from servetune.cli import app
 from servetune.errors import ServetuneError
 from servetune.profiles.shipped import load_profile
 from servetune.profiles.steptime import step_seconds
+from servetune.routers import ROUTER_NAMES
 from servetune.schemas.policy import Policy
 from servetune.sim import cluster as C
 from servetune.sim import engine as E
@@ -65,7 +66,7 @@ def test_routers_decide_by_what_they_read():
     trace = _trace([0.0, 0.0, 10.0, 20.0], [2048] * 4, [4] * 4, [a, b, b, a], width=512)
     routed = {router: C.run_cluster(trace, _specs(2), router=router,
                                     prefix_caching=True).replica.tolist()
-              for router in C.ROUTER_NAMES}
+              for router in ROUTER_NAMES}
     assert routed["prefix_aware"] == [0, 1, 1, 0]  # follows the cached prefix
     assert routed["round_robin"] == [0, 1, 0, 1]
     assert routed["least_loaded"] == [0, 1, 0, 0]  # idle replicas tie: the lowest index
@@ -116,7 +117,7 @@ def test_a_decode_replica_without_room_makes_the_transfer_wait():
     assert (out.merged.status == 0).all()
 
 
-@pytest.mark.parametrize("router", C.ROUTER_NAMES)
+@pytest.mark.parametrize("router", ROUTER_NAMES)
 def test_every_request_is_accounted_for_once(router):
     trace = _random_trace(400)
     agg = C.run_cluster(trace, _specs(4), router=router, prefix_caching=True)

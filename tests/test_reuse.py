@@ -244,7 +244,8 @@ def test_own_first_turns_with_one_donor_each_give_the_trace_back(monkeypatch, tm
     assert o.tolist() == trace.output_tokens.tolist()
     assert parent.tolist() == stats.parent.tolist()
     # and so they hold all the trace's later turns: the calibration leaves the exponent 0
-    own = prefixes.own_first_turns(trace, stats)
+    own = [(trace.arrival_s[first] - start, trace.prompt_tokens[first],
+            trace.output_tokens[first])] * prefixes.CALIBRATION_SEEDS
     assert prefixes.later_turns_held(model, own, trace) == 1.0
     assert prefixes.calibrate(model, trace, own) == model
 

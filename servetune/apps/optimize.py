@@ -468,12 +468,11 @@ def optimize(
         deadline=wall_start + time_limit_s, k=k, max_iterations=max_iterations, say=say,
         executor=executor,
     )
-    context = (setup.sim, wall_start, method)
     if spec.baseline:
-        outcome = _baseline_search(spec, run, context)
+        outcome = _baseline_search(spec, run, wall_start, method)
     else:
         outcome = _model_guided_search(
-            spec, run, setup, profile, slo, context, time_limit_s=time_limit_s,
+            spec, run, setup, profile, slo, wall_start, method, time_limit_s=time_limit_s,
             widen_edges=widen_edges, engine=engine,
             per_class=per_class if per_class is not None else has_tiers(setup.sample, slo),
             descent_simulations=descent_simulations)
@@ -482,7 +481,7 @@ def optimize(
             f"{setup.sim.simulations} simulations; the result depends on this machine's speed")
     if outcome.best is None:
         message, details = explain_sim_infeasible(outcome.evaluated, slo)
-        _raise_infeasible(message, details, setup.sim, outcome.solver_s, *context[1:],
+        _raise_infeasible(message, details, setup.sim, outcome.solver_s, wall_start, method,
                           outcome.iterations)
     best, search_rate = judge_leaders(outcome.evaluated, outcome.best, setup.sim,
                                       rel_tol=rel_tol, say=say, base=setup.base)
@@ -614,12 +613,12 @@ class _Outcome:
 
 
 def _model_guided_search(spec: Method, run: SearchInputs, setup: _Setup, profile: Profile,
-                         slo: SLOSet, context: tuple, *, time_limit_s: float,
-                         widen_edges: bool, engine: str, per_class: bool,
-                         descent_simulations: int) -> _Outcome:
+                         slo: SLOSet, wall_start: float, method: str, *,
+                         time_limit_s: float, widen_edges: bool, engine: str,
+                         per_class: bool, descent_simulations: int) -> _Outcome:
     """The model-guided method and its later stages: the loop, the space widened at its
     edges, long-request lanes (CP-SAT), coordinate descent, SLO tiers."""
-    sim, wall_start, method = context
+    sim = run.sim
     loop = spec.run(run)
     edges: list[dict] = []
     if widen_edges:
@@ -679,14 +678,14 @@ def _lanes_stage(out: _Outcome, run: SearchInputs) -> None:
         lanes_info.pop("_evaluated", None)
 
 
-def _baseline_search(spec: Method, run: SearchInputs, context: tuple) -> _Outcome:
+def _baseline_search(spec: Method, run: SearchInputs, wall_start: float,
+                     method: str) -> _Outcome:
     """A baseline method: the simulator alone over the space."""
-    sim, wall_start, method = context
     # The baselines need no model, but if even vanishing load breaks a condition on
     # every candidate, say so now instead of simulating the whole space.
     if all(run.fluid.goodput(kn)[0] <= 0 for kn in run.points):
         message, details = explain_model_infeasible(run.fluid, run.points)
-        _raise_infeasible(message, details, sim, 0.0, wall_start, method, [])
+        _raise_infeasible(message, details, run.sim, 0.0, wall_start, method, [])
     res = spec.run(run)
     if res.skipped:
         raise ServetuneError(f"argument `method` {method}: {res.skipped}")

@@ -1488,8 +1488,8 @@ def _check_disagg_args(engine: str, router: str, link: str) -> None:
     _link(link)
 
 
-def _check_classes(slices: Any, forecast: Forecast, forecast_path: Path, slo: SLOSet,
-                   slo_path: Path) -> None:
+def _check_classes(slices: WorkloadSlices, forecast: Forecast, forecast_path: Path,
+                   slo: SLOSet, slo_path: Path) -> None:
     """The forecast and the SLO set name every class of the sliced workload (before any
     simulation runs)."""
     try:
@@ -1518,8 +1518,8 @@ def _check_kv_transfer(profiles: dict[str, Profile], profile_paths: dict[str, Pa
                 "with topologies agg") from None
 
 
-def _cheapest(result: Any, single: dict[str, dict[str, Any]],
-              compared: dict[str, dict[str, Any]]) -> Any:
+def _cheapest(result: PlanResult, single: dict[str, dict[str, Any]],
+              compared: dict[str, dict[str, Any]]) -> PlanResult:
     """The plan to recommend: a validated single-type (or single-topology) plan is also a
     plan for the whole fleet, so never a mix that costs more after validation derated it."""
     best = best_single(single)
@@ -1532,8 +1532,9 @@ def _cheapest(result: Any, single: dict[str, dict[str, Any]],
     return result
 
 
-def _growth_row(g: float, res_g: Any, best_g: Any, infeasible: str | None, fleet: Fleet,
-                forecast: Forecast, progress: Progress | None) -> dict[str, Any]:
+def _growth_row(g: float, res_g: PlanResult, best_g: tuple[str, dict[str, Any]] | None,
+                infeasible: str | None, fleet: Fleet, forecast: Forecast,
+                progress: Progress | None) -> dict[str, Any]:
     """One growth scenario's row of the sweep: its daily cost, peak GPUs per type, the best
     single type's cost and the saving; or why it is infeasible."""
     if infeasible is not None:  # one scenario beyond the limits: say so, go on

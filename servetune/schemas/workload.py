@@ -628,10 +628,6 @@ class BlockBootstrap(Strict):
         return length
 
 
-class SignedKnots(QuantileKnots):
-    """Quantile knots of a quantity that may be negative (a change in tokens)."""
-
-
 class NonNegativeKnots(QuantileKnots):
     """Quantile knots of a quantity >= 0 (seconds, tokens)."""
 

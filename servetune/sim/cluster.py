@@ -54,7 +54,7 @@ from servetune.engines import (
 from servetune.errors import ServetuneError
 from servetune.executor import default_workers
 from servetune.profiles.schema import Profile
-from servetune.routers import BY_NAME, MAX_ROUTED_REPLICAS, ROUTER_NAMES, ROUTERS, kernel_code
+from servetune.routers import MAX_ROUTED_REPLICAS, ROUTERS, kernel_code
 from servetune.routers import router as router_row
 from servetune.schemas.policy import Policy
 from servetune.schemas.topology import LINK_NAMES, ROLES
@@ -82,7 +82,7 @@ LINKS = {link.name: link for link in (
     Link("roce", 25e9, 100e-6),
 )}
 assert tuple(LINKS) == LINK_NAMES
-__all__ = ["LINKS", "ROLES", "ROUTER_NAMES", "ClusterOutput", "Link", "ReplicaSpec",
+__all__ = ["LINKS", "ROLES", "ClusterOutput", "Link", "ReplicaSpec",
            "disaggregated_specs", "parse_disagg", "replica_summaries", "run_cluster"]
 
 
@@ -237,6 +237,7 @@ class _Router:
     def __init__(self, name: str, pool: list[_Replica],
                  prefix: tuple[np.ndarray, np.ndarray]) -> None:
         self.name = name
+        self.reads_replicas = router_row(name).reads_replicas
         self.pool = pool
         self.prefix_start, self.prefix_ids = prefix
         self.count = 0
@@ -255,7 +256,7 @@ class _Router:
 
     def pick(self, row: int) -> _Replica:
         pool = self.pool
-        if not BY_NAME[self.name].reads_replicas:
+        if not self.reads_replicas:
             return pool[int(self.static_picks(np.array([row]))[0])]
         if self.tuples is None:
             self.tuples = (tuple(r.params for r in pool), tuple(r.rq for r in pool),
@@ -341,7 +342,7 @@ def run_cluster(
     every = max(n // 100, 1)
 
     if not disagg:
-        if not BY_NAME[router].reads_replicas:
+        if not route.reads_replicas:
             replica_of = route.static_picks(np.arange(n))
             for rep in replicas:
                 rows = np.flatnonzero(replica_of == rep.index)
@@ -359,7 +360,7 @@ def run_cluster(
                 rep.rows = np.flatnonzero(replica_of == rep.index).tolist()
         if progress is not None:
             progress(n, n)
-        _finish_all(replicas, side_by_side=not BY_NAME[router].reads_replicas and not reference)
+        _finish_all(replicas, side_by_side=not route.reads_replicas and not reference)
         outputs = [rep.output() for rep in replicas]
         merged = _merge(trace, replicas, outputs, replica_of, local_of)
         return ClusterOutput(merged=merged, replica=replica_of, decode_replica=None,
@@ -390,7 +391,7 @@ def run_cluster(
     def hand_over(until: float) -> None:
         while pending and pending[0][0] <= until:
             t, row = heapq.heappop(pending)
-            if BY_NAME[router].reads_replicas:
+            if decode_route.reads_replicas:
                 for rep in back:
                     rep.advance(t)
             rep = decode_route.pick(row)
